@@ -1,0 +1,26 @@
+# The two commands a newcomer needs: `make demo` and `make test`.
+export CARGO_TARGET_DIR ?= $(HOME)/.cache/sluice/target
+
+.PHONY: demo test setup lint fmt bench-engine bench-llm
+
+demo:
+	scripts/demo.sh
+
+test:
+	scripts/test.sh
+
+setup:
+	scripts/setup.sh
+
+lint:
+	cargo fmt --all -- --check
+	cargo clippy --release --workspace --all-targets -- -D warnings
+
+fmt:
+	cargo fmt --all
+
+bench-engine:
+	scripts/bench.sh engine
+
+bench-llm:
+	scripts/bench.sh llm

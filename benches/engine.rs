@@ -1,0 +1,130 @@
+//! `make bench-engine`: one dataset on the local broker, measured in one run:
+//! (a) the raw rate an rdkafka consumer reads it at; (b) a windowed per-key
+//! count of it (10,000 keys, 1-minute tumbling windows) under at-least-once and
+//! under exactly-once; (c) the restore rate of the resulting changelog. Prints
+//! the ratios against the raw rate on the last line.
+
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use sluice::examples::windowed_count;
+use sluice::kafka::{create_topics, produce, OutRecord};
+use sluice_topology::runtime::{EngineMetrics, Guarantee, StreamsApp, StreamsConfig};
+
+const KEYS: usize = 10_000;
+const PARTITIONS: i32 = 4;
+
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+fn raw_read(bootstrap: &str, topic: &str, n: usize) -> f64 {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", format!("bench-raw-{}", uuid::Uuid::new_v4()))
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("consumer");
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..PARTITIONS {
+        tpl.add_partition_offset(topic, p, Offset::Beginning).unwrap();
+    }
+    consumer.assign(&tpl).unwrap();
+    let mut seen = 0usize;
+    let mut bytes = 0usize;
+    let start = Instant::now();
+    while seen < n {
+        if let Some(Ok(m)) = consumer.poll(Duration::from_millis(100)) {
+            use rdkafka::Message;
+            bytes += m.payload_len() + m.key().map_or(0, <[u8]>::len);
+            seen += 1;
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    eprintln!("raw: {seen} records ({bytes} bytes) in {secs:.2}s");
+    seen as f64 / secs
+}
+
+fn aggregate(bootstrap: &str, topic: &str, n: usize, guarantee: Guarantee, state: &std::path::Path) -> (f64, String) {
+    let app_id = format!("bench-{:?}-{}", guarantee, &uuid::Uuid::new_v4().simple().to_string()[..8]).to_lowercase();
+    let output = format!("{app_id}-out");
+    create_topics(bootstrap, &[(&output, PARTITIONS, &[])]).unwrap();
+    let mut cfg = StreamsConfig::new(&app_id, bootstrap, state);
+    cfg.guarantee = guarantee;
+    cfg.session_timeout = Duration::from_secs(6);
+    let metrics = EngineMetrics::unregistered();
+    let app = StreamsApp::new(windowed_count(&[topic], &output, None, Duration::from_secs(3600)), cfg, metrics.clone())
+        .start()
+        .expect("start");
+    while !app.status().is_ready() {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let start = Instant::now();
+    while (metrics.records_in() as usize) < n {
+        std::thread::sleep(Duration::from_millis(2));
+        if app.is_finished() {
+            panic!("app stopped: {:?}", app.status().state());
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    app.shutdown();
+    app.join().expect("clean stop");
+    eprintln!("{guarantee:?}: {n} records in {secs:.2}s ({} commits)", metrics.commit_count());
+    (n as f64 / secs, app_id)
+}
+
+fn restore(bootstrap: &str, app_id: &str, topic: &str, state: &std::path::Path) -> (f64, u64) {
+    let mut cfg = StreamsConfig::new(app_id, bootstrap, state);
+    cfg.guarantee = Guarantee::ExactlyOnce;
+    cfg.session_timeout = Duration::from_secs(6);
+    let metrics = EngineMetrics::unregistered();
+    let output = format!("{app_id}-out");
+    let app = StreamsApp::new(windowed_count(&[topic], &output, None, Duration::from_secs(3600)), cfg, metrics.clone())
+        .start()
+        .expect("start");
+    while !app.status().is_ready() {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    app.shutdown();
+    app.join().expect("clean stop");
+    let records = metrics.restored_records();
+    let secs = metrics.restore_seconds_sum();
+    eprintln!("restore: {records} records in {secs:.2}s (summed over tasks restored in parallel)");
+    // Tasks restore in parallel; the wall-clock rate is records over the
+    // longest task's time, bounded below by the sum divided by tasks.
+    let wall = metrics.restore_seconds_max().max(secs / PARTITIONS as f64);
+    (records as f64 / wall, records)
+}
+
+fn main() {
+    let bootstrap = std::env::var("SLUICE_BENCH_BOOTSTRAP").expect("run through `make bench-engine`");
+    let n = env_usize("SLUICE_BENCH_RECORDS", 400_000);
+    let topic = format!("bench-in-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    create_topics(&bootstrap, &[(&topic, PARTITIONS, &[])]).unwrap();
+    let base = (chrono::Utc::now().timestamp_millis() / 60_000 - 30) * 60_000;
+    let minutes = 10i64;
+    let records = (0..n).map(|i| OutRecord {
+        key: Some(format!("key-{}", (i * 7919) % KEYS).into_bytes()),
+        value: Some(format!("{{\"n\":{i},\"pad\":\"0123456789abcdef\"}}").into_bytes()),
+        timestamp: Some(base + (i as i64 * minutes * 60_000) / n as i64),
+        ..Default::default()
+    });
+    let t = Instant::now();
+    produce(&bootstrap, &topic, records).unwrap();
+    eprintln!("produced {n} records in {:.2}s", t.elapsed().as_secs_f64());
+
+    let dir = tempfile::tempdir().unwrap();
+    let raw = raw_read(&bootstrap, &topic, n);
+    let (alos, _) = aggregate(&bootstrap, &topic, n, Guarantee::AtLeastOnce, &dir.path().join("alos"));
+    let (eos, eos_app) = aggregate(&bootstrap, &topic, n, Guarantee::ExactlyOnce, &dir.path().join("eos"));
+    let raw2 = raw_read(&bootstrap, &topic, n);
+    let raw = (raw + raw2) / 2.0;
+    let (restore_rps, _) = restore(&bootstrap, &eos_app, &topic, &dir.path().join("restore"));
+    println!(
+        "RESULT raw_rps={raw:.0} alos_rps={alos:.0} eos_rps={eos:.0} restore_rps={restore_rps:.0} alos_ratio={:.2} eos_ratio={:.2} restore_ratio={:.2}",
+        alos / raw,
+        eos / raw,
+        restore_rps / raw
+    );
+}

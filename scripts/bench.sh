@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# `make bench-<area>`: builds in release mode, starts a fresh local broker, runs
+# the benchmark (one process run, ratios measured side by side), stops the broker.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+area="${1:?usage: bench.sh engine|llm}"
+"$root/scripts/setup.sh"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/sluice/target}"
+cargo build --release --bench "$area"
+name="bench-$$"
+bootstrap="$("$root/scripts/broker.sh" start "$name")"
+trap '"$root/scripts/broker.sh" stop "$name"' EXIT
+export SLUICE_BENCH_BOOTSTRAP="$bootstrap"
+echo "bench: broker at $bootstrap; machine: $(nproc) cores, $(free -g | awk '/Mem:/{print $2}') GiB"
+cargo bench --bench "$area" 2>&1

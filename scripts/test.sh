@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# `make test`: installs what is missing, builds once (release profile, shared with
+# the benchmarks), starts a fresh local broker, runs every test against it, stops it.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+"$root/scripts/setup.sh"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/sluice/target}"
+
+echo "test: building (release profile, target dir $CARGO_TARGET_DIR)"
+cargo build --release --workspace --all-targets
+
+name="test-$$"
+bootstrap="$("$root/scripts/broker.sh" start "$name")"
+trap '"$root/scripts/broker.sh" stop "$name"' EXIT
+echo "test: broker at $bootstrap"
+export SLUICE_TEST_BOOTSTRAP="$bootstrap"
+export RUST_BACKTRACE=1
+cargo test --release --workspace --all-targets -- --test-threads="${SLUICE_TEST_THREADS:-3}" "$@"

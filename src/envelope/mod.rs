@@ -1,0 +1,1 @@
+//! Task and result envelopes (design §2).

@@ -1,0 +1,160 @@
+//! Small Kafka helpers for the command-line tools and the tests: creating
+//! topics, producing a batch, and reading topics from the beginning.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::RDKafkaErrorCode;
+use rdkafka::message::{Header, OwnedHeaders, OwnedMessage};
+use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+use rdkafka::{Message, Offset, TopicPartitionList};
+
+/// A record to produce.
+#[derive(Clone, Debug, Default)]
+pub struct OutRecord {
+    /// Key bytes.
+    pub key: Option<Vec<u8>>,
+    /// Value bytes.
+    pub value: Option<Vec<u8>>,
+    /// Timestamp, ms.
+    pub timestamp: Option<i64>,
+    /// Headers.
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// Explicit partition.
+    pub partition: Option<i32>,
+}
+
+fn base(bootstrap: &str) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", bootstrap);
+    c
+}
+
+/// Creates topics (name, partitions, configs); existing ones are left alone.
+pub fn create_topics(bootstrap: &str, topics: &[(&str, i32, &[(&str, &str)])]) -> anyhow::Result<()> {
+    let admin: AdminClient<DefaultClientContext> = base(bootstrap).create()?;
+    let new: Vec<NewTopic<'_>> = topics
+        .iter()
+        .map(|(name, p, configs)| {
+            configs
+                .iter()
+                .fold(NewTopic::new(name, *p, TopicReplication::Fixed(1)), |t, (k, v)| t.set(k, v))
+        })
+        .collect();
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    let results = futures::executor::block_on(admin.create_topics(&new, &opts))?;
+    for r in results {
+        if let Err((name, code)) = r {
+            if code != RDKafkaErrorCode::TopicAlreadyExists {
+                anyhow::bail!("cannot create topic {name}: {code}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Produces records (idempotent producer, murmur2 partitioner) and waits
+/// until all are acknowledged.
+pub fn produce(bootstrap: &str, topic: &str, records: impl IntoIterator<Item = OutRecord>) -> anyhow::Result<usize> {
+    let producer: ThreadedProducer<DefaultProducerContext> = base(bootstrap)
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "10")
+        .set("partitioner", "murmur2_random")
+        .set("queue.buffering.max.messages", "1000000")
+        .create()?;
+    let mut n = 0;
+    for r in records {
+        let headers = r.headers.iter().fold(OwnedHeaders::new(), |h, (k, v)| {
+            h.insert(Header {
+                key: k,
+                value: Some(v.as_slice()),
+            })
+        });
+        let mut rec: BaseRecord<'_, [u8], [u8]> = BaseRecord::to(topic).headers(headers);
+        if let Some(k) = &r.key {
+            rec = rec.key(k.as_slice());
+        }
+        if let Some(v) = &r.value {
+            rec = rec.payload(v.as_slice());
+        }
+        if let Some(ts) = r.timestamp {
+            rec = rec.timestamp(ts);
+        }
+        if let Some(p) = r.partition {
+            rec = rec.partition(p);
+        }
+        loop {
+            match producer.send(rec) {
+                Ok(()) => break,
+                Err((e, back)) if matches!(e.rdkafka_error_code(), Some(RDKafkaErrorCode::QueueFull)) => {
+                    rec = back;
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err((e, _)) => return Err(e).context("produce"),
+            }
+        }
+        n += 1;
+    }
+    producer.flush(Duration::from_secs(60)).context("flush")?;
+    Ok(n)
+}
+
+/// Reads every partition of `topics` from the beginning until `done` returns
+/// true for everything read so far, or `timeout` passes (then returns what was
+/// read). `read_committed` hides aborted and open transactions.
+pub fn read_topics(
+    bootstrap: &str,
+    topics: &[&str],
+    read_committed: bool,
+    timeout: Duration,
+    mut done: impl FnMut(&[OwnedMessage]) -> bool,
+) -> anyhow::Result<Vec<OwnedMessage>> {
+    let consumer: BaseConsumer = base(bootstrap)
+        .set("group.id", format!("sluice-reader-{}", uuid::Uuid::new_v4()))
+        .set("enable.auto.commit", "false")
+        .set(
+            "isolation.level",
+            if read_committed { "read_committed" } else { "read_uncommitted" },
+        )
+        .create()?;
+    let md = consumer.fetch_metadata(None, Duration::from_secs(10))?;
+    let mut tpl = TopicPartitionList::new();
+    for t in md.topics() {
+        if topics.contains(&t.name()) {
+            for p in t.partitions() {
+                tpl.add_partition_offset(t.name(), p.id(), Offset::Beginning)?;
+            }
+        }
+    }
+    consumer.assign(&tpl)?;
+    let deadline = Instant::now() + timeout;
+    let mut out = Vec::new();
+    let mut last_check = 0;
+    while Instant::now() < deadline {
+        match consumer.poll(Duration::from_millis(100)) {
+            Some(Ok(m)) => out.push(m.detach()),
+            Some(Err(e)) => tracing::warn!(error = %e, "reader error"),
+            None => {
+                if out.len() != last_check || out.is_empty() {
+                    last_check = out.len();
+                    if done(&out) {
+                        return Ok(out);
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The key and value of a message as UTF-8 (lossy), for display and tests.
+pub fn text(m: &OwnedMessage) -> (String, String) {
+    (
+        String::from_utf8_lossy(m.key().unwrap_or_default()).into_owned(),
+        String::from_utf8_lossy(m.payload().unwrap_or_default()).into_owned(),
+    )
+}

@@ -1,0 +1,12 @@
+//! Sluice: a stateful stream processor for LLM workloads on Kafka.
+//!
+//! The engine lives in the `sluice-topology` and `sluice-state` crates; this crate holds
+//! everything specific to LLM workloads, built on their public API, plus the command-line
+//! tools.
+
+pub mod demo;
+pub mod envelope;
+pub mod examples;
+pub mod kafka;
+pub mod llm;
+pub mod sim;

@@ -1,0 +1,1 @@
+//! The LLM provider client and its middleware.

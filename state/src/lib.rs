@@ -1,0 +1,27 @@
+//! RocksDB state stores for stream tasks: key-value and window stores behind a
+//! write cache, the records their changelogs need, restore from those changelogs,
+//! and per-task checkpoint files.
+//!
+//! The crate knows nothing about Kafka: the runtime in `sluice-topology` sends the
+//! records [`TaskState::flush_changelog`] hands it, commits, then calls
+//! [`TaskState::commit_local`]. Local state therefore never holds anything its
+//! changelog lacks, so an unclean shutdown never forces a wipe: restore replays
+//! the changelog tail from the checkpoint, and replaying is idempotent.
+//!
+//! Every stored value carries the input [`Position`] (source and offset) it
+//! reflects, so a task that reprocesses input after a crash can tell whether the
+//! input's effect is already present in the state it restored.
+
+mod checkpoint;
+mod error;
+mod rocks;
+mod task_state;
+mod value;
+mod window;
+
+pub use checkpoint::Checkpoint;
+pub use error::StateError;
+pub use rocks::{RocksEnv, RocksSettings};
+pub use task_state::{ChangelogRecord, RestoreStats, StoreId, StoreKind, StoreSpec, TaskState};
+pub use value::{Position, StoredValue};
+pub use window::{decode_window_key, encode_window_key, window_key_prefix_len, WindowEntry};

@@ -1,0 +1,585 @@
+//! The state of one stream task: one RocksDB database with a column family per
+//! store, a write cache of dirty entries per store, the checkpoint, and restore.
+//!
+//! Invariant: the local database holds only writes whose changelog records were
+//! committed (or, without changelogs, flushed): writes sit in the cache until
+//! [`TaskState::commit_local`], which the runtime calls after its commit.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Bound;
+use std::path::{Path, PathBuf};
+
+use rocksdb::{ColumnFamilyDescriptor, Direction, IteratorMode, WriteBatch, DB};
+
+use crate::value::encode_parts;
+use crate::window::{decode_window_key, encode_window_key, window_key_prefix_len};
+use crate::{Checkpoint, Position, RocksEnv, StateError, StoredValue, WindowEntry};
+
+/// What kind of store.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StoreKind {
+    /// Plain key-value store.
+    KeyValue,
+    /// Window store; windows older than `retention_ms` behind stream time expire.
+    Window {
+        /// How long a window is kept after its start, ms.
+        retention_ms: i64,
+    },
+}
+
+/// Declaration of a store of a task.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoreSpec {
+    /// Store name, unique within the topology.
+    pub name: String,
+    /// Key-value or window.
+    pub kind: StoreKind,
+    /// Whether the store is backed by a changelog topic.
+    pub changelogged: bool,
+}
+
+/// Index of a store within its task.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StoreId(pub usize);
+
+/// A record for a store's changelog: the store key and the encoded value, or
+/// `None` for a deletion (tombstone).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChangelogRecord {
+    /// Which store.
+    pub store: StoreId,
+    /// Store key bytes.
+    pub key: Vec<u8>,
+    /// Encoded [`StoredValue`], or `None` to delete.
+    pub value: Option<Vec<u8>>,
+}
+
+/// What a restore applied.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RestoreStats {
+    /// Changelog records applied.
+    pub records: u64,
+}
+
+struct Store {
+    spec: StoreSpec,
+    /// Dirty entries since the last local commit: encoded value or deletion.
+    dirty: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
+}
+
+/// The state of one task.
+pub struct TaskState {
+    dir: PathBuf,
+    db: DB,
+    stores: Vec<Store>,
+    checkpoint: Checkpoint,
+    /// Highest input offset reflected in state, per source, from local state
+    /// (as checkpointed) and everything restored since.
+    reflected: HashMap<u32, i64>,
+}
+
+impl std::fmt::Debug for TaskState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TaskState").field("dir", &self.dir).finish()
+    }
+}
+
+impl TaskState {
+    /// Opens (creating if needed) the database of a task in `dir` with one
+    /// column family per store.
+    pub fn open(dir: &Path, specs: &[StoreSpec], env: &RocksEnv) -> Result<TaskState, StateError> {
+        std::fs::create_dir_all(dir).map_err(|source| StateError::Io {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        let cfs = specs
+            .iter()
+            .map(|s| ColumnFamilyDescriptor::new(&s.name, env.cf_options()));
+        let db = DB::open_cf_descriptors(&env.db_options(), dir, cfs).map_err(|source| {
+            StateError::Rocks {
+                path: dir.to_path_buf(),
+                source,
+            }
+        })?;
+        let checkpoint = Checkpoint::load(dir);
+        let reflected = checkpoint.positions.clone();
+        Ok(TaskState {
+            dir: dir.to_path_buf(),
+            db,
+            stores: specs
+                .iter()
+                .map(|spec| Store {
+                    spec: spec.clone(),
+                    dirty: BTreeMap::new(),
+                })
+                .collect(),
+            checkpoint,
+            reflected: reflected.into_iter().collect(),
+        })
+    }
+
+    /// The task's state directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Looks a store up by name.
+    pub fn store_id(&self, name: &str) -> Result<StoreId, StateError> {
+        self.stores
+            .iter()
+            .position(|s| s.spec.name == name)
+            .map(StoreId)
+            .ok_or_else(|| StateError::UnknownStore(name.to_string()))
+    }
+
+    /// The declarations of the task's stores, in [`StoreId`] order.
+    pub fn specs(&self) -> impl Iterator<Item = &StoreSpec> {
+        self.stores.iter().map(|s| &s.spec)
+    }
+
+    fn rocks_err(&self, source: rocksdb::Error) -> StateError {
+        StateError::Rocks {
+            path: self.dir.clone(),
+            source,
+        }
+    }
+
+    fn cf(&self, id: StoreId) -> &rocksdb::ColumnFamily {
+        self.db
+            .cf_handle(&self.stores[id.0].spec.name)
+            .expect("column family opened with the database")
+    }
+
+    /// Reads the encoded value of a key: the write cache first, then RocksDB.
+    pub fn get_raw(&self, id: StoreId, key: &[u8]) -> Result<Option<Vec<u8>>, StateError> {
+        if let Some(entry) = self.stores[id.0].dirty.get(key) {
+            return Ok(entry.clone());
+        }
+        self.db
+            .get_cf(self.cf(id), key)
+            .map_err(|e| self.rocks_err(e))
+    }
+
+    /// Reads a value.
+    pub fn get(&self, id: StoreId, key: &[u8]) -> Result<Option<StoredValue>, StateError> {
+        match self.get_raw(id, key)? {
+            Some(bytes) => Ok(Some(StoredValue::decode(&self.stores[id.0].spec.name, &bytes)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Writes a value reflecting the input at `position`.
+    pub fn put(&mut self, id: StoreId, key: Vec<u8>, value: &[u8], position: Option<Position>) {
+        if let Some(p) = position {
+            let max = self.reflected.entry(p.source).or_insert(p.offset);
+            *max = (*max).max(p.offset);
+        }
+        self.stores[id.0]
+            .dirty
+            .insert(key, Some(encode_parts(position, value)));
+    }
+
+    /// Deletes a key.
+    pub fn delete(&mut self, id: StoreId, key: Vec<u8>) {
+        self.stores[id.0].dirty.insert(key, None);
+    }
+
+    /// Reads one window of a key.
+    pub fn window_get(
+        &self,
+        id: StoreId,
+        key: &[u8],
+        start_ms: i64,
+    ) -> Result<Option<StoredValue>, StateError> {
+        self.get(id, &encode_window_key(start_ms, key))
+    }
+
+    /// Writes one window of a key.
+    pub fn window_put(
+        &mut self,
+        id: StoreId,
+        key: &[u8],
+        start_ms: i64,
+        value: &[u8],
+        position: Option<Position>,
+    ) {
+        self.put(id, encode_window_key(start_ms, key), value, position)
+    }
+
+    /// All windows with `from_ms <= start < to_ms`, in (start, key) order,
+    /// merging the write cache over RocksDB.
+    pub fn window_range(
+        &self,
+        id: StoreId,
+        from_ms: i64,
+        to_ms: i64,
+    ) -> Result<Vec<WindowEntry>, StateError> {
+        let lo = encode_window_key(from_ms, b"");
+        let hi = encode_window_key(to_ms, b"");
+        let mut merged: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
+        for item in self
+            .db
+            .iterator_cf(self.cf(id), IteratorMode::From(&lo, Direction::Forward))
+        {
+            let (k, v) = item.map_err(|e| self.rocks_err(e))?;
+            if k.as_ref() >= hi.as_slice() {
+                break;
+            }
+            merged.insert(k.to_vec(), v.to_vec());
+        }
+        for (k, v) in self.stores[id.0]
+            .dirty
+            .range::<[u8], _>((Bound::Included(lo.as_slice()), Bound::Excluded(hi.as_slice())))
+        {
+            match v {
+                Some(v) => merged.insert(k.clone(), v.clone()),
+                None => merged.remove(k),
+            };
+        }
+        let name = &self.stores[id.0].spec.name;
+        merged
+            .into_iter()
+            .filter(|(k, _)| k.len() >= window_key_prefix_len())
+            .map(|(k, v)| {
+                let (start_ms, key) = decode_window_key(&k).expect("length checked");
+                Ok(WindowEntry {
+                    start_ms,
+                    key: key.to_vec(),
+                    value: StoredValue::decode(name, &v)?,
+                })
+            })
+            .collect()
+    }
+
+    /// All entries of a key-value store whose key starts with `prefix`, merging
+    /// the write cache over RocksDB.
+    pub fn prefix_scan(
+        &self,
+        id: StoreId,
+        prefix: &[u8],
+    ) -> Result<Vec<(Vec<u8>, StoredValue)>, StateError> {
+        let mut merged: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
+        for item in self
+            .db
+            .iterator_cf(self.cf(id), IteratorMode::From(prefix, Direction::Forward))
+        {
+            let (k, v) = item.map_err(|e| self.rocks_err(e))?;
+            if !k.starts_with(prefix) {
+                break;
+            }
+            merged.insert(k.to_vec(), v.to_vec());
+        }
+        for (k, v) in self.stores[id.0]
+            .dirty
+            .range::<[u8], _>((Bound::Included(prefix), Bound::Unbounded))
+        {
+            if !k.starts_with(prefix) {
+                break;
+            }
+            match v {
+                Some(v) => merged.insert(k.clone(), v.clone()),
+                None => merged.remove(k),
+            };
+        }
+        let name = &self.stores[id.0].spec.name;
+        merged
+            .into_iter()
+            .map(|(k, v)| Ok((k, StoredValue::decode(name, &v)?)))
+            .collect()
+    }
+
+    /// Drops windows that started before `before_ms` from the cache and the
+    /// database. Windowed changelogs expire by topic retention, so no
+    /// tombstones are written.
+    pub fn expire_windows(&mut self, id: StoreId, before_ms: i64) -> Result<(), StateError> {
+        let lo = encode_window_key(i64::MIN, b"");
+        let hi = encode_window_key(before_ms, b"");
+        let store = &mut self.stores[id.0];
+        let doomed: Vec<Vec<u8>> = store
+            .dirty
+            .range::<[u8], _>((Bound::Included(lo.as_slice()), Bound::Excluded(hi.as_slice())))
+            .filter(|(k, _)| k.len() >= window_key_prefix_len())
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in doomed {
+            store.dirty.remove(&k);
+        }
+        self.db
+            .delete_range_cf(self.cf(id), &lo, &hi)
+            .map_err(|e| self.rocks_err(e))
+    }
+
+    /// Number of dirty entries across stores (the write cache fill).
+    pub fn dirty_len(&self) -> usize {
+        self.stores.iter().map(|s| s.dirty.len()).sum()
+    }
+
+    /// The records the changelogs need for everything written since the last
+    /// local commit (coalesced: one record per dirty key). The dirty entries stay
+    /// readable until [`TaskState::commit_local`] or [`TaskState::discard_dirty`].
+    pub fn flush_changelog(&self) -> Vec<ChangelogRecord> {
+        let mut out = Vec::new();
+        for (i, store) in self.stores.iter().enumerate() {
+            if !store.spec.changelogged {
+                continue;
+            }
+            out.extend(store.dirty.iter().map(|(k, v)| ChangelogRecord {
+                store: StoreId(i),
+                key: k.clone(),
+                value: v.clone(),
+            }));
+        }
+        out
+    }
+
+    /// Writes the dirty entries to RocksDB after the changelog records for them
+    /// were committed, and advances the checkpoint to `changelog_next` (next
+    /// changelog offset per store, for stores that wrote this round).
+    pub fn commit_local(&mut self, changelog_next: &HashMap<StoreId, i64>) -> Result<(), StateError> {
+        let mut batch = WriteBatch::default();
+        for store in &self.stores {
+            let cf = self
+                .db
+                .cf_handle(&store.spec.name)
+                .expect("column family opened with the database");
+            for (k, v) in &store.dirty {
+                match v {
+                    Some(v) => batch.put_cf(cf, k, v),
+                    None => batch.delete_cf(cf, k),
+                }
+            }
+        }
+        if !batch.is_empty() {
+            self.db.write(batch).map_err(|e| self.rocks_err(e))?;
+        }
+        for store in &mut self.stores {
+            store.dirty.clear();
+        }
+        if !changelog_next.is_empty() {
+            for (id, next) in changelog_next {
+                let name = self.stores[id.0].spec.name.clone();
+                self.checkpoint.offsets.insert(name, *next);
+            }
+            self.write_checkpoint()?;
+        }
+        Ok(())
+    }
+
+    /// Drops dirty entries (their transaction was aborted).
+    pub fn discard_dirty(&mut self) {
+        for store in &mut self.stores {
+            store.dirty.clear();
+        }
+    }
+
+    fn write_checkpoint(&mut self) -> Result<(), StateError> {
+        self.checkpoint.positions = self.reflected.iter().map(|(s, o)| (*s, *o)).collect();
+        self.checkpoint.store(&self.dir)
+    }
+
+    /// Changelog offset to restore a store from: its checkpoint, or 0.
+    pub fn restore_offset(&self, id: StoreId) -> i64 {
+        self.checkpoint
+            .offsets
+            .get(&self.stores[id.0].spec.name)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Wipes a store's local data (its checkpoint was past the changelog's end,
+    /// so the changelog was recreated): it will be restored in full.
+    pub fn wipe_store(&mut self, id: StoreId) -> Result<(), StateError> {
+        let name = self.stores[id.0].spec.name.clone();
+        let cf = self.cf(id);
+        let mut batch = WriteBatch::default();
+        for item in self.db.iterator_cf(cf, IteratorMode::Start) {
+            let (k, _) = item.map_err(|e| self.rocks_err(e))?;
+            batch.delete_cf(cf, k);
+        }
+        self.db.write(batch).map_err(|e| self.rocks_err(e))?;
+        self.stores[id.0].dirty.clear();
+        self.checkpoint.offsets.remove(&name);
+        self.reflected.clear();
+        self.checkpoint.positions.clear();
+        self.checkpoint.store(&self.dir)
+    }
+
+    /// Applies restored changelog records (key, encoded value or tombstone)
+    /// straight to RocksDB, noting the input positions they reflect.
+    pub fn apply_restored(
+        &mut self,
+        id: StoreId,
+        records: &[(Vec<u8>, Option<Vec<u8>>)],
+        stats: &mut RestoreStats,
+    ) -> Result<(), StateError> {
+        for (_, v) in records {
+            if let Some(p) = v.as_deref().and_then(StoredValue::decode_position) {
+                let max = self.reflected.entry(p.source).or_insert(p.offset);
+                *max = (*max).max(p.offset);
+            }
+        }
+        let cf = self.cf(id);
+        let mut batch = WriteBatch::default();
+        for (k, v) in records {
+            match v {
+                Some(v) => batch.put_cf(cf, k, v),
+                None => batch.delete_cf(cf, k),
+            }
+        }
+        self.db.write(batch).map_err(|e| self.rocks_err(e))?;
+        stats.records += records.len() as u64;
+        Ok(())
+    }
+
+    /// Marks a store restored up to `next_offset` in its changelog.
+    pub fn finish_restore(&mut self, id: StoreId, next_offset: i64) -> Result<(), StateError> {
+        let name = self.stores[id.0].spec.name.clone();
+        self.checkpoint.offsets.insert(name, next_offset);
+        self.write_checkpoint()
+    }
+
+    /// Highest input offset per source reflected anywhere in this task's state.
+    /// Input at or below it may already be reflected, so it is reprocessed in
+    /// replay mode (each stateful operator checks its key's position).
+    pub fn reflected_positions(&self) -> &HashMap<u32, i64> {
+        &self.reflected
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn specs() -> Vec<StoreSpec> {
+        vec![
+            StoreSpec {
+                name: "kv".into(),
+                kind: StoreKind::KeyValue,
+                changelogged: true,
+            },
+            StoreSpec {
+                name: "win".into(),
+                kind: StoreKind::Window { retention_ms: 10_000 },
+                changelogged: true,
+            },
+            StoreSpec {
+                name: "scratch".into(),
+                kind: StoreKind::KeyValue,
+                changelogged: false,
+            },
+        ]
+    }
+
+    fn pos(offset: i64) -> Option<Position> {
+        Some(Position { source: 1, offset })
+    }
+
+    #[test]
+    fn writes_are_cached_until_local_commit_and_survive_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = RocksEnv::new(Default::default());
+        let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
+        let kv = st.store_id("kv").unwrap();
+        let scratch = st.store_id("scratch").unwrap();
+        st.put(kv, b"a".to_vec(), b"1", pos(5));
+        st.put(kv, b"a".to_vec(), b"2", pos(6));
+        st.put(kv, b"b".to_vec(), b"3", pos(7));
+        st.put(scratch, b"x".to_vec(), b"9", None);
+        st.delete(kv, b"b".to_vec());
+        assert_eq!(st.get(kv, b"a").unwrap().unwrap().value, b"2");
+        assert_eq!(st.get(kv, b"b").unwrap(), None);
+        // Coalesced: one record per dirty key, only for changelogged stores.
+        let records = st.flush_changelog();
+        assert_eq!(records.len(), 2);
+        assert_eq!(records[1].value, None);
+        st.commit_local(&HashMap::from([(kv, 12)])).unwrap();
+        assert_eq!(st.dirty_len(), 0);
+        drop(st);
+
+        let st = TaskState::open(dir.path(), &specs(), &env).unwrap();
+        let got = st.get(kv, b"a").unwrap().unwrap();
+        assert_eq!(got.value, b"2");
+        assert_eq!(got.position, pos(6));
+        assert_eq!(st.restore_offset(kv), 12);
+        assert_eq!(st.reflected_positions().get(&1), Some(&7));
+        assert_eq!(st.get(scratch, b"x").unwrap().unwrap().value, b"9");
+    }
+
+    #[test]
+    fn discarded_writes_never_reach_rocksdb() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = RocksEnv::new(Default::default());
+        let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
+        let kv = st.store_id("kv").unwrap();
+        st.put(kv, b"a".to_vec(), b"1", pos(1));
+        st.discard_dirty();
+        assert_eq!(st.get(kv, b"a").unwrap(), None);
+    }
+
+    #[test]
+    fn window_range_merges_cache_and_expiry_removes_old_windows() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = RocksEnv::new(Default::default());
+        let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
+        let w = st.store_id("win").unwrap();
+        st.window_put(w, b"k1", 0, b"a", pos(1));
+        st.window_put(w, b"k2", 1000, b"b", pos(2));
+        st.commit_local(&HashMap::new()).unwrap();
+        st.window_put(w, b"k1", 1000, b"c", pos(3));
+        st.window_put(w, b"k1", 2000, b"d", pos(4));
+        let got: Vec<(i64, Vec<u8>)> = st
+            .window_range(w, 0, 2000)
+            .unwrap()
+            .into_iter()
+            .map(|e| (e.start_ms, e.key))
+            .collect();
+        assert_eq!(
+            got,
+            vec![(0, b"k1".to_vec()), (1000, b"k1".to_vec()), (1000, b"k2".to_vec())]
+        );
+        st.expire_windows(w, 1000).unwrap();
+        assert_eq!(st.window_get(w, b"k1", 0).unwrap(), None);
+        assert_eq!(st.window_range(w, i64::MIN, i64::MAX).unwrap().len(), 3);
+    }
+
+    #[test]
+    fn restore_applies_records_and_tracks_positions() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = RocksEnv::new(Default::default());
+        let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
+        let kv = st.store_id("kv").unwrap();
+        let v = |o| Some(encode_parts(pos(o), b"v"));
+        let mut stats = RestoreStats::default();
+        st.apply_restored(
+            kv,
+            &[(b"a".to_vec(), v(3)), (b"b".to_vec(), v(9)), (b"a".to_vec(), None)],
+            &mut stats,
+        )
+        .unwrap();
+        st.finish_restore(kv, 3).unwrap();
+        assert_eq!(stats.records, 3);
+        assert_eq!(st.get(kv, b"a").unwrap(), None);
+        assert_eq!(st.get(kv, b"b").unwrap().unwrap().position, pos(9));
+        assert_eq!(st.reflected_positions().get(&1), Some(&9));
+        assert_eq!(st.restore_offset(kv), 3);
+        st.wipe_store(kv).unwrap();
+        assert_eq!(st.get(kv, b"b").unwrap(), None);
+        assert_eq!(st.restore_offset(kv), 0);
+    }
+
+    #[test]
+    fn prefix_scan_sees_cache_over_db() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = RocksEnv::new(Default::default());
+        let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
+        let kv = st.store_id("kv").unwrap();
+        st.put(kv, b"t1/a".to_vec(), b"1", None);
+        st.put(kv, b"t1/b".to_vec(), b"2", None);
+        st.put(kv, b"t2/a".to_vec(), b"3", None);
+        st.commit_local(&HashMap::new()).unwrap();
+        st.delete(kv, b"t1/a".to_vec());
+        st.put(kv, b"t1/c".to_vec(), b"4", None);
+        let keys: Vec<Vec<u8>> = st.prefix_scan(kv, b"t1/").unwrap().into_iter().map(|(k, _)| k).collect();
+        assert_eq!(keys, vec![b"t1/b".to_vec(), b"t1/c".to_vec()]);
+    }
+}

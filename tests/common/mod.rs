@@ -1,0 +1,161 @@
+//! Shared helpers for the integration tests: the broker the test command
+//! started, unique names, and fixture processes of the `sluice` binary.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The bootstrap address of the test broker. `make test` starts one; running
+/// `cargo test` alone fails here with instructions.
+pub fn bootstrap() -> String {
+    std::env::var("SLUICE_TEST_BOOTSTRAP").unwrap_or_else(|_| {
+        panic!("SLUICE_TEST_BOOTSTRAP is not set: run the tests with `make test`, which installs and starts the broker")
+    })
+}
+
+/// A unique name for topics, groups and transactional ids.
+pub fn unique(prefix: &str) -> String {
+    format!("{prefix}-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+}
+
+/// A fresh temporary directory (removed on drop).
+pub fn temp_dir() -> tempfile::TempDir {
+    tempfile::tempdir().expect("temp dir")
+}
+
+/// The `sluice` binary built for these tests.
+pub fn sluice_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_sluice"))
+}
+
+/// A running `sluice` process whose stdout lines are collected.
+pub struct Proc {
+    pub child: Child,
+    lines: Arc<Mutex<Vec<String>>>,
+    pub name: String,
+}
+
+impl Proc {
+    /// Starts `sluice <args>`.
+    pub fn spawn(name: &str, args: &[String]) -> Proc {
+        let mut child = Command::new(sluice_bin())
+            .args(args)
+            .env("SLUICE_LOG", std::env::var("SLUICE_LOG").unwrap_or_else(|_| "warn,sluice_topology=info".into()))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn sluice");
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let out = child.stdout.take().expect("stdout piped");
+        let sink = lines.clone();
+        let tag = name.to_string();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                eprintln!("[{tag}] {line}");
+                sink.lock().unwrap().push(line);
+            }
+        });
+        Proc {
+            child,
+            lines,
+            name: name.to_string(),
+        }
+    }
+
+    /// Lines printed so far.
+    pub fn lines(&self) -> Vec<String> {
+        self.lines.lock().unwrap().clone()
+    }
+
+    /// Waits until a printed line satisfies `pred`.
+    pub fn wait_line(&self, timeout: Duration, pred: impl Fn(&str) -> bool) -> Option<String> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Some(l) = self.lines().into_iter().find(|l| pred(l)) {
+                return Some(l);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+
+    /// The tasks of the last `TASKS` line.
+    pub fn tasks(&self) -> Vec<String> {
+        self.lines()
+            .iter()
+            .rev()
+            .find(|l| l.starts_with("TASKS "))
+            .map(|l| {
+                l["TASKS ".len()..]
+                    .split_whitespace()
+                    .next()
+                    .unwrap_or("")
+                    .split(',')
+                    .filter(|s| !s.is_empty() && !s.starts_with("ready="))
+                    .map(str::to_string)
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// True once the last `TASKS` line says ready.
+    pub fn ready(&self) -> bool {
+        self.lines()
+            .iter()
+            .rev()
+            .find(|l| l.starts_with("TASKS "))
+            .is_some_and(|l| l.ends_with("ready=true"))
+    }
+
+    /// Kills the process with SIGKILL.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Sends SIGTERM and waits; returns the parsed `STATS` line.
+    pub fn stop(&mut self) -> serde_json::Value {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        std::thread::sleep(Duration::from_millis(200));
+        self.lines()
+            .iter()
+            .rev()
+            .find_map(|l| l.strip_prefix("STATS ").map(|j| serde_json::from_str(j).expect("stats json")))
+            .unwrap_or(serde_json::Value::Null)
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Polls `f` until it returns `Some`, or panics after `timeout` with `what`.
+pub fn eventually<T>(timeout: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        if Instant::now() > deadline {
+            panic!("timed out after {timeout:?} waiting for {what}");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}

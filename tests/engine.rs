@@ -1,0 +1,445 @@
+//! The engine against the real broker: crash safety under exactly-once,
+//! failover between instances, async operators, slow operators, restore, and
+//! bad input. Each test runs `sluice example …` processes so it can kill them.
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::Duration;
+
+use common::{bootstrap, eventually, temp_dir, unique, Proc};
+use rand::Rng;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::Headers;
+use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use sluice::demo::latest_counts;
+use sluice::examples::Echo;
+use sluice::kafka::{create_topics, produce, read_topics, OutRecord};
+
+const MINUTE: i64 = 60_000;
+
+struct Example {
+    kind: &'static str,
+    app: String,
+    input: String,
+    output: String,
+    extra: Vec<String>,
+}
+
+impl Example {
+    fn args(&self, state_dir: &std::path::Path) -> Vec<String> {
+        let mut a: Vec<String> = [
+            "example",
+            self.kind,
+            "--bootstrap",
+            &bootstrap(),
+            "--app-id",
+            &self.app,
+            "--input",
+            &self.input,
+            "--output",
+            &self.output,
+            "--state-dir",
+            &state_dir.display().to_string(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        a.extend(self.extra.iter().cloned());
+        a
+    }
+
+    fn spawn(&self, name: &str, state_dir: &std::path::Path) -> Proc {
+        Proc::spawn(name, &self.args(state_dir))
+    }
+}
+
+/// `n` keyed records over `keys` keys and `minutes` one-minute windows, in
+/// timestamp order; returns them and the expected count per (window, key).
+fn keyed_records(n: usize, keys: usize, minutes: i64, base: i64) -> (Vec<OutRecord>, BTreeMap<(i64, String), u64>) {
+    let mut expected = BTreeMap::new();
+    let recs = (0..n)
+        .map(|i| {
+            let key = format!("k{}", (i * 7919) % keys);
+            let ts = base + (i as i64 * minutes * MINUTE) / n as i64;
+            *expected.entry((ts - ts % MINUTE, key.clone())).or_insert(0u64) += 1;
+            OutRecord {
+                key: Some(key.into_bytes()),
+                value: Some(format!("{i}").into_bytes()),
+                timestamp: Some(ts),
+                ..Default::default()
+            }
+        })
+        .collect();
+    (recs, expected)
+}
+
+fn base_time() -> i64 {
+    (chrono::Utc::now().timestamp_millis() / MINUTE - 60) * MINUTE
+}
+
+fn wait_counts(output: &str, expected: &BTreeMap<(i64, String), u64>, timeout: Duration) -> BTreeMap<(i64, String), u64> {
+    let msgs = read_topics(&bootstrap(), &[output], true, timeout, |m| {
+        latest_counts(m).is_ok_and(|got| &got == expected)
+    })
+    .unwrap();
+    latest_counts(&msgs).unwrap()
+}
+
+fn assert_counts_equal(got: &BTreeMap<(i64, String), u64>, expected: &BTreeMap<(i64, String), u64>) {
+    if got != expected {
+        let wrong: Vec<_> = expected
+            .iter()
+            .filter(|(k, v)| got.get(k) != Some(v))
+            .take(10)
+            .map(|(k, v)| format!("{k:?}: want {v}, got {:?}", got.get(k)))
+            .collect();
+        panic!(
+            "{} of {} windows differ (got {} windows); first: {wrong:#?}",
+            expected.iter().filter(|(k, v)| got.get(k) != Some(v)).count(),
+            expected.len(),
+            got.len()
+        );
+    }
+}
+
+#[test]
+fn exactly_once_windowed_count_survives_three_sigkills() {
+    let ex = Example {
+        kind: "windowed-count",
+        app: unique("eos-kill"),
+        input: unique("in"),
+        output: unique("out"),
+        extra: vec!["--guarantee".into(), "exactly-once".into(), "--grace-ms".into(), "3600000".into()],
+    };
+    create_topics(&bootstrap(), &[(&ex.input, 4, &[]), (&ex.output, 4, &[])]).unwrap();
+    let (records, expected) = keyed_records(100_000, 500, 10, base_time());
+    produce(&bootstrap(), &ex.input, records).unwrap();
+    let dir = temp_dir();
+    let mut rng = rand::rng();
+    for round in 0..3 {
+        let mut p = ex.spawn(&format!("eos-kill-{round}"), dir.path());
+        eventually(Duration::from_secs(90), "instance ready", || p.ready().then_some(()));
+        std::thread::sleep(Duration::from_millis(rng.random_range(300..2_500)));
+        p.kill9();
+    }
+    let mut p = ex.spawn("eos-kill-final", dir.path());
+    let got = wait_counts(&ex.output, &expected, Duration::from_secs(240));
+    let stats = p.stop();
+    assert_counts_equal(&got, &expected);
+    assert_eq!(stats["ok"], true, "{stats}");
+}
+
+#[test]
+fn survivor_takes_over_a_killed_instance_and_keeps_aggregates_exact() {
+    let ex = Example {
+        kind: "windowed-count",
+        app: unique("eos-failover"),
+        input: unique("in"),
+        output: unique("out"),
+        extra: vec!["--guarantee".into(), "exactly-once".into(), "--grace-ms".into(), "3600000".into()],
+    };
+    create_topics(&bootstrap(), &[(&ex.input, 4, &[]), (&ex.output, 4, &[])]).unwrap();
+    let (records, expected) = keyed_records(60_000, 300, 5, base_time());
+    let (dir_a, dir_b) = (temp_dir(), temp_dir());
+    let mut a = ex.spawn("A", dir_a.path());
+    let mut b = ex.spawn("B", dir_b.path());
+    // Both members share the partitions before data flows.
+    eventually(Duration::from_secs(90), "partitions split between A and B", || {
+        (!a.tasks().is_empty() && !b.tasks().is_empty() && a.ready() && b.ready()).then_some(())
+    });
+    let (ta, tb) = (a.tasks(), b.tasks());
+    assert_eq!(ta.len() + tb.len(), 4, "A {ta:?} B {tb:?}");
+    // Produce in slices so that B is killed in the middle of processing.
+    let chunks: Vec<Vec<OutRecord>> = records.chunks(6_000).map(<[OutRecord]>::to_vec).collect();
+    let (first, rest) = chunks.split_at(4);
+    for c in first {
+        produce(&bootstrap(), &ex.input, c.clone()).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    b.kill9();
+    for c in rest {
+        produce(&bootstrap(), &ex.input, c.clone()).unwrap();
+    }
+    eventually(Duration::from_secs(120), "A owns every task", || (a.tasks().len() == 4).then_some(()));
+    let got = wait_counts(&ex.output, &expected, Duration::from_secs(180));
+    let stats = a.stop();
+    assert_counts_equal(&got, &expected);
+    assert!(stats["rebalances"].as_u64().unwrap_or(0) >= 1, "{stats}");
+}
+
+/// Committed offsets of a group for a topic's partitions.
+fn committed(group: &str, topic: &str, partitions: i32) -> HashMap<i32, i64> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap())
+        .set("group.id", group)
+        .create()
+        .unwrap();
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..partitions {
+        tpl.add_partition(topic, p);
+    }
+    let got = consumer.committed_offsets(tpl, Duration::from_secs(10)).unwrap();
+    got.elements()
+        .iter()
+        .filter_map(|e| match e.offset() {
+            Offset::Offset(o) => Some((e.partition(), o)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn echoed(output: &str, read_committed: bool, expect: usize, timeout: Duration) -> Vec<String> {
+    read_topics(&bootstrap(), &[output], read_committed, timeout, |m| {
+        m.iter().filter_map(|m| m.key()).collect::<HashSet<_>>().len() >= expect
+    })
+    .unwrap()
+    .iter()
+    .map(|m| serde_json::from_slice::<Echo>(m.payload().unwrap_or_default()).unwrap().value)
+    .collect()
+}
+
+#[test]
+fn async_operator_out_of_order_never_commits_past_an_unfinished_record() {
+    let ex = Example {
+        kind: "async-echo",
+        app: unique("async"),
+        input: unique("in"),
+        output: unique("out"),
+        extra: ["--guarantee", "exactly-once", "--min-delay-ms", "0", "--max-delay-ms", "2000"]
+            .map(String::from)
+            .to_vec(),
+    };
+    create_topics(&bootstrap(), &[(&ex.input, 2, &[]), (&ex.output, 2, &[])]).unwrap();
+    let values: Vec<String> = (0..400).map(|i| format!("v{i}")).collect();
+    produce(
+        &bootstrap(),
+        &ex.input,
+        values.iter().enumerate().map(|(i, v)| OutRecord {
+            key: Some(v.clone().into_bytes()),
+            value: Some(v.clone().into_bytes()),
+            partition: Some((i % 2) as i32),
+            ..Default::default()
+        }),
+    )
+    .unwrap();
+    // Where each value sits in the input.
+    let input = read_topics(&bootstrap(), &[&ex.input], false, Duration::from_secs(30), |m| m.len() >= values.len()).unwrap();
+    let position: HashMap<String, (i32, i64)> = input
+        .iter()
+        .map(|m| (String::from_utf8_lossy(m.payload().unwrap()).into_owned(), (m.partition(), m.offset())))
+        .collect();
+
+    let dir = temp_dir();
+    let mut p = ex.spawn("async-1", dir.path());
+    eventually(Duration::from_secs(90), "some output", || {
+        (!echoed(&ex.output, true, 1, Duration::from_secs(2)).is_empty()).then_some(())
+    });
+    std::thread::sleep(Duration::from_millis(1_500));
+    p.kill9();
+
+    // Everything below a committed offset must have its effect visible.
+    let offsets = committed(&ex.app, &ex.input, 2);
+    let visible: HashSet<String> = echoed(&ex.output, true, 0, Duration::from_secs(3)).into_iter().collect();
+    let below: Vec<&String> = values
+        .iter()
+        .filter(|v| {
+            let (part, off) = position[*v];
+            offsets.get(&part).is_some_and(|c| off < *c)
+        })
+        .collect();
+    assert!(!below.is_empty(), "some offsets were committed before the kill: {offsets:?}");
+    let missing: Vec<&&String> = below.iter().filter(|v| !visible.contains(**v)).collect();
+    assert!(missing.is_empty(), "committed past unfinished records: {missing:?}");
+    assert!(
+        below.len() < values.len(),
+        "the kill happened mid-run ({} of {} committed)",
+        below.len(),
+        values.len()
+    );
+
+    let mut p = ex.spawn("async-2", dir.path());
+    let all: HashSet<String> = echoed(&ex.output, true, values.len(), Duration::from_secs(120))
+        .into_iter()
+        .collect();
+    p.stop();
+    let lost: Vec<&String> = values.iter().filter(|v| !all.contains(*v)).collect();
+    assert!(lost.is_empty(), "lost records: {lost:?}");
+}
+
+#[test]
+fn a_15_second_operator_call_causes_no_rebalance_and_no_duplicate() {
+    let ex = Example {
+        kind: "async-echo",
+        app: unique("slow"),
+        input: unique("in"),
+        output: unique("out"),
+        extra: [
+            "--guarantee",
+            "exactly-once",
+            "--min-delay-ms",
+            "15000",
+            "--max-delay-ms",
+            "15000",
+            "--max-poll-interval-ms",
+            "10000",
+        ]
+        .map(String::from)
+        .to_vec(),
+    };
+    create_topics(&bootstrap(), &[(&ex.input, 2, &[]), (&ex.output, 2, &[])]).unwrap();
+    let dir = temp_dir();
+    let mut p = ex.spawn("slow", dir.path());
+    eventually(Duration::from_secs(90), "instance ready", || p.ready().then_some(()));
+    let values: Vec<String> = (0..6).map(|i| format!("slow{i}")).collect();
+    produce(
+        &bootstrap(),
+        &ex.input,
+        values.iter().map(|v| OutRecord {
+            key: Some(v.clone().into_bytes()),
+            value: Some(v.clone().into_bytes()),
+            ..Default::default()
+        }),
+    )
+    .unwrap();
+    let out = echoed(&ex.output, true, values.len(), Duration::from_secs(90));
+    std::thread::sleep(Duration::from_secs(2));
+    let stats = p.stop();
+    let out_after = echoed(&ex.output, true, values.len(), Duration::from_secs(5));
+    assert_eq!(out.len(), values.len(), "{out:?}");
+    assert_eq!(out_after.len(), values.len(), "no duplicate after shutdown: {out_after:?}");
+    assert_eq!(stats["rebalances"], 0, "{stats}");
+    assert_eq!(stats["ok"], true, "{stats}");
+}
+
+fn changelog_records(app: &str) -> usize {
+    let topic = format!("{app}-counts-changelog");
+    let msgs = read_topics(&bootstrap(), &[&topic], true, Duration::from_secs(4), |_| false).unwrap();
+    msgs.iter()
+        .filter(|m| {
+            !m.headers()
+                .is_some_and(|h| h.iter().any(|h| h.key == sluice_topology::runtime::BARRIER_HEADER))
+        })
+        .count()
+}
+
+#[test]
+fn restart_with_local_state_restores_only_the_changelog_tail() {
+    let ex = Example {
+        kind: "windowed-count",
+        app: unique("restore"),
+        input: unique("in"),
+        output: unique("out"),
+        extra: vec!["--guarantee".into(), "exactly-once".into(), "--grace-ms".into(), "3600000".into()],
+    };
+    create_topics(&bootstrap(), &[(&ex.input, 2, &[]), (&ex.output, 2, &[])]).unwrap();
+    let base = base_time();
+    let (first, mut expected) = keyed_records(5_000, 500, 1, base);
+    produce(&bootstrap(), &ex.input, first).unwrap();
+    let (dir_a, dir_b) = (temp_dir(), temp_dir());
+
+    let mut a = ex.spawn("A1", dir_a.path());
+    assert_counts_equal(&wait_counts(&ex.output, &expected, Duration::from_secs(120)), &expected);
+    let a1 = a.stop();
+    assert_eq!(a1["restored_records"], 0, "{a1}");
+
+    // An instance without local state restores everything.
+    let written_by_a = changelog_records(&ex.app);
+    assert!(written_by_a >= 500, "one record per key at least: {written_by_a}");
+    let mut b = ex.spawn("B", dir_b.path());
+    eventually(Duration::from_secs(90), "B ready", || b.ready().then_some(()));
+    let (more, more_expected) = keyed_records(500, 50, 1, base + 2 * MINUTE);
+    produce(&bootstrap(), &ex.input, more).unwrap();
+    expected.extend(more_expected);
+    assert_counts_equal(&wait_counts(&ex.output, &expected, Duration::from_secs(120)), &expected);
+    let b1 = b.stop();
+    assert_eq!(b1["restored_records"].as_u64(), Some(written_by_a as u64), "{b1}");
+
+    // A restarts on its local state: only what B appended is restored.
+    let tail = changelog_records(&ex.app) - written_by_a;
+    assert!(tail > 0 && tail < written_by_a);
+    let mut a = ex.spawn("A2", dir_a.path());
+    eventually(Duration::from_secs(90), "A ready again", || a.ready().then_some(()));
+    let a2 = a.stop();
+    assert_eq!(a2["restored_records"].as_u64(), Some(tail as u64), "{a2}");
+}
+
+#[test]
+fn undecodable_records_are_dead_lettered_and_processing_continues() {
+    let dlq = unique("dlq");
+    let ex = Example {
+        kind: "windowed-count",
+        app: unique("poison"),
+        input: unique("in"),
+        output: unique("out"),
+        extra: vec![
+            "--guarantee".into(),
+            "at-least-once".into(),
+            "--grace-ms".into(),
+            "3600000".into(),
+            "--dlq".into(),
+            dlq.clone(),
+        ],
+    };
+    create_topics(&bootstrap(), &[(&ex.input, 1, &[]), (&ex.output, 1, &[]), (&dlq, 1, &[])]).unwrap();
+    let base = base_time();
+    let mut recs = Vec::new();
+    let mut expected = BTreeMap::new();
+    for i in 0..300 {
+        let (key, good) = match i % 50 {
+            7 => (None, false),                              // null key
+            13 => (Some(vec![0xff, 0xfe, b'x']), false),     // invalid UTF-8
+            _ => (Some(format!("k{}", i % 10).into_bytes()), true),
+        };
+        if good {
+            let k = String::from_utf8(key.clone().unwrap()).unwrap();
+            *expected.entry((base - base % MINUTE, k)).or_insert(0u64) += 1;
+        }
+        recs.push(OutRecord {
+            key,
+            value: Some(format!("payload-{i}").into_bytes()),
+            timestamp: Some(base),
+            ..Default::default()
+        });
+    }
+    produce(&bootstrap(), &ex.input, recs).unwrap();
+    let dir = temp_dir();
+    let mut p = ex.spawn("poison", dir.path());
+    assert_counts_equal(&wait_counts(&ex.output, &expected, Duration::from_secs(120)), &expected);
+    let dead = read_topics(&bootstrap(), &[&dlq], false, Duration::from_secs(30), |m| m.len() >= 12).unwrap();
+    p.stop();
+    assert_eq!(dead.len(), 12);
+    for m in &dead {
+        let header = |name: &str| {
+            m.headers()
+                .and_then(|h| h.iter().find(|h| h.key == name).and_then(|h| h.value.map(<[u8]>::to_vec)))
+                .map(|v| String::from_utf8(v).unwrap())
+        };
+        assert_eq!(header("dlq.category").as_deref(), Some("poison"));
+        assert!(header("dlq.reason").unwrap().contains("undecodable key"));
+        assert_eq!(header("dlq.original.topic").as_deref(), Some(ex.input.as_str()));
+        assert!(header("dlq.original.offset").is_some());
+        assert!(String::from_utf8_lossy(m.payload().unwrap()).starts_with("payload-"), "original bytes kept");
+    }
+}
+
+#[test]
+fn non_co_partitioned_merge_inputs_fail_at_start() {
+    let (a, b) = (unique("left"), unique("right"));
+    create_topics(&bootstrap(), &[(&a, 2, &[]), (&b, 3, &[])]).unwrap();
+    let ex = Example {
+        kind: "merged-count",
+        app: unique("copart"),
+        input: format!("{a},{b}"),
+        output: unique("out"),
+        extra: vec![],
+    };
+    let dir = temp_dir();
+    let mut p = ex.spawn("copart", dir.path());
+    let status = p.child.wait().unwrap();
+    assert!(!status.success());
+    let line = p
+        .wait_line(Duration::from_secs(5), |l| l.starts_with("START_ERROR"))
+        .expect("a start error is printed");
+    assert!(line.contains("co-partitioned") && line.contains(&a) && line.contains(&b), "{line}");
+}

@@ -1,0 +1,36 @@
+//! A Kafka Streams-style stream processing engine: a DSL to describe topologies
+//! ([`StreamBuilder`]), a processor API for custom (also async) operators, an
+//! in-process [`TopologyTestDriver`], and a Kafka runtime ([`runtime::StreamsApp`])
+//! with at-least-once and exactly-once processing over RocksDB state stores
+//! backed by changelog topics.
+//!
+//! The engine knows nothing about what its operators do; applications build on
+//! its public API.
+
+mod codec;
+mod context;
+mod dsl;
+mod error;
+mod node;
+mod offsets;
+mod processor;
+mod record;
+pub mod runtime;
+mod task;
+mod test_driver;
+mod topology;
+mod window;
+
+pub use codec::{from_bincode, to_bincode, BincodeCodec, BytesCodec, Codec, CodecError, JsonCodec, StringCodec, UnitCodec};
+pub use context::TaskCounters;
+pub use dsl::{KGroupedStream, KStream, KTable, SourceOptions, StreamBuilder, TimeWindowedKStream};
+pub use error::{ProcessError, TopologyError};
+pub use node::{Data, Punctuation};
+pub use offsets::{InFlight, OffsetTracker};
+pub use processor::{KvStore, Processor, ProcessorContext};
+pub use record::{header, Headers, OutputRecord, RawRecord, Record};
+pub use sluice_state::{Position, RocksSettings};
+pub use task::{dlq_headers, source_id, TaskId};
+pub use test_driver::TopologyTestDriver;
+pub use topology::{SubTopology, Topology};
+pub use window::{EmitMode, TimeWindows, Window, Windowed};

@@ -1,0 +1,204 @@
+//! Operator nodes as instantiated inside a task, and the factories the DSL
+//! records to instantiate them once per task.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use sluice_state::StoreId;
+
+use crate::context::TaskCtx;
+use crate::record::{OutputRecord, Record};
+use crate::{Codec, ProcessError, TopologyError};
+
+/// Values that can flow between operators.
+pub trait Data: Clone + Send + 'static {}
+impl<T: Clone + Send + 'static> Data for T {}
+
+/// Wall-clock and stream time, handed to operators on every punctuation tick.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Punctuation {
+    /// Wall-clock time, ms since the epoch.
+    pub wall_clock_ms: i64,
+    /// The task's stream time (highest record timestamp seen), ms.
+    pub stream_time: i64,
+}
+
+/// An operator inside a task, receiving records of type `(K, V)`.
+pub(crate) trait Node<K, V>: Send {
+    fn process(&mut self, rec: Record<K, V>, ctx: &mut TaskCtx) -> Result<(), ProcessError>;
+    fn punctuate(&mut self, p: Punctuation, ctx: &mut TaskCtx) -> Result<(), ProcessError>;
+}
+
+/// An async-capable operator's completion entry point.
+pub(crate) trait CompletionTarget: Send {
+    fn init(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError>;
+    fn complete(
+        &mut self,
+        output: Box<dyn std::any::Any + Send>,
+        ctx: &mut TaskCtx,
+    ) -> Result<(), ProcessError>;
+}
+
+/// Builds node instances for one task.
+pub(crate) struct Instantiator<'a> {
+    pub(crate) stores: &'a HashMap<String, StoreId>,
+    pub(crate) targets: Vec<Arc<Mutex<dyn CompletionTarget>>>,
+    pub(crate) app_id: &'a str,
+}
+
+impl Instantiator<'_> {
+    pub(crate) fn store(&self, name: &str) -> Result<StoreId, TopologyError> {
+        self.stores
+            .get(name)
+            .copied()
+            .ok_or_else(|| TopologyError::Invalid(format!("store {name} is not attached to this sub-topology")))
+    }
+
+    /// Registers an async target; returns its node id.
+    pub(crate) fn register(&mut self, target: Arc<Mutex<dyn CompletionTarget>>) -> usize {
+        self.targets.push(target);
+        self.targets.len() - 1
+    }
+}
+
+pub(crate) type NodeFactory<K, V> =
+    Arc<dyn Fn(&mut Instantiator<'_>) -> Result<Box<dyn Node<K, V>>, TopologyError> + Send + Sync>;
+
+/// The children registered on one stream, filled while the DSL is used.
+pub(crate) type Slot<K, V> = Arc<Mutex<Vec<NodeFactory<K, V>>>>;
+
+pub(crate) fn new_slot<K, V>() -> Slot<K, V> {
+    Arc::new(Mutex::new(Vec::new()))
+}
+
+/// The children of a node: forwards each record to all of them.
+pub(crate) struct Forward<K, V> {
+    kids: Vec<Box<dyn Node<K, V>>>,
+}
+
+impl<K: Data, V: Data> Forward<K, V> {
+    pub(crate) fn instantiate(slot: &Slot<K, V>, inst: &mut Instantiator<'_>) -> Result<Self, TopologyError> {
+        let factories: Vec<NodeFactory<K, V>> = slot.lock().clone();
+        let kids = factories
+            .iter()
+            .map(|f| f(inst))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Forward { kids })
+    }
+
+    pub(crate) fn forward(&mut self, rec: Record<K, V>, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        let Some((last, rest)) = self.kids.split_last_mut() else {
+            return Ok(());
+        };
+        for kid in rest {
+            kid.process(rec.clone(), ctx)?;
+        }
+        last.process(rec, ctx)
+    }
+
+    pub(crate) fn punctuate(&mut self, p: Punctuation, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        for kid in &mut self.kids {
+            kid.punctuate(p, ctx)?;
+        }
+        Ok(())
+    }
+}
+
+/// A stateless operator: a function from a record to zero or more records.
+pub(crate) struct StatelessNode<K, V, K2, V2> {
+    #[allow(clippy::type_complexity)]
+    pub(crate) f: Arc<dyn Fn(Record<K, V>, &mut dyn FnMut(Record<K2, V2>)) + Send + Sync>,
+    pub(crate) kids: Forward<K2, V2>,
+}
+
+impl<K: Data, V: Data, K2: Data, V2: Data> Node<K, V> for StatelessNode<K, V, K2, V2> {
+    fn process(&mut self, rec: Record<K, V>, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        let mut outs = Vec::new();
+        (self.f)(rec, &mut |r| outs.push(r));
+        for r in outs {
+            self.kids.forward(r, ctx)?;
+        }
+        Ok(())
+    }
+
+    fn punctuate(&mut self, p: Punctuation, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        self.kids.punctuate(p, ctx)
+    }
+}
+
+/// Routes each record to the first branch whose predicate accepts it.
+pub(crate) struct BranchNode<K, V> {
+    #[allow(clippy::type_complexity)]
+    pub(crate) predicates: Vec<Arc<dyn Fn(&Record<K, V>) -> bool + Send + Sync>>,
+    pub(crate) branches: Vec<Forward<K, V>>,
+}
+
+impl<K: Data, V: Data> Node<K, V> for BranchNode<K, V> {
+    fn process(&mut self, rec: Record<K, V>, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        for (pred, branch) in self.predicates.iter().zip(self.branches.iter_mut()) {
+            if pred(&rec) {
+                return branch.forward(rec, ctx);
+            }
+        }
+        Ok(())
+    }
+
+    fn punctuate(&mut self, p: Punctuation, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        for b in &mut self.branches {
+            b.punctuate(p, ctx)?;
+        }
+        Ok(())
+    }
+}
+
+/// Where a sink writes.
+#[derive(Clone, Debug)]
+pub(crate) enum SinkTopic {
+    /// A user topic, by full name.
+    External(String),
+    /// An internal topic, by suffix (prefixed with the application id).
+    Internal(String),
+}
+
+/// Encodes records and queues them for a topic.
+pub(crate) struct SinkNode<K, V> {
+    pub(crate) topic: String,
+    pub(crate) key_codec: Arc<dyn Codec<K>>,
+    pub(crate) value_codec: Arc<dyn Codec<V>>,
+}
+
+impl<K: Data, V: Data> Node<K, V> for SinkNode<K, V> {
+    fn process(&mut self, rec: Record<K, V>, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        let key = self
+            .key_codec
+            .encode(&rec.key)
+            .map_err(|e| ProcessError::Fatal(format!("encoding a key for {}: {e}", self.topic)))?;
+        let value = self
+            .value_codec
+            .encode(&rec.value)
+            .map_err(|e| ProcessError::Fatal(format!("encoding a value for {}: {e}", self.topic)))?;
+        ctx.out.push(OutputRecord {
+            topic: self.topic.clone(),
+            partition: None,
+            key,
+            value,
+            timestamp: rec.timestamp,
+            headers: rec.headers,
+        });
+        Ok(())
+    }
+
+    fn punctuate(&mut self, _: Punctuation, _: &mut TaskCtx) -> Result<(), ProcessError> {
+        Ok(())
+    }
+}
+
+impl SinkTopic {
+    pub(crate) fn resolve(&self, app_id: &str) -> String {
+        match self {
+            SinkTopic::External(t) => t.clone(),
+            SinkTopic::Internal(s) => format!("{app_id}-{s}"),
+        }
+    }
+}

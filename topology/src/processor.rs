@@ -1,0 +1,327 @@
+//! The processor API: custom operators, synchronous or async, with named stores
+//! and punctuation.
+//!
+//! A [`Processor`] gets each record in `process`. It may forward records at
+//! once, or start an async call with [`ProcessorContext::spawn`]: the call runs
+//! on the tokio runtime, and its output comes back to [`Processor::complete`] on
+//! the task's thread — in completion order, not input order. The input record
+//! stays in flight (its offset uncommitted) until its completion was handled, so
+//! a crash never loses it. The runtime bounds in-flight records per partition by
+//! pausing the partition, and keeps polling meanwhile, so a slow call never costs
+//! a rebalance.
+
+use std::future::Future;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use sluice_state::{Position, StoreId, TaskState};
+
+use crate::codec::{from_bincode, to_bincode};
+use crate::context::TaskCtx;
+use crate::node::{CompletionTarget, Data, Forward, Node, Punctuation};
+use crate::offsets::InFlight;
+use crate::record::{OutputRecord, Record};
+use crate::{ProcessError, TaskId};
+
+/// A custom operator. One instance runs per task; it is never shared.
+pub trait Processor<K, V>: Send + 'static {
+    /// Key type of forwarded records.
+    type OutKey: Data;
+    /// Value type of forwarded records.
+    type OutValue: Data;
+    /// Output of the async calls this processor spawns (`()` if none).
+    type Output: Send + 'static;
+
+    /// Called once when the task starts, after its state was restored.
+    fn init(&mut self, _ctx: &mut ProcessorContext<'_, Self::OutKey, Self::OutValue, Self::Output>) -> Result<(), ProcessError> {
+        Ok(())
+    }
+
+    /// Handles one record.
+    fn process(
+        &mut self,
+        record: Record<K, V>,
+        ctx: &mut ProcessorContext<'_, Self::OutKey, Self::OutValue, Self::Output>,
+    ) -> Result<(), ProcessError>;
+
+    /// Handles the output of a call spawned with [`ProcessorContext::spawn`].
+    /// When the call carried exactly one record, that record is current again.
+    fn complete(
+        &mut self,
+        _output: Self::Output,
+        _ctx: &mut ProcessorContext<'_, Self::OutKey, Self::OutValue, Self::Output>,
+    ) -> Result<(), ProcessError> {
+        Ok(())
+    }
+
+    /// Called on every punctuation tick with wall-clock and stream time.
+    fn punctuate(
+        &mut self,
+        _time: Punctuation,
+        _ctx: &mut ProcessorContext<'_, Self::OutKey, Self::OutValue, Self::Output>,
+    ) -> Result<(), ProcessError> {
+        Ok(())
+    }
+}
+
+/// What a processor can do while handling a record, a completion or a tick.
+pub struct ProcessorContext<'a, K, V, O> {
+    ctx: &'a mut TaskCtx,
+    kids: &'a mut Forward<K, V>,
+    node: usize,
+    _out: PhantomData<fn(O)>,
+}
+
+impl<K: Data, V: Data, O: Send + 'static> ProcessorContext<'_, K, V, O> {
+    /// Sends a record to the downstream operators.
+    pub fn forward(&mut self, record: Record<K, V>) -> Result<(), ProcessError> {
+        self.kids.forward(record, self.ctx)
+    }
+
+    /// Starts an async call for the current record; its output comes back to
+    /// [`Processor::complete`] and the record stays in flight until then.
+    pub fn spawn(&mut self, fut: impl Future<Output = O> + Send + 'static) {
+        let tokens = self.ctx.current.iter().cloned().collect();
+        self.ctx.spawner.spawn(self.node, tokens, fut);
+    }
+
+    /// Starts an async call for records held earlier (e.g. a micro-batch).
+    /// Move the [`InFlight`] handles into the future's output to get them back
+    /// in `complete`; each record is finished when its handle is dropped.
+    pub fn spawn_detached(&mut self, fut: impl Future<Output = O> + Send + 'static) {
+        self.ctx.spawner.spawn(self.node, Vec::new(), fut);
+    }
+
+    /// Keeps the current record in flight until the returned handle is dropped.
+    pub fn hold(&self) -> Option<InFlight> {
+        self.ctx.current.clone().map(InFlight)
+    }
+
+    /// Runs `f` with a held record as the current record (its position stamps
+    /// store writes; dead letters refer to it).
+    pub fn with_record<R>(&mut self, held: &InFlight, f: impl FnOnce(&mut Self) -> R) -> R {
+        let saved = self.ctx.current.replace(held.0.clone());
+        let r = f(self);
+        self.ctx.current = saved;
+        r
+    }
+
+    /// The input position of the current record.
+    pub fn position(&self) -> Option<Position> {
+        self.ctx.position()
+    }
+
+    /// True when the current record is being reprocessed after a restore and
+    /// its effect may already be in the restored state: check the store's
+    /// position (see [`KvStore::reflects_current`]) before applying it again.
+    pub fn is_replay(&self) -> bool {
+        self.ctx.replaying()
+    }
+
+    /// The task's stream time, ms.
+    pub fn stream_time(&self) -> i64 {
+        self.ctx.stream_time
+    }
+
+    /// The wall clock as of the last tick, ms.
+    pub fn wall_clock_ms(&self) -> i64 {
+        self.ctx.wall_clock_ms
+    }
+
+    /// The task this processor instance belongs to.
+    pub fn task_id(&self) -> TaskId {
+        self.ctx.task
+    }
+
+    /// The tokio runtime async calls run on.
+    pub fn runtime(&self) -> tokio::runtime::Handle {
+        self.ctx.spawner.handle().clone()
+    }
+
+    /// Async calls of this task not yet completed.
+    pub fn pending_calls(&self) -> usize {
+        self.ctx.spawner.pending()
+    }
+
+    /// Queues a record for any topic (results, alerts, dead letters).
+    pub fn emit(&mut self, record: OutputRecord) {
+        self.ctx.out.push(record);
+    }
+
+    /// Sends the current record's original bytes to its source's dead-letter
+    /// topic with a reason, category and attempt count. Fails when the source
+    /// has no dead-letter topic.
+    pub fn dead_letter(&mut self, reason: &str, category: &str, attempts: u32) -> Result<(), ProcessError> {
+        self.ctx.dead_letter(reason, category, attempts)
+    }
+
+    /// Asks the runtime to commit soon (e.g. after a batch of state updates).
+    pub fn request_commit(&mut self) {
+        self.ctx.commit_requested = true;
+    }
+
+    /// Typed access to a key-value store attached to this processor.
+    pub fn kv<SK: Serialize + DeserializeOwned, SV: Serialize + DeserializeOwned>(
+        &mut self,
+        name: &str,
+    ) -> Result<KvStore<'_, SK, SV>, ProcessError> {
+        let id = self
+            .ctx
+            .store(name)
+            .ok_or_else(|| ProcessError::Fatal(format!("store {name} is not attached to this processor")))?;
+        let position = self.ctx.position();
+        Ok(KvStore {
+            state: self.ctx.state_mut(),
+            id,
+            position,
+            _types: PhantomData,
+        })
+    }
+}
+
+/// A typed view of a key-value store; keys and values are bincode-encoded.
+pub struct KvStore<'a, K, V> {
+    state: &'a mut TaskState,
+    id: StoreId,
+    position: Option<Position>,
+    _types: PhantomData<fn(K, V)>,
+}
+
+impl<K: Serialize + DeserializeOwned, V: Serialize + DeserializeOwned> KvStore<'_, K, V> {
+    /// Reads a value.
+    pub fn get(&self, key: &K) -> Result<Option<V>, ProcessError> {
+        Ok(self.get_with_position(key)?.map(|(v, _)| v))
+    }
+
+    /// Reads a value and the input position it reflects.
+    pub fn get_with_position(&self, key: &K) -> Result<Option<(V, Option<Position>)>, ProcessError> {
+        match self.state.get(self.id, &to_bincode(key))? {
+            None => Ok(None),
+            Some(stored) => {
+                let v = from_bincode(&stored.value)
+                    .map_err(|e| ProcessError::Fatal(format!("corrupt store value: {e}")))?;
+                Ok(Some((v, stored.position)))
+            }
+        }
+    }
+
+    /// True when the stored value of `key` already reflects the current record
+    /// (same source, stamped at or after its offset).
+    pub fn reflects_current(&self, key: &K) -> Result<bool, ProcessError> {
+        let Some(cur) = self.position else {
+            return Ok(false);
+        };
+        Ok(self
+            .state
+            .get(self.id, &to_bincode(key))?
+            .and_then(|s| s.position)
+            .is_some_and(|p| p.covers(&cur)))
+    }
+
+    /// Writes a value, stamped with the current record's position.
+    pub fn put(&mut self, key: &K, value: &V) {
+        self.state
+            .put(self.id, to_bincode(key), &to_bincode(value), self.position);
+    }
+
+    /// Deletes a key.
+    pub fn delete(&mut self, key: &K) {
+        self.state.delete(self.id, to_bincode(key));
+    }
+
+    /// All entries whose encoded key starts with the encoding of `prefix`
+    /// (useful with tuple keys whose first element is the prefix).
+    pub fn scan_prefix_bytes(&self, prefix: &[u8]) -> Result<Vec<(K, V)>, ProcessError> {
+        self.state
+            .prefix_scan(self.id, prefix)?
+            .into_iter()
+            .map(|(k, v)| {
+                let k = from_bincode(&k).map_err(|e| ProcessError::Fatal(format!("corrupt store key: {e}")))?;
+                let v = from_bincode(&v.value).map_err(|e| ProcessError::Fatal(format!("corrupt store value: {e}")))?;
+                Ok((k, v))
+            })
+            .collect()
+    }
+}
+
+/// The state of a processor node in one task, shared between the node in the
+/// operator tree and the completion dispatcher.
+pub(crate) struct ProcState<P, K, V>
+where
+    P: Processor<K, V>,
+{
+    pub(crate) processor: P,
+    pub(crate) kids: Forward<P::OutKey, P::OutValue>,
+    pub(crate) node: usize,
+    pub(crate) _in: PhantomData<fn(K, V)>,
+}
+
+impl<P, K, V> ProcState<P, K, V>
+where
+    P: Processor<K, V>,
+{
+    fn pctx<'a>(&'a mut self, ctx: &'a mut TaskCtx) -> (&'a mut P, ProcessorContext<'a, P::OutKey, P::OutValue, P::Output>) {
+        (
+            &mut self.processor,
+            ProcessorContext {
+                ctx,
+                kids: &mut self.kids,
+                node: self.node,
+                _out: PhantomData,
+            },
+        )
+    }
+}
+
+impl<P, K, V> CompletionTarget for ProcState<P, K, V>
+where
+    P: Processor<K, V>,
+    K: Send + 'static,
+    V: Send + 'static,
+{
+    fn init(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        let (p, mut pc) = self.pctx(ctx);
+        p.init(&mut pc)
+    }
+
+    fn complete(&mut self, output: Box<dyn std::any::Any + Send>, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        let output = output
+            .downcast::<P::Output>()
+            .map_err(|_| ProcessError::Fatal("async output of an unexpected type".into()))?;
+        let (p, mut pc) = self.pctx(ctx);
+        p.complete(*output, &mut pc)
+    }
+}
+
+/// The operator-tree side of a processor.
+pub(crate) struct ProcessorNode<P, K, V>
+where
+    P: Processor<K, V>,
+{
+    pub(crate) state: Arc<Mutex<ProcState<P, K, V>>>,
+}
+
+impl<P, K, V> Node<K, V> for ProcessorNode<P, K, V>
+where
+    P: Processor<K, V>,
+    K: Data,
+    V: Data,
+{
+    fn process(&mut self, rec: Record<K, V>, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        let mut st = self.state.lock();
+        let (p, mut pc) = st.pctx(ctx);
+        p.process(rec, &mut pc)
+    }
+
+    fn punctuate(&mut self, time: Punctuation, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        let mut st = self.state.lock();
+        {
+            let (p, mut pc) = st.pctx(ctx);
+            p.punctuate(time, &mut pc)?;
+        }
+        st.kids.punctuate(time, ctx)
+    }
+}

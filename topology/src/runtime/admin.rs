@@ -1,0 +1,180 @@
+//! Start-up checks and internal topics: source topics must exist and be
+//! co-partitioned within a sub-topology; repartition and changelog topics are
+//! created with the right partition counts and cleanup policies.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::RDKafkaErrorCode;
+use sluice_state::StoreKind;
+
+use super::config::StreamsConfig;
+use super::kafka::client_config;
+use crate::topology::SourceTopic;
+use crate::{Topology, TopologyError};
+
+/// Partition counts of existing topics (absent topics are missing).
+pub(crate) fn partition_counts(cfg: &StreamsConfig, topics: &[String]) -> Result<HashMap<String, i32>, TopologyError> {
+    let consumer: BaseConsumer = client_config(cfg).create()?;
+    let md = consumer.fetch_metadata(None, Duration::from_secs(30))?;
+    let mut out = HashMap::new();
+    for t in md.topics() {
+        if topics.iter().any(|x| x == t.name()) && t.error().is_none() && !t.partitions().is_empty() {
+            out.insert(t.name().to_string(), t.partitions().len() as i32);
+        }
+    }
+    Ok(out)
+}
+
+/// Checks sources and creates internal topics.
+pub(crate) fn prepare_topics(cfg: &StreamsConfig, topology: &Topology) -> Result<(), TopologyError> {
+    let app = &cfg.application_id;
+    let mut all: Vec<String> = Vec::new();
+    for st in topology.subtopologies() {
+        all.extend(st.source_topics(app));
+        for s in st.stores() {
+            all.push(Topology::changelog_topic(app, &s.name));
+        }
+    }
+    let existing = partition_counts(cfg, &all)?;
+    let n = topology.subtopologies().len();
+    let mut parts: Vec<Option<i32>> = vec![None; n];
+    // External sources first; then repartition-fed sub-topologies in order
+    // (each follows its writer).
+    for st in topology.subtopologies() {
+        let mut topics = Vec::new();
+        let mut counts = Vec::new();
+        for s in &st.sources {
+            for t in &s.topics {
+                if let SourceTopic::External(name) = t {
+                    let c = *existing
+                        .get(name)
+                        .ok_or_else(|| TopologyError::MissingTopic(name.clone()))?;
+                    topics.push(name.clone());
+                    counts.push(c);
+                }
+            }
+        }
+        if counts.windows(2).any(|w| w[0] != w[1]) {
+            return Err(TopologyError::NotCoPartitioned {
+                subtopology: st.id,
+                topics,
+                counts,
+            });
+        }
+        parts[st.id] = counts.first().copied();
+    }
+    for _ in 0..n {
+        for st in topology.subtopologies() {
+            for (suffix, upstream) in st.internal_sources() {
+                let name = format!("{app}-{suffix}");
+                let want = match (cfg.repartition_partitions, existing.get(&name), parts[upstream]) {
+                    (_, Some(c), _) => Some(*c),
+                    (Some(c), None, _) => Some(c),
+                    (None, None, up) => up,
+                };
+                if let Some(w) = want {
+                    match parts[st.id] {
+                        None => parts[st.id] = Some(w),
+                        Some(p) if p != w => {
+                            return Err(TopologyError::NotCoPartitioned {
+                                subtopology: st.id,
+                                topics: st.source_topics(app),
+                                counts: vec![p, w],
+                            })
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
+    }
+    let subtopology_partitions: Vec<i32> = parts
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| p.ok_or_else(|| TopologyError::Invalid(format!("cannot size sub-topology {i}"))))
+        .collect::<Result<_, _>>()?;
+
+    let mut to_create: Vec<(String, i32, Vec<(String, String)>)> = Vec::new();
+    for st in topology.subtopologies() {
+        let p = subtopology_partitions[st.id];
+        for (suffix, _) in st.internal_sources() {
+            let name = format!("{app}-{suffix}");
+            check_or_plan(&existing, &name, p, vec![], &mut to_create)?;
+        }
+        for s in st.stores() {
+            if !s.changelogged {
+                continue;
+            }
+            let name = Topology::changelog_topic(app, &s.name);
+            let configs = match s.kind {
+                StoreKind::KeyValue => vec![("cleanup.policy".to_string(), "compact".to_string())],
+                StoreKind::Window { retention_ms } => vec![
+                    ("cleanup.policy".to_string(), "compact,delete".to_string()),
+                    (
+                        "retention.ms".to_string(),
+                        (retention_ms + cfg.windowed_changelog_extra_retention.as_millis() as i64).to_string(),
+                    ),
+                ],
+            };
+            check_or_plan(&existing, &name, p, configs, &mut to_create)?;
+        }
+    }
+    create_topics(cfg, &to_create)
+}
+
+fn check_or_plan(
+    existing: &HashMap<String, i32>,
+    name: &str,
+    partitions: i32,
+    configs: Vec<(String, String)>,
+    plan: &mut Vec<(String, i32, Vec<(String, String)>)>,
+) -> Result<(), TopologyError> {
+    match existing.get(name) {
+        Some(c) if *c != partitions => Err(TopologyError::Invalid(format!(
+            "internal topic {name} has {c} partitions, the topology needs {partitions}"
+        ))),
+        Some(_) => Ok(()),
+        None => {
+            plan.push((name.to_string(), partitions, configs));
+            Ok(())
+        }
+    }
+}
+
+/// Creates topics (name, partitions, configs); existing ones are fine.
+pub fn create_topics_with(
+    cfg: &StreamsConfig,
+    topics: &[(String, i32, Vec<(String, String)>)],
+) -> Result<(), TopologyError> {
+    create_topics(cfg, topics)
+}
+
+fn create_topics(cfg: &StreamsConfig, topics: &[(String, i32, Vec<(String, String)>)]) -> Result<(), TopologyError> {
+    if topics.is_empty() {
+        return Ok(());
+    }
+    let admin: AdminClient<DefaultClientContext> = client_config(cfg).create()?;
+    let new: Vec<NewTopic<'_>> = topics
+        .iter()
+        .map(|(name, p, configs)| {
+            configs.iter().fold(
+                NewTopic::new(name, *p, TopicReplication::Fixed(cfg.replication_factor)),
+                |t, (k, v)| t.set(k, v),
+            )
+        })
+        .collect();
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    let results = futures::executor::block_on(admin.create_topics(&new, &opts))?;
+    for r in results {
+        if let Err((name, code)) = r {
+            if code != RDKafkaErrorCode::TopicAlreadyExists {
+                return Err(TopologyError::Invalid(format!("cannot create topic {name}: {code}")));
+            }
+        }
+    }
+    Ok(())
+}

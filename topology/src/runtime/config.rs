@@ -1,0 +1,145 @@
+//! Runtime configuration of a stream application.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use sluice_state::RocksSettings;
+
+use crate::TopologyError;
+
+/// Processing guarantee.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Guarantee {
+    /// Offsets are committed after outputs and changelogs were acknowledged;
+    /// a crash may repeat output.
+    AtLeastOnce,
+    /// Outputs, changelog writes and consumed offsets are committed atomically
+    /// in Kafka transactions, one transactional id per task.
+    ExactlyOnce,
+}
+
+impl Guarantee {
+    /// The default commit interval for the guarantee.
+    pub fn default_commit_interval(self) -> Duration {
+        match self {
+            Guarantee::AtLeastOnce => Duration::from_secs(1),
+            Guarantee::ExactlyOnce => Duration::from_millis(100),
+        }
+    }
+}
+
+/// Everything the runtime needs besides the topology.
+#[derive(Clone, Debug)]
+pub struct StreamsConfig {
+    /// Application id: the consumer group, the prefix of internal topics and
+    /// transactional ids.
+    pub application_id: String,
+    /// Kafka bootstrap servers.
+    pub bootstrap_servers: String,
+    /// Processing guarantee.
+    pub guarantee: Guarantee,
+    /// How often to commit; `None` for the guarantee's default.
+    pub commit_interval: Option<Duration>,
+    /// Directory for task state (one subdirectory per task).
+    pub state_dir: PathBuf,
+    /// A partition is paused when this many of its records are in flight.
+    pub max_in_flight_per_partition: usize,
+    /// How long revocation waits for in-flight work before abandoning it.
+    pub drain_timeout: Duration,
+    /// Interval of punctuation ticks.
+    pub punctuate_interval: Duration,
+    /// Dirty entries a task's write cache holds before forcing a commit.
+    pub cache_max_entries: usize,
+    /// Replication factor of internal topics.
+    pub replication_factor: i32,
+    /// Partitions of repartition topics; `None` for the writer's partition count.
+    pub repartition_partitions: Option<i32>,
+    /// Extra retention of windowed changelogs beyond the store retention.
+    pub windowed_changelog_extra_retention: Duration,
+    /// Consumer group session timeout.
+    pub session_timeout: Duration,
+    /// Maximum interval between polls before the member is evicted.
+    pub max_poll_interval: Duration,
+    /// Transaction timeout (exactly-once).
+    pub transaction_timeout: Duration,
+    /// Give up restoring a task after this long.
+    pub restore_timeout: Duration,
+    /// Extra librdkafka properties for every client.
+    pub client_overrides: BTreeMap<String, String>,
+    /// Extra librdkafka properties for the main consumer.
+    pub consumer_overrides: BTreeMap<String, String>,
+    /// Extra librdkafka properties for producers.
+    pub producer_overrides: BTreeMap<String, String>,
+    /// RocksDB memory bounds.
+    pub rocksdb: RocksSettings,
+}
+
+impl StreamsConfig {
+    /// A configuration with defaults for everything but the essentials.
+    pub fn new(application_id: &str, bootstrap_servers: &str, state_dir: impl Into<PathBuf>) -> Self {
+        StreamsConfig {
+            application_id: application_id.to_string(),
+            bootstrap_servers: bootstrap_servers.to_string(),
+            guarantee: Guarantee::AtLeastOnce,
+            commit_interval: None,
+            state_dir: state_dir.into(),
+            max_in_flight_per_partition: 1000,
+            drain_timeout: Duration::from_secs(30),
+            punctuate_interval: Duration::from_millis(50),
+            cache_max_entries: 100_000,
+            replication_factor: 1,
+            repartition_partitions: None,
+            windowed_changelog_extra_retention: Duration::from_secs(24 * 3600),
+            session_timeout: Duration::from_secs(45),
+            max_poll_interval: Duration::from_secs(300),
+            transaction_timeout: Duration::from_secs(60),
+            restore_timeout: Duration::from_secs(600),
+            client_overrides: BTreeMap::new(),
+            consumer_overrides: BTreeMap::new(),
+            producer_overrides: BTreeMap::new(),
+            rocksdb: RocksSettings::default(),
+        }
+    }
+
+    /// The effective commit interval.
+    pub fn commit_interval(&self) -> Duration {
+        self.commit_interval
+            .unwrap_or_else(|| self.guarantee.default_commit_interval())
+    }
+
+    /// Checks values the runtime depends on; the error names the key.
+    pub fn validate(&self) -> Result<(), TopologyError> {
+        let bad = |key: &str, reason: &str| {
+            Err(TopologyError::Config {
+                key: key.to_string(),
+                reason: reason.to_string(),
+            })
+        };
+        if self.application_id.is_empty()
+            || !self
+                .application_id
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+        {
+            return bad("application_id", "must be non-empty and use only [A-Za-z0-9._-]");
+        }
+        if self.bootstrap_servers.trim().is_empty() {
+            return bad("bootstrap_servers", "must not be empty");
+        }
+        if self.max_in_flight_per_partition == 0 {
+            return bad("max_in_flight_per_partition", "must be at least 1");
+        }
+        if self.commit_interval().is_zero() {
+            return bad("commit_interval", "must be positive");
+        }
+        if self.replication_factor < 1 {
+            return bad("replication_factor", "must be at least 1");
+        }
+        if self.session_timeout >= self.max_poll_interval {
+            return bad("session_timeout", "must be below max_poll_interval");
+        }
+        Ok(())
+    }
+}

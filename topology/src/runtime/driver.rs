@@ -1,0 +1,912 @@
+//! The driver thread: consumer, tasks, commits, rebalances (see the module
+//! documentation of [`crate::runtime`]).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use crossbeam_channel::{Receiver, Sender};
+use parking_lot::Mutex;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
+use rdkafka::message::{BorrowedMessage, Headers as _, OwnedMessage};
+use rdkafka::producer::Producer;
+use rdkafka::statistics::Statistics;
+use rdkafka::{ClientContext, Message, Offset, TopicPartitionList};
+use sluice_state::{RocksEnv, TaskState};
+
+use super::config::{Guarantee, StreamsConfig};
+use super::kafka::{client_config, create_producer, flush, send, DeliveryState, DeliveryTag, TrackedProducer};
+use super::metrics::EngineMetrics;
+use super::restore::restore_task;
+use super::{AppState, AppStatus, IntakeControl, RuntimeError};
+use crate::context::CompletionMsg;
+use crate::record::Headers;
+use crate::task::{Input, TaskCore};
+use crate::{TaskId, Topology, TopologyError};
+
+const TXN_TIMEOUT: Duration = Duration::from_secs(60);
+const FLUSH_TIMEOUT: Duration = Duration::from_secs(60);
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+type Tp = (String, i32);
+
+/// A task that is processing (or suspended between revoke and assign).
+struct ActiveTask {
+    core: TaskCore,
+    producer: Arc<TrackedProducer>,
+    delivery: Arc<DeliveryState>,
+    txn_open: bool,
+    partitions: Vec<Tp>,
+}
+
+/// What a restore thread hands back.
+struct Restored {
+    state: Option<TaskState>,
+    producer: Arc<TrackedProducer>,
+    delivery: Arc<DeliveryState>,
+}
+
+/// A task being restored on a helper thread; its partitions are paused and
+/// records that still arrive are buffered.
+struct PendingTask {
+    handle: Option<JoinHandle<Result<Restored, RuntimeError>>>,
+    cancel: Arc<AtomicBool>,
+    buffered: Vec<OwnedMessage>,
+    partitions: Vec<Tp>,
+}
+
+/// Everything the driver and the rebalance callbacks share.
+struct Engine {
+    topology: Arc<Topology>,
+    cfg: Arc<StreamsConfig>,
+    metrics: EngineMetrics,
+    env: RocksEnv,
+    runtime: tokio::runtime::Handle,
+    completions_tx: Sender<CompletionMsg>,
+    completions_rx: Receiver<CompletionMsg>,
+    topic_sub: HashMap<String, usize>,
+    tasks: BTreeMap<TaskId, ActiveTask>,
+    suspended: BTreeMap<TaskId, ActiveTask>,
+    pending: BTreeMap<TaskId, PendingTask>,
+    shared_producer: Option<(Arc<TrackedProducer>, Arc<DeliveryState>)>,
+    paused: HashSet<Tp>,
+    last_commit: Instant,
+    last_punctuate: Instant,
+    status: Arc<AppStatus>,
+    intake: IntakeControl,
+    joined: bool,
+    fatal: Option<RuntimeError>,
+}
+
+/// The consumer context: rebalance callbacks run the engine's revoke/assign.
+pub(crate) struct DriverContext {
+    engine: Arc<Mutex<Engine>>,
+    metrics: EngineMetrics,
+}
+
+impl ClientContext for DriverContext {
+    fn stats(&self, stats: Statistics) {
+        for (name, topic) in &stats.topics {
+            let lag: i64 = topic
+                .partitions
+                .values()
+                .filter(|p| p.partition >= 0)
+                .map(|p| p.consumer_lag.max(0))
+                .sum();
+            self.metrics.lag.with_label_values(&[name]).set(lag);
+        }
+    }
+}
+
+impl ConsumerContext for DriverContext {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(tpl) = rebalance {
+            let mut engine = self.engine.lock();
+            if let Err(e) = engine.on_revoke(consumer, tpl) {
+                engine.fail(e);
+            }
+        }
+    }
+
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Assign(tpl) => {
+                let mut engine = self.engine.lock();
+                if let Err(e) = engine.on_assign(consumer, tpl) {
+                    engine.fail(e);
+                }
+            }
+            Rebalance::Revoke(_) => {}
+            Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
+        }
+    }
+}
+
+type DriverConsumer = BaseConsumer<DriverContext>;
+
+/// The driver: owns the consumer; runs on its own thread.
+pub(crate) struct Driver {
+    engine: Arc<Mutex<Engine>>,
+    consumer: DriverConsumer,
+    topics: Vec<String>,
+}
+
+impl Driver {
+    pub(crate) fn new(
+        topology: Arc<Topology>,
+        cfg: Arc<StreamsConfig>,
+        metrics: EngineMetrics,
+        runtime: tokio::runtime::Handle,
+        status: Arc<AppStatus>,
+        intake: IntakeControl,
+    ) -> Result<Self, TopologyError> {
+        let app = cfg.application_id.clone();
+        let mut topic_sub = HashMap::new();
+        let mut topics = Vec::new();
+        for st in topology.subtopologies() {
+            for t in st.source_topics(&app) {
+                topic_sub.insert(t.clone(), st.id);
+                topics.push(t);
+            }
+        }
+        let shared_producer = match cfg.guarantee {
+            Guarantee::AtLeastOnce => Some(create_producer(&cfg, None)?),
+            Guarantee::ExactlyOnce => None,
+        };
+        let (completions_tx, completions_rx) = crossbeam_channel::unbounded();
+        let env = RocksEnv::new(cfg.rocksdb.clone());
+        let engine = Arc::new(Mutex::new(Engine {
+            topology,
+            cfg: cfg.clone(),
+            metrics: metrics.clone(),
+            env,
+            runtime,
+            completions_tx,
+            completions_rx,
+            topic_sub,
+            tasks: BTreeMap::new(),
+            suspended: BTreeMap::new(),
+            pending: BTreeMap::new(),
+            shared_producer,
+            paused: HashSet::new(),
+            last_commit: Instant::now(),
+            last_punctuate: Instant::now(),
+            status,
+            intake,
+            joined: false,
+            fatal: None,
+        }));
+
+        let mut c = client_config(&cfg);
+        let session_ms = cfg.session_timeout.as_millis();
+        c.set("group.id", &app)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.offset.reset", "earliest")
+            .set("partition.assignment.strategy", "range")
+            .set("session.timeout.ms", session_ms.to_string())
+            .set("heartbeat.interval.ms", (session_ms / 3).max(100).to_string())
+            .set("max.poll.interval.ms", cfg.max_poll_interval.as_millis().to_string())
+            .set("statistics.interval.ms", "5000")
+            .set(
+                "isolation.level",
+                match cfg.guarantee {
+                    Guarantee::ExactlyOnce => "read_committed",
+                    Guarantee::AtLeastOnce => "read_uncommitted",
+                },
+            );
+        for (k, v) in &cfg.consumer_overrides {
+            c.set(k, v);
+        }
+        let consumer: DriverConsumer = c.create_with_context(DriverContext {
+            engine: engine.clone(),
+            metrics,
+        })?;
+        Ok(Driver {
+            engine,
+            consumer,
+            topics,
+        })
+    }
+
+    /// Runs until `stop` is set or an error stops the instance.
+    pub(crate) fn run(self, stop: &AtomicBool) -> Result<(), RuntimeError> {
+        let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
+        self.consumer.subscribe(&topics)?;
+        let result = self.main_loop(stop);
+        let mut engine = self.engine.lock();
+        let result = match (result, engine.fatal.take()) {
+            (Err(e), _) | (Ok(()), Some(e)) => Err(e),
+            (Ok(()), None) => Ok(()),
+        };
+        match &result {
+            // Clean stop: drain, commit and close every task.
+            Ok(()) => engine.close_all(&self.consumer, true)?,
+            // Crash semantics: commit nothing more.
+            Err(_) => engine.close_all(&self.consumer, false)?,
+        }
+        drop(engine);
+        self.consumer.unsubscribe();
+        result
+    }
+
+    fn main_loop(&self, stop: &AtomicBool) -> Result<(), RuntimeError> {
+        let batch = 2_000;
+        while !stop.load(Ordering::SeqCst) {
+            let busy = self.engine.lock().has_pending_calls();
+            let mut timeout = Duration::from_millis(if busy { 2 } else { 20 });
+            let mut n = 0;
+            while n < batch {
+                let Some(msg) = self.consumer.poll(timeout) else { break };
+                timeout = Duration::ZERO;
+                match msg {
+                    Ok(m) => {
+                        let mut engine = self.engine.lock();
+                        engine.on_message(&m)?;
+                    }
+                    Err(e) => tracing::warn!(error = %e, "consumer error"),
+                }
+                n += 1;
+            }
+            let mut engine = self.engine.lock();
+            if let Some(e) = engine.fatal.take() {
+                return Err(e);
+            }
+            engine.tick(&self.consumer)?;
+        }
+        Ok(())
+    }
+}
+
+fn headers_of(msg: &impl Message) -> Headers {
+    msg.headers()
+        .map(|h| {
+            h.iter()
+                .map(|h| (h.key.to_string(), h.value.map(<[u8]>::to_vec).unwrap_or_default()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn timestamp_of(msg: &impl Message) -> i64 {
+    msg.timestamp().to_millis().filter(|t| *t >= 0).unwrap_or_else(now_ms)
+}
+
+impl Engine {
+    fn fail(&mut self, e: RuntimeError) {
+        tracing::error!(error = %e, "stream task failed");
+        if self.fatal.is_none() {
+            self.fatal = Some(e);
+        }
+    }
+
+    fn eos(&self) -> bool {
+        self.cfg.guarantee == Guarantee::ExactlyOnce
+    }
+
+    fn has_pending_calls(&self) -> bool {
+        self.tasks.values().any(|t| t.core.ctx.spawner.pending() > 0)
+    }
+
+    fn on_message(&mut self, msg: &BorrowedMessage<'_>) -> Result<(), RuntimeError> {
+        let Some(&sub) = self.topic_sub.get(msg.topic()) else {
+            return Ok(());
+        };
+        let id = TaskId {
+            subtopology: sub as u32,
+            partition: msg.partition(),
+        };
+        if let Some(p) = self.pending.get_mut(&id) {
+            p.buffered.push(msg.detach());
+            return Ok(());
+        }
+        let metrics = self.metrics.clone();
+        let eos = self.eos();
+        let Some(task) = self.tasks.get_mut(&id) else {
+            tracing::debug!(topic = msg.topic(), partition = msg.partition(), "record for a task not assigned here");
+            return Ok(());
+        };
+        process_record(task, msg, &metrics, eos)
+    }
+
+    /// Everything between polls: completions, restores, punctuation, commits,
+    /// pause/resume, status.
+    fn tick(&mut self, consumer: &DriverConsumer) -> Result<(), RuntimeError> {
+        self.handle_completions()?;
+        self.check_restores(consumer)?;
+        if self.last_punctuate.elapsed() >= self.cfg.punctuate_interval {
+            self.last_punctuate = Instant::now();
+            let now = now_ms();
+            let (metrics, eos) = (self.metrics.clone(), self.eos());
+            for task in self.tasks.values_mut() {
+                task.core
+                    .punctuate(now)
+                    .map_err(|error| RuntimeError::Process { task: task.core.id, error })?;
+                send_outputs(task, &metrics, eos)?;
+            }
+        }
+        let cache_full = self.tasks.values().any(|t| {
+            t.core.ctx.commit_requested
+                || t.core
+                    .ctx
+                    .state
+                    .as_ref()
+                    .is_some_and(|s| s.dirty_len() >= self.cfg.cache_max_entries)
+        });
+        if cache_full || self.last_commit.elapsed() >= self.cfg.commit_interval() {
+            self.commit_all(consumer)?;
+        }
+        self.update_pauses(consumer)?;
+        self.update_metrics();
+        Ok(())
+    }
+
+    fn handle_completions(&mut self) -> Result<(), RuntimeError> {
+        let (metrics, eos) = (self.metrics.clone(), self.eos());
+        while let Ok(msg) = self.completions_rx.try_recv() {
+            if let Some(task) = self.tasks.get_mut(&msg.task) {
+                task.core
+                    .complete(msg)
+                    .map_err(|error| RuntimeError::Process { task: task.core.id, error })?;
+                send_outputs(task, &metrics, eos)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Commits every task.
+    fn commit_all(&mut self, consumer: &DriverConsumer) -> Result<(), RuntimeError> {
+        self.last_commit = Instant::now();
+        if self.eos() {
+            let ids: Vec<TaskId> = self.tasks.keys().copied().collect();
+            for id in ids {
+                self.commit_task_eos(consumer, id)?;
+            }
+            Ok(())
+        } else {
+            let ids: Vec<TaskId> = self.tasks.keys().copied().collect();
+            self.commit_alos(consumer, &ids)
+        }
+    }
+
+    fn commit_task_eos(&mut self, consumer: &DriverConsumer, id: TaskId) -> Result<(), RuntimeError> {
+        let app = self.cfg.application_id.clone();
+        let Some(task) = self.tasks.get_mut(&id).or_else(|| self.suspended.get_mut(&id)) else {
+            return Ok(());
+        };
+        task.core.drain_done();
+        task.core.ctx.commit_requested = false;
+        let offsets = task.core.offsets_to_commit();
+        let dirty = task
+            .core
+            .ctx
+            .state
+            .as_ref()
+            .map(|s| s.flush_changelog())
+            .unwrap_or_default();
+        if offsets.is_empty() && dirty.is_empty() && !task.txn_open {
+            return Ok(());
+        }
+        if !task.txn_open {
+            task.producer.begin_transaction()?;
+            task.txn_open = true;
+        }
+        // Outputs first: a changelog record visible to a reader implies the
+        // outputs that preceded it are visible too.
+        flush(&task.producer, &task.delivery, FLUSH_TIMEOUT).map_err(RuntimeError::Other)?;
+        send_changelog(task, &app, dirty)?;
+        flush(&task.producer, &task.delivery, FLUSH_TIMEOUT).map_err(RuntimeError::Other)?;
+        if !offsets.is_empty() {
+            let tpl = offsets_tpl(&task.core, &offsets)?;
+            let meta = consumer
+                .group_metadata()
+                .ok_or_else(|| RuntimeError::Other("no consumer group metadata".into()))?;
+            task.producer.send_offsets_to_transaction(&tpl, &meta, TXN_TIMEOUT)?;
+        }
+        task.producer.commit_transaction(TXN_TIMEOUT)?;
+        task.txn_open = false;
+        let next = task.delivery.take_changelog_next(id);
+        if let Some(state) = task.core.ctx.state.as_mut() {
+            state.commit_local(&next)?;
+        }
+        task.core.mark_committed(&offsets);
+        self.metrics.commits.inc();
+        Ok(())
+    }
+
+    fn commit_alos(&mut self, consumer: &DriverConsumer, ids: &[TaskId]) -> Result<(), RuntimeError> {
+        let Some((producer, delivery)) = self.shared_producer.clone() else {
+            return Ok(());
+        };
+        let app = self.cfg.application_id.clone();
+        let mut work: Vec<(TaskId, Vec<(usize, i64)>)> = Vec::new();
+        flush(&producer, &delivery, FLUSH_TIMEOUT).map_err(RuntimeError::Other)?;
+        for id in ids {
+            let Some(task) = self.tasks.get_mut(id).or_else(|| self.suspended.get_mut(id)) else {
+                continue;
+            };
+            task.core.drain_done();
+            task.core.ctx.commit_requested = false;
+            let dirty = task
+                .core
+                .ctx
+                .state
+                .as_ref()
+                .map(|s| s.flush_changelog())
+                .unwrap_or_default();
+            send_changelog(task, &app, dirty)?;
+            work.push((*id, task.core.offsets_to_commit()));
+        }
+        flush(&producer, &delivery, FLUSH_TIMEOUT).map_err(RuntimeError::Other)?;
+        let mut tpl = TopicPartitionList::new();
+        for (id, offsets) in &work {
+            let task = self
+                .tasks
+                .get_mut(id)
+                .or_else(|| self.suspended.get_mut(id))
+                .expect("task listed above");
+            let next = delivery.take_changelog_next(*id);
+            if let Some(state) = task.core.ctx.state.as_mut() {
+                state.commit_local(&next)?;
+            }
+            for (slot, offset) in offsets {
+                let s = &task.core.slots[*slot];
+                tpl.add_partition_offset(&s.topic, s.partition, Offset::Offset(*offset))?;
+            }
+        }
+        if tpl.count() > 0 {
+            consumer.commit(&tpl, CommitMode::Sync)?;
+        }
+        for (id, offsets) in &work {
+            if let Some(task) = self.tasks.get_mut(id).or_else(|| self.suspended.get_mut(id)) {
+                task.core.mark_committed(offsets);
+            }
+        }
+        self.metrics.commits.inc();
+        Ok(())
+    }
+
+    fn update_pauses(&mut self, consumer: &DriverConsumer) -> Result<(), RuntimeError> {
+        let held = self.intake.is_held();
+        let max = self.cfg.max_in_flight_per_partition;
+        let mut to_pause = TopicPartitionList::new();
+        let mut to_resume = TopicPartitionList::new();
+        for task in self.tasks.values_mut() {
+            task.core.drain_done();
+            for (slot, tracker) in task.core.slots.iter().zip(&task.core.trackers) {
+                let tp = (slot.topic.clone(), slot.partition);
+                let n = tracker.in_flight();
+                let paused = self.paused.contains(&tp);
+                if !paused && (held || n >= max) {
+                    to_pause.add_partition(&tp.0, tp.1);
+                    self.paused.insert(tp);
+                } else if paused && !held && n <= max / 2 {
+                    to_resume.add_partition(&tp.0, tp.1);
+                    self.paused.remove(&tp);
+                }
+            }
+        }
+        if to_pause.count() > 0 {
+            consumer.pause(&to_pause)?;
+        }
+        if to_resume.count() > 0 {
+            consumer.resume(&to_resume)?;
+        }
+        Ok(())
+    }
+
+    fn update_metrics(&self) {
+        let in_flight: usize = self.tasks.values().map(|t| t.core.in_flight()).sum();
+        self.metrics.in_flight.set(in_flight as i64);
+        self.metrics.paused.set(self.paused.len() as i64);
+        self.metrics
+            .tasks
+            .with_label_values(&["running"])
+            .set(self.tasks.len() as i64);
+        self.metrics
+            .tasks
+            .with_label_values(&["restoring"])
+            .set(self.pending.len() as i64);
+        let state = if !self.joined {
+            AppState::Starting
+        } else if self.pending.is_empty() {
+            AppState::Running
+        } else {
+            AppState::Restoring
+        };
+        if self.fatal.is_none() {
+            self.status.set(state);
+        }
+    }
+
+    /// Revocation: stop intake of the revoked tasks, drain their in-flight work,
+    /// commit, and suspend them until the assignment that follows.
+    fn on_revoke(&mut self, consumer: &DriverConsumer, tpl: &TopicPartitionList) -> Result<(), RuntimeError> {
+        self.metrics.rebalances.inc();
+        self.status.set(AppState::Rebalancing);
+        let revoked: HashSet<Tp> = tpl
+            .elements()
+            .iter()
+            .map(|e| (e.topic().to_string(), e.partition()))
+            .collect();
+        let hit = |parts: &[Tp]| parts.iter().any(|p| revoked.contains(p));
+        let pending: Vec<TaskId> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| hit(&p.partitions))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in pending {
+            if let Some(mut p) = self.pending.remove(&id) {
+                p.cancel.store(true, Ordering::SeqCst);
+                if let Some(h) = p.handle.take() {
+                    let _ = h.join();
+                }
+            }
+        }
+        let ids: Vec<TaskId> = self
+            .tasks
+            .iter()
+            .filter(|(_, t)| hit(&t.partitions))
+            .map(|(id, _)| *id)
+            .collect();
+        if self.fatal.is_some() {
+            for id in ids {
+                self.tasks.remove(&id);
+            }
+            return Ok(());
+        }
+        self.drain(&ids)?;
+        if self.eos() {
+            for id in &ids {
+                self.commit_task_eos(consumer, *id)?;
+            }
+        } else {
+            self.commit_alos(consumer, &ids)?;
+        }
+        for id in ids {
+            if let Some(task) = self.tasks.remove(&id) {
+                for tp in &task.partitions {
+                    self.paused.remove(tp);
+                }
+                self.suspended.insert(id, task);
+            }
+        }
+        self.status.set_tasks(self.tasks.keys().copied());
+        Ok(())
+    }
+
+    /// Waits for the in-flight async calls of `ids` (handling completions of all
+    /// tasks meanwhile) up to the drain timeout, then abandons what is left.
+    fn drain(&mut self, ids: &[TaskId]) -> Result<(), RuntimeError> {
+        let deadline = Instant::now() + self.cfg.drain_timeout;
+        let (metrics, eos) = (self.metrics.clone(), self.eos());
+        loop {
+            let pending: usize = ids
+                .iter()
+                .filter_map(|id| self.tasks.get(id))
+                .map(|t| t.core.ctx.spawner.pending())
+                .sum();
+            if pending == 0 {
+                return Ok(());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                tracing::warn!(pending, "drain timeout: abandoning in-flight calls; their records stay uncommitted");
+                for id in ids {
+                    if let Some(t) = self.tasks.get_mut(id) {
+                        t.core.abort_pending();
+                    }
+                }
+                return Ok(());
+            }
+            if let Ok(msg) = self.completions_rx.recv_timeout(left.min(Duration::from_millis(50))) {
+                if let Some(task) = self.tasks.get_mut(&msg.task) {
+                    task.core
+                        .complete(msg)
+                        .map_err(|error| RuntimeError::Process { task: task.core.id, error })?;
+                    send_outputs(task, &metrics, eos)?;
+                }
+            }
+        }
+    }
+
+    /// Assignment: resume suspended tasks that stayed here, close the others,
+    /// and restore new ones with their partitions paused.
+    fn on_assign(&mut self, consumer: &DriverConsumer, tpl: &TopicPartitionList) -> Result<(), RuntimeError> {
+        self.joined = true;
+        let mut by_task: BTreeMap<TaskId, Vec<Tp>> = BTreeMap::new();
+        for e in tpl.elements() {
+            if let Some(&sub) = self.topic_sub.get(e.topic()) {
+                by_task
+                    .entry(TaskId {
+                        subtopology: sub as u32,
+                        partition: e.partition(),
+                    })
+                    .or_default()
+                    .push((e.topic().to_string(), e.partition()));
+            }
+        }
+        let gone: Vec<TaskId> = self
+            .suspended
+            .keys()
+            .filter(|id| !by_task.contains_key(id))
+            .copied()
+            .collect();
+        for id in gone {
+            if let Some(task) = self.suspended.remove(&id) {
+                tracing::info!(task = %id, "task moved to another instance");
+                drop(task);
+            }
+        }
+        let mut to_pause = TopicPartitionList::new();
+        for (id, parts) in by_task {
+            if self.tasks.contains_key(&id) || self.pending.contains_key(&id) {
+                continue;
+            }
+            if let Some(task) = self.suspended.remove(&id) {
+                self.tasks.insert(id, task);
+                continue;
+            }
+            for (t, p) in &parts {
+                to_pause.add_partition(t, *p);
+                self.paused.insert((t.clone(), *p));
+            }
+            self.start_restore(id, parts);
+        }
+        if to_pause.count() > 0 {
+            consumer.pause(&to_pause)?;
+        }
+        self.status.set_tasks(self.tasks.keys().copied());
+        Ok(())
+    }
+
+    fn start_restore(&mut self, id: TaskId, partitions: Vec<Tp>) {
+        let cancel = Arc::new(AtomicBool::new(false));
+        let cfg = self.cfg.clone();
+        let topology = self.topology.clone();
+        let env = self.env.clone();
+        let metrics = self.metrics.clone();
+        let shared = self.shared_producer.clone();
+        let stop = cancel.clone();
+        let handle = std::thread::Builder::new()
+            .name(format!("sluice-restore-{id}"))
+            .spawn(move || init_task(&cfg, &topology, &env, &metrics, shared, id, &stop))
+            .ok();
+        self.pending.insert(
+            id,
+            PendingTask {
+                handle,
+                cancel,
+                buffered: Vec::new(),
+                partitions,
+            },
+        );
+    }
+
+    /// Activates tasks whose restore finished.
+    fn check_restores(&mut self, consumer: &DriverConsumer) -> Result<(), RuntimeError> {
+        let done: Vec<TaskId> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| p.handle.as_ref().is_none_or(|h| h.is_finished()))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in done {
+            let mut p = self.pending.remove(&id).expect("listed above");
+            let restored = match p.handle.take() {
+                Some(h) => h
+                    .join()
+                    .unwrap_or_else(|_| Err(RuntimeError::Other(format!("restore of task {id} panicked"))))?,
+                None => return Err(RuntimeError::Other(format!("cannot start restore thread for task {id}"))),
+            };
+            let sub = &self.topology.subtopologies()[id.subtopology as usize];
+            let core = TaskCore::new(
+                sub,
+                id.partition,
+                &self.cfg.application_id,
+                restored.state,
+                self.runtime.clone(),
+                self.completions_tx.clone(),
+            )?;
+            let mut task = ActiveTask {
+                core,
+                producer: restored.producer,
+                delivery: restored.delivery,
+                txn_open: false,
+                partitions: p.partitions.clone(),
+            };
+            let (metrics, eos) = (self.metrics.clone(), self.eos());
+            for msg in p.buffered.drain(..) {
+                process_record(&mut task, &msg, &metrics, eos)?;
+            }
+            tracing::info!(task = %id, "task restored; processing");
+            let mut resume = TopicPartitionList::new();
+            if !self.intake.is_held() {
+                for (t, part) in &p.partitions {
+                    resume.add_partition(t, *part);
+                    self.paused.remove(&(t.clone(), *part));
+                }
+            }
+            self.tasks.insert(id, task);
+            if resume.count() > 0 {
+                consumer.resume(&resume)?;
+            }
+        }
+        self.status.set_tasks(self.tasks.keys().copied());
+        Ok(())
+    }
+
+    /// Closes every task: with `commit`, drains and commits first.
+    fn close_all(&mut self, consumer: &DriverConsumer, commit: bool) -> Result<(), RuntimeError> {
+        for (_, mut p) in std::mem::take(&mut self.pending) {
+            p.cancel.store(true, Ordering::SeqCst);
+            if let Some(h) = p.handle.take() {
+                let _ = h.join();
+            }
+        }
+        let ids: Vec<TaskId> = self.tasks.keys().copied().collect();
+        if commit && !ids.is_empty() {
+            self.drain(&ids)?;
+            self.commit_all(consumer)?;
+        }
+        for (_, mut t) in std::mem::take(&mut self.tasks) {
+            t.core.abort_pending();
+            if t.txn_open {
+                let _ = t.producer.abort_transaction(TXN_TIMEOUT);
+                self.metrics.aborted.inc();
+            }
+        }
+        self.suspended.clear();
+        self.status.set_tasks([]);
+        Ok(())
+    }
+}
+
+fn offsets_tpl(core: &TaskCore, offsets: &[(usize, i64)]) -> Result<TopicPartitionList, RuntimeError> {
+    let mut tpl = TopicPartitionList::new();
+    for (slot, offset) in offsets {
+        let s = &core.slots[*slot];
+        tpl.add_partition_offset(&s.topic, s.partition, Offset::Offset(*offset))?;
+    }
+    Ok(tpl)
+}
+
+fn process_record(task: &mut ActiveTask, msg: &impl Message, metrics: &EngineMetrics, eos: bool) -> Result<(), RuntimeError> {
+    let Some(slot) = task.core.slot_of(msg.topic()) else {
+        return Ok(());
+    };
+    let started = Instant::now();
+    let input = Input {
+        offset: msg.offset(),
+        key: msg.key(),
+        value: msg.payload(),
+        timestamp: timestamp_of(msg),
+        headers: headers_of(msg),
+    };
+    task.core
+        .process(slot, input)
+        .map_err(|error| RuntimeError::Process { task: task.core.id, error })?;
+    metrics.records_in.inc();
+    metrics.process_seconds.observe(started.elapsed().as_secs_f64());
+    send_outputs(task, metrics, eos)
+}
+
+fn send_outputs(task: &mut ActiveTask, metrics: &EngineMetrics, eos: bool) -> Result<(), RuntimeError> {
+    let out = task.core.take_output();
+    if out.is_empty() {
+        flush_counters(task, metrics);
+        return Ok(());
+    }
+    if eos && !task.txn_open {
+        task.producer.begin_transaction()?;
+        task.txn_open = true;
+    }
+    for r in &out {
+        send(
+            &task.producer,
+            &r.topic,
+            r.partition,
+            r.key.as_deref(),
+            r.value.as_deref(),
+            Some(r.timestamp),
+            &r.headers,
+            DeliveryTag::Output,
+        )?;
+    }
+    metrics.records_out.inc_by(out.len() as u64);
+    flush_counters(task, metrics);
+    Ok(())
+}
+
+fn flush_counters(task: &mut ActiveTask, metrics: &EngineMetrics) {
+    let c = &mut task.core.ctx.counters;
+    if c.late_dropped > 0 {
+        metrics.late.inc_by(std::mem::take(&mut c.late_dropped));
+    }
+    if c.replay_skipped > 0 {
+        metrics.replay_skipped.inc_by(std::mem::take(&mut c.replay_skipped));
+    }
+    for (cat, n) in c.dead_lettered.drain() {
+        metrics.dlq.with_label_values(&[&cat]).inc_by(n);
+    }
+}
+
+fn send_changelog(task: &mut ActiveTask, app: &str, dirty: Vec<sluice_state::ChangelogRecord>) -> Result<(), RuntimeError> {
+    if dirty.is_empty() {
+        return Ok(());
+    }
+    let names: Vec<String> = task
+        .core
+        .ctx
+        .state
+        .as_ref()
+        .map(|s| s.specs().map(|s| Topology::changelog_topic(app, &s.name)).collect())
+        .unwrap_or_default();
+    let id = task.core.id;
+    let no_headers = Vec::new();
+    for rec in dirty {
+        send(
+            &task.producer,
+            &names[rec.store.0],
+            Some(id.partition),
+            Some(&rec.key),
+            rec.value.as_deref(),
+            None,
+            &no_headers,
+            DeliveryTag::Changelog {
+                task: id,
+                store: rec.store.0,
+            },
+        )?;
+    }
+    Ok(())
+}
+
+/// Runs on a restore thread: fence (exactly-once), open state, restore.
+fn init_task(
+    cfg: &StreamsConfig,
+    topology: &Topology,
+    env: &RocksEnv,
+    metrics: &EngineMetrics,
+    shared: Option<(Arc<TrackedProducer>, Arc<DeliveryState>)>,
+    id: TaskId,
+    cancel: &AtomicBool,
+) -> Result<Restored, RuntimeError> {
+    let started = Instant::now();
+    let (producer, delivery) = match shared {
+        Some(p) => p,
+        None => {
+            let txn_id = format!("{}-{}", cfg.application_id, id);
+            let (p, d) = create_producer(cfg, Some(&txn_id))?;
+            // Fences whatever transaction a previous owner of this task left open.
+            p.init_transactions(TXN_TIMEOUT)?;
+            (p, d)
+        }
+    };
+    let sub = &topology.subtopologies()[id.subtopology as usize];
+    let state = if sub.stores().is_empty() {
+        None
+    } else {
+        let dir = cfg.state_dir.join(&cfg.application_id).join(id.to_string());
+        let mut state = TaskState::open(&dir, sub.stores(), env)?;
+        let stats = restore_task(cfg, id, &mut state, &producer, &delivery, cancel)?;
+        metrics.restore_records.inc_by(stats.records);
+        tracing::info!(task = %id, records = stats.records, "restored");
+        Some(state)
+    };
+    metrics.observe_restore(started.elapsed());
+    Ok(Restored {
+        state,
+        producer,
+        delivery,
+    })
+}

@@ -1,0 +1,189 @@
+//! Kafka clients of the runtime: client configuration, producers with delivery
+//! tracking, and sending records.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use rdkafka::config::ClientConfig;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
+use rdkafka::{ClientContext, Message};
+
+use super::config::StreamsConfig;
+use crate::record::Headers;
+use crate::TaskId;
+
+/// What a produced record was, so its delivery report can be attributed.
+pub(crate) enum DeliveryTag {
+    /// An output record.
+    Output,
+    /// A changelog record of a task's store.
+    Changelog { task: TaskId, store: usize },
+    /// A restore barrier; its offset is sent back.
+    Barrier(std::sync::mpsc::Sender<Result<i64, String>>),
+}
+
+/// Delivery outcomes of one producer.
+#[derive(Default)]
+pub(crate) struct DeliveryState {
+    errors: AtomicU64,
+    first_error: Mutex<Option<String>>,
+    changelog_next: Mutex<HashMap<(TaskId, usize), i64>>,
+}
+
+impl DeliveryState {
+    /// The first delivery error since the last call, if any.
+    pub(crate) fn take_error(&self) -> Option<String> {
+        if self.errors.swap(0, Ordering::AcqRel) == 0 {
+            return None;
+        }
+        self.first_error.lock().take().or_else(|| Some("delivery failed".into()))
+    }
+
+    /// Next changelog offsets per store of a task, from delivery reports.
+    pub(crate) fn take_changelog_next(&self, task: TaskId) -> HashMap<sluice_state::StoreId, i64> {
+        let mut map = self.changelog_next.lock();
+        let keys: Vec<(TaskId, usize)> = map.keys().filter(|(t, _)| *t == task).copied().collect();
+        keys.into_iter()
+            .filter_map(|k| map.remove(&k).map(|v| (sluice_state::StoreId(k.1), v)))
+            .collect()
+    }
+}
+
+/// Producer context recording delivery outcomes.
+pub(crate) struct TrackingContext {
+    pub(crate) state: Arc<DeliveryState>,
+}
+
+impl ClientContext for TrackingContext {}
+
+impl ProducerContext for TrackingContext {
+    type DeliveryOpaque = Box<DeliveryTag>;
+
+    fn delivery(&self, result: &DeliveryResult<'_>, tag: Self::DeliveryOpaque) {
+        match (result, *tag) {
+            (Ok(msg), DeliveryTag::Changelog { task, store }) => {
+                let mut map = self.state.changelog_next.lock();
+                let next = map.entry((task, store)).or_insert(0);
+                *next = (*next).max(msg.offset() + 1);
+            }
+            (Ok(msg), DeliveryTag::Barrier(tx)) => {
+                let _ = tx.send(Ok(msg.offset()));
+            }
+            (Ok(_), DeliveryTag::Output) => {}
+            (Err((e, _)), DeliveryTag::Barrier(tx)) => {
+                let _ = tx.send(Err(e.to_string()));
+            }
+            (Err((e, msg)), _) => {
+                self.state.errors.fetch_add(1, Ordering::AcqRel);
+                let mut first = self.state.first_error.lock();
+                if first.is_none() {
+                    *first = Some(format!("delivery to {}/{} failed: {e}", msg.topic(), msg.partition()));
+                }
+            }
+        }
+    }
+}
+
+/// A producer with delivery tracking.
+pub(crate) type TrackedProducer = ThreadedProducer<TrackingContext>;
+
+/// Base client config: bootstrap servers and client overrides.
+pub(crate) fn client_config(cfg: &StreamsConfig) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", &cfg.bootstrap_servers);
+    for (k, v) in &cfg.client_overrides {
+        c.set(k, v);
+    }
+    c
+}
+
+/// Creates a producer; `transactional_id` makes it transactional.
+pub(crate) fn create_producer(
+    cfg: &StreamsConfig,
+    transactional_id: Option<&str>,
+) -> Result<(Arc<TrackedProducer>, Arc<DeliveryState>), KafkaError> {
+    let mut c = client_config(cfg);
+    c.set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", "5")
+        .set("batch.num.messages", "10000")
+        .set("queue.buffering.max.messages", "500000")
+        .set("compression.type", "lz4")
+        // Same partitioner as the Java clients, so keyed records land where
+        // Java producers (and Kafka Streams) would put them.
+        .set("partitioner", "murmur2_random");
+    if let Some(id) = transactional_id {
+        c.set("transactional.id", id)
+            .set("transaction.timeout.ms", cfg.transaction_timeout.as_millis().to_string());
+    }
+    for (k, v) in &cfg.producer_overrides {
+        c.set(k, v);
+    }
+    let state = Arc::new(DeliveryState::default());
+    let producer: TrackedProducer = c.create_with_context(TrackingContext { state: state.clone() })?;
+    Ok((Arc::new(producer), state))
+}
+
+/// Sends one record, waiting while the local queue is full.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn send(
+    producer: &TrackedProducer,
+    topic: &str,
+    partition: Option<i32>,
+    key: Option<&[u8]>,
+    value: Option<&[u8]>,
+    timestamp: Option<i64>,
+    headers: &Headers,
+    tag: DeliveryTag,
+) -> Result<(), KafkaError> {
+    let owned_headers = (!headers.is_empty()).then(|| {
+        headers.iter().fold(OwnedHeaders::new_with_capacity(headers.len()), |h, (k, v)| {
+            h.insert(Header {
+                key: k,
+                value: Some(v.as_slice()),
+            })
+        })
+    });
+    let mut record: BaseRecord<'_, [u8], [u8], Box<DeliveryTag>> = BaseRecord::with_opaque_to(topic, Box::new(tag));
+    if let Some(k) = key {
+        record = record.key(k);
+    }
+    if let Some(v) = value {
+        record = record.payload(v);
+    }
+    if let Some(p) = partition {
+        record = record.partition(p);
+    }
+    if let Some(ts) = timestamp.filter(|t| *t >= 0) {
+        record = record.timestamp(ts);
+    }
+    if let Some(h) = owned_headers {
+        record = record.headers(h);
+    }
+    loop {
+        match producer.send(record) {
+            Ok(()) => return Ok(()),
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
+                record = r;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err((e, _)) => return Err(e),
+        }
+    }
+}
+
+/// Flushes a producer and reports the first delivery error.
+pub(crate) fn flush(producer: &TrackedProducer, state: &DeliveryState, timeout: Duration) -> Result<(), String> {
+    producer
+        .flush(timeout)
+        .map_err(|e| format!("producer flush failed: {e}"))?;
+    match state.take_error() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}

@@ -1,0 +1,146 @@
+//! Engine metrics (prefix `sluice_`), registered into a caller's registry.
+//! Labels are bounded: topics, task states and dead-letter categories only.
+
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+
+/// Metric names of the engine.
+pub mod names {
+    /// Records consumed from input topics.
+    pub const RECORDS_IN: &str = "sluice_records_in_total";
+    /// Records produced (outputs, not changelogs).
+    pub const RECORDS_OUT: &str = "sluice_records_out_total";
+    /// Time to process one input record synchronously (async calls excluded).
+    pub const PROCESS_SECONDS: &str = "sluice_process_seconds";
+    /// Records in flight (received, not finished).
+    pub const IN_FLIGHT: &str = "sluice_in_flight_records";
+    /// Paused input partitions.
+    pub const PAUSED: &str = "sluice_paused_partitions";
+    /// Rebalances seen by this instance.
+    pub const REBALANCES: &str = "sluice_rebalances_total";
+    /// Time to restore a task.
+    pub const RESTORE_SECONDS: &str = "sluice_restore_seconds";
+    /// Changelog records restored.
+    pub const RESTORE_RECORDS: &str = "sluice_restore_records_total";
+    /// Commits (transactions committed under exactly-once).
+    pub const COMMITS: &str = "sluice_commits_total";
+    /// Transactions aborted.
+    pub const ABORTED: &str = "sluice_aborted_transactions_total";
+    /// Consumer lag per topic, from client statistics.
+    pub const LAG: &str = "sluice_consumer_lag";
+    /// Records sent to dead-letter topics by the engine, by category.
+    pub const DLQ: &str = "sluice_dlq_records_total";
+    /// Records dropped after their window's grace period.
+    pub const LATE: &str = "sluice_late_records_dropped_total";
+    /// Replayed records already reflected in restored state.
+    pub const REPLAY_SKIPPED: &str = "sluice_replay_skipped_total";
+    /// Tasks by state.
+    pub const TASKS: &str = "sluice_tasks";
+}
+
+/// The engine's metric handles.
+#[derive(Clone)]
+pub struct EngineMetrics {
+    pub(crate) records_in: IntCounter,
+    pub(crate) records_out: IntCounter,
+    pub(crate) process_seconds: Histogram,
+    pub(crate) in_flight: IntGauge,
+    pub(crate) paused: IntGauge,
+    pub(crate) rebalances: IntCounter,
+    pub(crate) restore_seconds: Histogram,
+    pub(crate) restore_records: IntCounter,
+    pub(crate) commits: IntCounter,
+    pub(crate) aborted: IntCounter,
+    pub(crate) lag: IntGaugeVec,
+    pub(crate) dlq: IntCounterVec,
+    pub(crate) late: IntCounter,
+    pub(crate) replay_skipped: IntCounter,
+    pub(crate) tasks: IntGaugeVec,
+    restore_max_ms: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl EngineMetrics {
+    /// Creates and registers the metrics.
+    pub fn register(registry: &Registry) -> prometheus::Result<Self> {
+        let m = EngineMetrics {
+            records_in: IntCounter::new(names::RECORDS_IN, "Records consumed from input topics")?,
+            records_out: IntCounter::new(names::RECORDS_OUT, "Records produced to output topics")?,
+            process_seconds: Histogram::with_opts(
+                HistogramOpts::new(names::PROCESS_SECONDS, "Synchronous processing time per input record")
+                    .buckets(vec![1e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 0.1, 1.0]),
+            )?,
+            in_flight: IntGauge::new(names::IN_FLIGHT, "Input records received and not finished")?,
+            paused: IntGauge::new(names::PAUSED, "Input partitions paused for backpressure")?,
+            rebalances: IntCounter::new(names::REBALANCES, "Rebalances seen")?,
+            restore_seconds: Histogram::with_opts(
+                HistogramOpts::new(names::RESTORE_SECONDS, "Time to restore a task's state")
+                    .buckets(vec![0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0, 600.0]),
+            )?,
+            restore_records: IntCounter::new(names::RESTORE_RECORDS, "Changelog records restored")?,
+            commits: IntCounter::new(names::COMMITS, "Commits")?,
+            aborted: IntCounter::new(names::ABORTED, "Transactions aborted")?,
+            lag: IntGaugeVec::new(Opts::new(names::LAG, "Consumer lag per input topic"), &["topic"])?,
+            dlq: IntCounterVec::new(Opts::new(names::DLQ, "Records dead-lettered by the engine"), &["category"])?,
+            late: IntCounter::new(names::LATE, "Records dropped after their window's grace period")?,
+            replay_skipped: IntCounter::new(names::REPLAY_SKIPPED, "Replayed records already reflected in state")?,
+            tasks: IntGaugeVec::new(Opts::new(names::TASKS, "Tasks of this instance by state"), &["state"])?,
+            restore_max_ms: Default::default(),
+        };
+        registry.register(Box::new(m.records_in.clone()))?;
+        registry.register(Box::new(m.records_out.clone()))?;
+        registry.register(Box::new(m.process_seconds.clone()))?;
+        registry.register(Box::new(m.in_flight.clone()))?;
+        registry.register(Box::new(m.paused.clone()))?;
+        registry.register(Box::new(m.rebalances.clone()))?;
+        registry.register(Box::new(m.restore_seconds.clone()))?;
+        registry.register(Box::new(m.restore_records.clone()))?;
+        registry.register(Box::new(m.commits.clone()))?;
+        registry.register(Box::new(m.aborted.clone()))?;
+        registry.register(Box::new(m.lag.clone()))?;
+        registry.register(Box::new(m.dlq.clone()))?;
+        registry.register(Box::new(m.late.clone()))?;
+        registry.register(Box::new(m.replay_skipped.clone()))?;
+        registry.register(Box::new(m.tasks.clone()))?;
+        Ok(m)
+    }
+
+    /// Unregistered metrics (for tools that do not export them).
+    pub fn unregistered() -> Self {
+        Self::register(&Registry::new()).expect("metrics register into a fresh registry")
+    }
+
+    /// Restore records counted so far (for tests and benchmarks).
+    pub fn restored_records(&self) -> u64 {
+        self.restore_records.get()
+    }
+
+    /// Total seconds spent restoring tasks.
+    pub fn restore_seconds_sum(&self) -> f64 {
+        self.restore_seconds.get_sample_sum()
+    }
+
+    /// The longest single task restore, seconds.
+    pub fn restore_seconds_max(&self) -> f64 {
+        self.restore_max_ms.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1000.0
+    }
+
+    pub(crate) fn observe_restore(&self, elapsed: std::time::Duration) {
+        self.restore_seconds.observe(elapsed.as_secs_f64());
+        self.restore_max_ms
+            .fetch_max(elapsed.as_millis() as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Commits counted so far.
+    pub fn commit_count(&self) -> u64 {
+        self.commits.get()
+    }
+
+    /// Rebalances seen so far.
+    pub fn rebalance_count(&self) -> u64 {
+        self.rebalances.get()
+    }
+
+    /// Records consumed so far.
+    pub fn records_in(&self) -> u64 {
+        self.records_in.get()
+    }
+}

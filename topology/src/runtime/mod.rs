@@ -1,0 +1,292 @@
+//! The Kafka runtime: runs a [`Topology`] as one member of a consumer group.
+//!
+//! One driver thread per instance owns the consumer and the tasks (a task per
+//! sub-topology and input partition). It polls continuously — records of paused
+//! partitions simply stop arriving — hands records to tasks, routes the
+//! completions of async operator calls back to their tasks, punctuates, and
+//! commits every `commit_interval`:
+//!
+//! - at-least-once: outputs flushed, changelog records sent and flushed, local
+//!   state written, then the offsets of the contiguous finished prefix committed;
+//! - exactly-once: per task, in the task's transaction (transactional id
+//!   `<app-id>-<task-id>`): outputs flushed, changelog records sent and flushed,
+//!   offsets sent to the transaction, commit; then local state written.
+//!
+//! Local state only ever receives committed writes, so it never has to be wiped.
+//! On revocation the driver stops intake for the task, drains its in-flight work
+//! (up to `drain_timeout`, then abandons it uncommitted), commits and suspends it;
+//! on assignment a suspended task resumes at once and a new one is restored on a
+//! helper thread (after fencing its previous owner) while its partitions stay
+//! paused and polling goes on.
+
+pub mod config;
+pub mod metrics;
+
+mod admin;
+mod driver;
+mod kafka;
+mod restore;
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use parking_lot::Mutex;
+
+pub use admin::create_topics_with;
+pub use config::{Guarantee, StreamsConfig};
+pub use metrics::EngineMetrics;
+pub use restore::BARRIER_HEADER;
+
+use crate::{ProcessError, TaskId, Topology, TopologyError};
+
+/// Why the runtime stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    /// A Kafka client failed.
+    #[error("kafka: {0}")]
+    Kafka(#[from] rdkafka::error::KafkaError),
+    /// A state store failed.
+    #[error("state: {0}")]
+    State(#[from] sluice_state::StateError),
+    /// The topology or config is invalid.
+    #[error(transparent)]
+    Topology(#[from] TopologyError),
+    /// A record's processing failed in a way that stops the task.
+    #[error("task {task}: {error}")]
+    Process {
+        /// The task.
+        task: TaskId,
+        /// What failed.
+        error: ProcessError,
+    },
+    /// A restore was cancelled by a rebalance.
+    #[error("cancelled")]
+    Cancelled,
+    /// Anything else.
+    #[error("{0}")]
+    Other(String),
+}
+
+/// Life-cycle state of an instance.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AppState {
+    /// Created, not yet part of the group.
+    Starting,
+    /// Partitions are being (re)assigned.
+    Rebalancing,
+    /// Some assigned tasks are restoring their state.
+    Restoring,
+    /// Every assigned task is processing.
+    Running,
+    /// Stopped cleanly.
+    Stopped,
+    /// Stopped by an error.
+    Failed(String),
+}
+
+/// Shared view of an instance's state, for health endpoints.
+#[derive(Debug)]
+pub struct AppStatus {
+    state: Mutex<AppState>,
+    tasks: Mutex<BTreeSet<TaskId>>,
+}
+
+impl AppStatus {
+    fn new() -> Self {
+        AppStatus {
+            state: Mutex::new(AppState::Starting),
+            tasks: Mutex::new(BTreeSet::new()),
+        }
+    }
+
+    /// The current state.
+    pub fn state(&self) -> AppState {
+        self.state.lock().clone()
+    }
+
+    /// True once every assigned task has restored and is processing.
+    pub fn is_ready(&self) -> bool {
+        *self.state.lock() == AppState::Running
+    }
+
+    /// Tasks this instance runs.
+    pub fn tasks(&self) -> Vec<TaskId> {
+        self.tasks.lock().iter().copied().collect()
+    }
+
+    pub(crate) fn set(&self, s: AppState) {
+        *self.state.lock() = s;
+    }
+
+    pub(crate) fn set_tasks(&self, tasks: impl IntoIterator<Item = TaskId>) {
+        *self.tasks.lock() = tasks.into_iter().collect();
+    }
+}
+
+/// Holds intake: while any hold is active, every assigned partition is paused
+/// (polling continues). For an application that must stop consuming without
+/// losing its place, e.g. while its provider rejects its credentials.
+#[derive(Clone, Debug, Default)]
+pub struct IntakeControl {
+    holds: Arc<Mutex<BTreeSet<String>>>,
+}
+
+impl IntakeControl {
+    /// Adds a named hold.
+    pub fn hold(&self, reason: &str) {
+        self.holds.lock().insert(reason.to_string());
+    }
+
+    /// Removes a named hold.
+    pub fn release(&self, reason: &str) {
+        self.holds.lock().remove(reason);
+    }
+
+    /// True while any hold is active.
+    pub fn is_held(&self) -> bool {
+        !self.holds.lock().is_empty()
+    }
+
+    /// The active holds.
+    pub fn holds(&self) -> Vec<String> {
+        self.holds.lock().iter().cloned().collect()
+    }
+}
+
+/// A stream application, ready to start.
+pub struct StreamsApp {
+    topology: Arc<Topology>,
+    cfg: Arc<StreamsConfig>,
+    metrics: EngineMetrics,
+    runtime: Option<tokio::runtime::Handle>,
+    intake: IntakeControl,
+}
+
+impl StreamsApp {
+    /// Combines a topology, its configuration and metric handles.
+    pub fn new(topology: Topology, cfg: StreamsConfig, metrics: EngineMetrics) -> Self {
+        StreamsApp {
+            topology: Arc::new(topology),
+            cfg: Arc::new(cfg),
+            metrics,
+            runtime: None,
+            intake: IntakeControl::default(),
+        }
+    }
+
+    /// Runs async operator calls on this tokio runtime (else the app creates one).
+    pub fn with_runtime(mut self, handle: tokio::runtime::Handle) -> Self {
+        self.runtime = Some(handle);
+        self
+    }
+
+    /// The intake control of this application.
+    pub fn intake(&self) -> IntakeControl {
+        self.intake.clone()
+    }
+
+    /// Validates the configuration, checks source topics (existence,
+    /// co-partitioning), creates internal topics, then starts the driver thread.
+    /// Any problem found before processing starts is returned here.
+    pub fn start(self) -> Result<RunningApp, TopologyError> {
+        self.cfg.validate()?;
+        admin::prepare_topics(&self.cfg, &self.topology)?;
+        let shutdown = Arc::new(AtomicBool::new(false));
+        let status = Arc::new(AppStatus::new());
+        let (own_runtime, handle) = match self.runtime {
+            Some(h) => (None, h),
+            None => {
+                let rt = tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .enable_all()
+                    .thread_name("sluice-async")
+                    .build()
+                    .map_err(|e| TopologyError::Invalid(format!("cannot start tokio runtime: {e}")))?;
+                let h = rt.handle().clone();
+                (Some(rt), h)
+            }
+        };
+        let driver = driver::Driver::new(
+            self.topology,
+            self.cfg,
+            self.metrics,
+            handle,
+            status.clone(),
+            self.intake.clone(),
+        )?;
+        let stop = shutdown.clone();
+        let st = status.clone();
+        let thread = std::thread::Builder::new()
+            .name("sluice-driver".into())
+            .spawn(move || {
+                let result = driver.run(&stop);
+                match &result {
+                    Ok(()) => st.set(AppState::Stopped),
+                    Err(e) => {
+                        tracing::error!(error = %e, "stream driver stopped");
+                        st.set(AppState::Failed(e.to_string()))
+                    }
+                }
+                drop(own_runtime);
+                result
+            })
+            .map_err(|e| TopologyError::Invalid(format!("cannot start driver thread: {e}")))?;
+        Ok(RunningApp {
+            shutdown,
+            status,
+            intake: self.intake,
+            thread: Some(thread),
+        })
+    }
+}
+
+/// A started application.
+pub struct RunningApp {
+    shutdown: Arc<AtomicBool>,
+    status: Arc<AppStatus>,
+    intake: IntakeControl,
+    thread: Option<JoinHandle<Result<(), RuntimeError>>>,
+}
+
+impl RunningApp {
+    /// Asks the driver to stop: drain, commit, leave the group.
+    pub fn shutdown(&self) {
+        self.shutdown.store(true, Ordering::SeqCst);
+    }
+
+    /// The instance's status.
+    pub fn status(&self) -> Arc<AppStatus> {
+        self.status.clone()
+    }
+
+    /// The intake control.
+    pub fn intake(&self) -> IntakeControl {
+        self.intake.clone()
+    }
+
+    /// True once the driver thread ended.
+    pub fn is_finished(&self) -> bool {
+        self.thread.as_ref().is_none_or(|t| t.is_finished())
+    }
+
+    /// Waits for the driver to end and returns how it ended.
+    pub fn join(mut self) -> Result<(), RuntimeError> {
+        match self.thread.take() {
+            Some(t) => t
+                .join()
+                .unwrap_or_else(|_| Err(RuntimeError::Other("driver thread panicked".into()))),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for RunningApp {
+    fn drop(&mut self) {
+        if let Some(t) = self.thread.take() {
+            self.shutdown.store(true, Ordering::SeqCst);
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,170 @@
+//! Restores a task's stores from their changelogs.
+//!
+//! The end of a changelog partition is found without trusting the broker's high
+//! watermark: before reading, the restorer writes a barrier record to every
+//! partition it restores (inside a committed transaction under exactly-once,
+//! after the task's producer fenced any transaction its previous owner left
+//! open) and reads until it meets that record. Whatever the broker reports, the
+//! barrier is the last record that matters.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::Headers as _;
+use rdkafka::{Message, Offset, TopicPartitionList};
+use sluice_state::{RestoreStats, StoreId, TaskState};
+
+use super::config::{Guarantee, StreamsConfig};
+use super::kafka::{client_config, flush, send, DeliveryState, DeliveryTag, TrackedProducer};
+use super::RuntimeError;
+use crate::{TaskId, Topology};
+
+/// Header marking restore barrier records; restores skip them.
+pub const BARRIER_HEADER: &str = "sluice.barrier";
+const BARRIER_KEY: &[u8] = b"\0sluice.barrier";
+
+/// Restores the changelogged stores of one task. Returns what was applied.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn restore_task(
+    cfg: &StreamsConfig,
+    task: TaskId,
+    state: &mut TaskState,
+    producer: &TrackedProducer,
+    delivery: &DeliveryState,
+    cancel: &AtomicBool,
+) -> Result<RestoreStats, RuntimeError> {
+    let stores: Vec<(StoreId, String)> = state
+        .specs()
+        .enumerate()
+        .filter(|(_, s)| s.changelogged)
+        .map(|(i, s)| (StoreId(i), Topology::changelog_topic(&cfg.application_id, &s.name)))
+        .collect();
+    let mut stats = RestoreStats::default();
+    if stores.is_empty() {
+        return Ok(stats);
+    }
+    let barriers = write_barriers(cfg, task, &stores, producer, delivery)?;
+
+    let mut c = client_config(cfg);
+    c.set("group.id", format!("{}-restore", cfg.application_id))
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("fetch.max.bytes", "52428800")
+        .set("max.partition.fetch.bytes", "10485760");
+    if cfg.guarantee == Guarantee::ExactlyOnce {
+        c.set("isolation.level", "read_committed");
+    }
+    let consumer: BaseConsumer = c.create()?;
+    let mut tpl = TopicPartitionList::new();
+    let mut remaining: HashMap<String, (StoreId, i64)> = HashMap::new();
+    for ((id, topic), barrier) in stores.iter().zip(&barriers) {
+        let mut from = state.restore_offset(*id);
+        if from > *barrier {
+            tracing::warn!(%task, topic, from, barrier, "checkpoint is past the changelog end; restoring in full");
+            state.wipe_store(*id)?;
+            from = 0;
+        }
+        if from >= *barrier {
+            state.finish_restore(*id, *barrier + 1)?;
+            continue;
+        }
+        tpl.add_partition_offset(topic, task.partition, Offset::Offset(from))?;
+        remaining.insert(topic.clone(), (*id, *barrier));
+    }
+    if remaining.is_empty() {
+        return Ok(stats);
+    }
+    consumer.assign(&tpl)?;
+    let deadline = Instant::now() + cfg.restore_timeout;
+    let mut batches: HashMap<StoreId, Vec<(Vec<u8>, Option<Vec<u8>>)>> = HashMap::new();
+    while !remaining.is_empty() {
+        if cancel.load(Ordering::Relaxed) {
+            return Err(RuntimeError::Cancelled);
+        }
+        if Instant::now() > deadline {
+            return Err(RuntimeError::Other(format!(
+                "task {task}: restore did not reach the end of {:?} within {:?}",
+                remaining.keys().collect::<Vec<_>>(),
+                cfg.restore_timeout
+            )));
+        }
+        let Some(msg) = consumer.poll(Duration::from_millis(100)) else {
+            continue;
+        };
+        let msg = msg?;
+        let Some(&(id, barrier)) = remaining.get(msg.topic()) else {
+            continue;
+        };
+        let is_barrier = msg
+            .headers()
+            .is_some_and(|h| h.iter().any(|h| h.key == BARRIER_HEADER));
+        if msg.offset() < barrier && !is_barrier {
+            if let Some(key) = msg.key() {
+                batches
+                    .entry(id)
+                    .or_default()
+                    .push((key.to_vec(), msg.payload().map(<[u8]>::to_vec)));
+            }
+            if batches.get(&id).is_some_and(|b| b.len() >= 10_000) {
+                let batch = batches.remove(&id).unwrap_or_default();
+                state.apply_restored(id, &batch, &mut stats)?;
+            }
+        }
+        if msg.offset() >= barrier {
+            let batch = batches.remove(&id).unwrap_or_default();
+            state.apply_restored(id, &batch, &mut stats)?;
+            state.finish_restore(id, barrier + 1)?;
+            remaining.remove(msg.topic());
+        }
+    }
+    Ok(stats)
+}
+
+/// Writes a barrier record to each changelog partition and returns their
+/// offsets, in `stores` order.
+fn write_barriers(
+    cfg: &StreamsConfig,
+    task: TaskId,
+    stores: &[(StoreId, String)],
+    producer: &TrackedProducer,
+    delivery: &DeliveryState,
+) -> Result<Vec<i64>, RuntimeError> {
+    use rdkafka::producer::Producer;
+    let eos = cfg.guarantee == Guarantee::ExactlyOnce;
+    let timeout = Duration::from_secs(30);
+    if eos {
+        producer.begin_transaction()?;
+    }
+    let headers = vec![(BARRIER_HEADER.to_string(), task.to_string().into_bytes())];
+    let mut receivers = Vec::new();
+    for (_, topic) in stores {
+        let (tx, rx) = std::sync::mpsc::channel();
+        send(
+            producer,
+            topic,
+            Some(task.partition),
+            Some(BARRIER_KEY),
+            Some(b""),
+            None,
+            &headers,
+            DeliveryTag::Barrier(tx),
+        )?;
+        receivers.push(rx);
+    }
+    if eos {
+        producer.commit_transaction(timeout)?;
+    } else {
+        flush(producer, delivery, timeout).map_err(RuntimeError::Other)?;
+    }
+    receivers
+        .into_iter()
+        .map(|rx| match rx.recv_timeout(timeout) {
+            Ok(Ok(offset)) => Ok(offset),
+            Ok(Err(e)) => Err(RuntimeError::Other(format!("task {task}: restore barrier failed: {e}"))),
+            Err(_) => Err(RuntimeError::Other(format!("task {task}: restore barrier not acknowledged"))),
+        })
+        .collect()
+}

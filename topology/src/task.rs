@@ -1,0 +1,326 @@
+//! A task: the operators of one sub-topology for one partition number, its
+//! state, and the offset tracking of its input partitions. The Kafka runtime and
+//! the in-process test driver both drive tasks through this type.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+
+use crossbeam_channel::{Receiver, Sender};
+use parking_lot::Mutex;
+use sluice_state::{Position, TaskState};
+
+use crate::context::{CompletionMsg, Spawner, TaskCtx};
+use crate::node::{CompletionTarget, Punctuation};
+use crate::offsets::{OffsetTracker, RecordToken};
+use crate::record::{Headers, OutputRecord, RawRecord};
+use crate::topology::{RawView, SourceNode, SubTopology};
+use crate::{ProcessError, TopologyError};
+
+/// Dead-letter header names.
+pub mod dlq_headers {
+    /// Why the record was dead-lettered (short, machine-readable).
+    pub const REASON: &str = "dlq.reason";
+    /// The category (`poison`, `bad_request`, …).
+    pub const CATEGORY: &str = "dlq.category";
+    /// Processing attempts made.
+    pub const ATTEMPTS: &str = "dlq.attempts";
+    /// Source topic of the original record.
+    pub const ORIGINAL_TOPIC: &str = "dlq.original.topic";
+    /// Source partition of the original record.
+    pub const ORIGINAL_PARTITION: &str = "dlq.original.partition";
+    /// Source offset of the original record.
+    pub const ORIGINAL_OFFSET: &str = "dlq.original.offset";
+    /// When it was dead-lettered (RFC 3339).
+    pub const SENT_AT: &str = "dlq.sent.at";
+}
+
+/// Identifies a task: sub-topology and partition number.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TaskId {
+    /// The sub-topology.
+    pub subtopology: u32,
+    /// The partition number of its input topics.
+    pub partition: i32,
+}
+
+impl fmt::Display for TaskId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}_{}", self.subtopology, self.partition)
+    }
+}
+
+/// Stable id of a source topic, stamped into state positions (FNV-1a).
+pub fn source_id(topic: &str) -> u32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in topic.as_bytes() {
+        h ^= u32::from(*b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h & 0x7fff_ffff
+}
+
+/// One input partition of a task.
+#[derive(Clone, Debug)]
+pub(crate) struct InputSlot {
+    pub(crate) topic: String,
+    pub(crate) partition: i32,
+    pub(crate) source: usize,
+    pub(crate) source_id: u32,
+    pub(crate) dead_letter: Option<String>,
+}
+
+/// An input record handed to a task.
+pub(crate) struct Input<'a> {
+    pub(crate) offset: i64,
+    pub(crate) key: Option<&'a [u8]>,
+    pub(crate) value: Option<&'a [u8]>,
+    pub(crate) timestamp: i64,
+    pub(crate) headers: Headers,
+}
+
+/// The operators, state and offsets of one task.
+pub(crate) struct TaskCore {
+    pub(crate) id: TaskId,
+    pub(crate) ctx: TaskCtx,
+    sources: Vec<Box<dyn SourceNode>>,
+    targets: Vec<Arc<Mutex<dyn CompletionTarget>>>,
+    pub(crate) slots: Vec<InputSlot>,
+    pub(crate) trackers: Vec<OffsetTracker>,
+    done_tx: Sender<(usize, i64)>,
+    done_rx: Receiver<(usize, i64)>,
+    replay_until: HashMap<u32, i64>,
+}
+
+impl TaskCore {
+    /// Instantiates the operators of `sub` for `partition` over restored `state`.
+    pub(crate) fn new(
+        sub: &SubTopology,
+        partition: i32,
+        app_id: &str,
+        state: Option<TaskState>,
+        runtime: tokio::runtime::Handle,
+        completions: Sender<CompletionMsg>,
+    ) -> Result<TaskCore, TopologyError> {
+        let id = TaskId {
+            subtopology: sub.id as u32,
+            partition,
+        };
+        let replay_until = state
+            .as_ref()
+            .map(|s| s.reflected_positions().clone())
+            .unwrap_or_default();
+        let ctx = TaskCtx::new(id, state, Spawner::new(runtime, completions, id));
+        let instance = sub.instantiate(app_id, &ctx.stores)?;
+        let mut slots = Vec::new();
+        for (i, src) in sub.sources.iter().enumerate() {
+            for t in &src.topics {
+                let topic = t.resolve(app_id);
+                slots.push(InputSlot {
+                    source_id: source_id(&topic),
+                    topic,
+                    partition,
+                    source: i,
+                    dead_letter: src.dead_letter.clone(),
+                });
+            }
+        }
+        let (done_tx, done_rx) = crossbeam_channel::unbounded();
+        let mut ctx = ctx;
+        ctx.dead_letter_topics = slots
+            .iter()
+            .map(|s| (s.topic.clone(), s.dead_letter.clone()))
+            .collect();
+        let mut task = TaskCore {
+            id,
+            ctx,
+            sources: instance.sources,
+            targets: instance.targets,
+            trackers: slots.iter().map(|_| OffsetTracker::default()).collect(),
+            slots,
+            done_tx,
+            done_rx,
+            replay_until,
+        };
+        for t in task.targets.clone() {
+            t.lock()
+                .init(&mut task.ctx)
+                .map_err(|e| TopologyError::Invalid(format!("processor init failed in task {id}: {e}")))?;
+        }
+        Ok(task)
+    }
+
+    /// The slot of an input topic.
+    pub(crate) fn slot_of(&self, topic: &str) -> Option<usize> {
+        self.slots.iter().position(|s| s.topic == topic)
+    }
+
+    /// Processes one input record. Dead letters are queued as output; other
+    /// errors are returned and stop the task.
+    pub(crate) fn process(&mut self, slot: usize, input: Input<'_>) -> Result<(), ProcessError> {
+        let info = &self.slots[slot];
+        self.trackers[slot].received(input.offset);
+        let position = Position {
+            source: info.source_id,
+            offset: input.offset,
+        };
+        let replay = self
+            .replay_until
+            .get(&info.source_id)
+            .is_some_and(|until| input.offset <= *until);
+        let raw = info.dead_letter.as_ref().map(|_| {
+            Arc::new(RawRecord {
+                topic: info.topic.clone(),
+                partition: info.partition,
+                offset: input.offset,
+                key: input.key.map(<[u8]>::to_vec),
+                value: input.value.map(<[u8]>::to_vec),
+                timestamp: input.timestamp,
+                headers: input.headers.clone(),
+            })
+        });
+        let source = info.source;
+        let token = RecordToken::new(slot, position, raw, replay, self.done_tx.clone());
+        self.ctx.current = Some(token);
+        self.ctx.stream_time = self.ctx.stream_time.max(input.timestamp);
+        let view = RawView {
+            key: input.key,
+            value: input.value,
+            timestamp: input.timestamp,
+            headers: input.headers,
+        };
+        let result = self.sources[source].process(view, &mut self.ctx);
+        let result = self.handle(result, slot, input.offset);
+        self.ctx.current = None;
+        result
+    }
+
+    /// Handles the completion of an async call.
+    pub(crate) fn complete(&mut self, msg: CompletionMsg) -> Result<(), ProcessError> {
+        let Some(tokens) = self.ctx.spawner.finish(msg.call) else {
+            return Ok(());
+        };
+        let Some(target) = self.targets.get(msg.node).cloned() else {
+            return Err(ProcessError::Fatal(format!("completion for unknown node {}", msg.node)));
+        };
+        let (slot, offset) = tokens
+            .first()
+            .map(|t| (t.slot, t.position.offset))
+            .unwrap_or((usize::MAX, -1));
+        self.ctx.current = (tokens.len() == 1).then(|| tokens[0].clone());
+        let result = target.lock().complete(msg.output, &mut self.ctx);
+        let result = self.handle(result, slot, offset);
+        self.ctx.current = None;
+        drop(tokens);
+        result
+    }
+
+    fn handle(&mut self, result: Result<(), ProcessError>, slot: usize, offset: i64) -> Result<(), ProcessError> {
+        match result {
+            Err(ProcessError::DeadLetter { reason, category }) => self
+                .ctx
+                .dead_letter(&reason, &category, 1)
+                .map_err(|e| match self.slots.get(slot) {
+                    Some(s) => ProcessError::Fatal(format!(
+                        "record {}/{}/{offset} must be dead-lettered ({reason}) but: {e}",
+                        s.topic, s.partition
+                    )),
+                    None => e,
+                }),
+            other => other,
+        }
+    }
+
+    /// Calls every operator's punctuation.
+    pub(crate) fn punctuate(&mut self, wall_clock_ms: i64) -> Result<(), ProcessError> {
+        self.ctx.wall_clock_ms = wall_clock_ms;
+        let p = Punctuation {
+            wall_clock_ms,
+            stream_time: self.ctx.stream_time,
+        };
+        for s in &mut self.sources {
+            s.punctuate(p, &mut self.ctx)?;
+        }
+        Ok(())
+    }
+
+    /// Applies finished-record reports to the offset trackers.
+    pub(crate) fn drain_done(&mut self) {
+        while let Ok((slot, offset)) = self.done_rx.try_recv() {
+            if let Some(t) = self.trackers.get_mut(slot) {
+                t.finished(offset);
+            }
+        }
+    }
+
+    /// Records in flight across the task's inputs.
+    pub(crate) fn in_flight(&self) -> usize {
+        self.trackers.iter().map(OffsetTracker::in_flight).sum()
+    }
+
+    /// Takes the queued output records.
+    pub(crate) fn take_output(&mut self) -> Vec<OutputRecord> {
+        std::mem::take(&mut self.ctx.out)
+    }
+
+    /// Offsets that moved since the last commit: (slot, offset to commit).
+    pub(crate) fn offsets_to_commit(&self) -> Vec<(usize, i64)> {
+        self.trackers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, t)| t.to_commit().map(|o| (i, o)))
+            .collect()
+    }
+
+    pub(crate) fn mark_committed(&mut self, offsets: &[(usize, i64)]) {
+        for (slot, o) in offsets {
+            self.trackers[*slot].mark_committed(*o);
+        }
+    }
+
+    /// Cancels pending async calls (on abandon).
+    pub(crate) fn abort_pending(&mut self) {
+        self.ctx.spawner.abort_all();
+    }
+}
+
+impl TaskCtx {
+    /// Queues the current record's original bytes for its source's dead-letter
+    /// topic, with the reason headers.
+    pub(crate) fn dead_letter(&mut self, reason: &str, category: &str, attempts: u32) -> Result<(), ProcessError> {
+        let Some(token) = self.current.clone() else {
+            return Err(ProcessError::Fatal("no current record to dead-letter".into()));
+        };
+        let Some(raw) = token.raw.as_ref() else {
+            return Err(ProcessError::Fatal("its source has no dead-letter topic".into()));
+        };
+        let topic = self
+            .dead_letter_topics
+            .get(&raw.topic)
+            .cloned()
+            .flatten()
+            .ok_or_else(|| ProcessError::Fatal("its source has no dead-letter topic".into()))?;
+        let mut headers = raw.headers.clone();
+        let mut add = |k: &str, v: String| headers.push((k.to_string(), v.into_bytes()));
+        add(dlq_headers::REASON, reason.to_string());
+        add(dlq_headers::CATEGORY, category.to_string());
+        add(dlq_headers::ATTEMPTS, attempts.to_string());
+        add(dlq_headers::ORIGINAL_TOPIC, raw.topic.clone());
+        add(dlq_headers::ORIGINAL_PARTITION, raw.partition.to_string());
+        add(dlq_headers::ORIGINAL_OFFSET, raw.offset.to_string());
+        add(
+            dlq_headers::SENT_AT,
+            chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+        );
+        *self.counters.dead_lettered.entry(category.to_string()).or_default() += 1;
+        self.out.push(OutputRecord {
+            topic,
+            partition: None,
+            key: raw.key.clone(),
+            value: raw.value.clone(),
+            timestamp: raw.timestamp,
+            headers,
+        });
+        Ok(())
+    }
+}

@@ -1,0 +1,174 @@
+//! A built topology: sub-topologies (connected groups of operators that share
+//! tasks), their sources, stores and internal topics.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use sluice_state::{StoreId, StoreKind, StoreSpec};
+
+use crate::context::TaskCtx;
+use crate::node::{CompletionTarget, Instantiator, Punctuation};
+use crate::record::Headers;
+use crate::{ProcessError, TopologyError};
+
+/// A source topic of a sub-topology.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum SourceTopic {
+    /// A user topic.
+    External(String),
+    /// An internal (repartition) topic, by suffix; its partition count follows
+    /// the sub-topology that writes it.
+    Internal { suffix: String, upstream: usize },
+}
+
+impl SourceTopic {
+    pub(crate) fn resolve(&self, app_id: &str) -> String {
+        match self {
+            SourceTopic::External(t) => t.clone(),
+            SourceTopic::Internal { suffix, .. } => format!("{app_id}-{suffix}"),
+        }
+    }
+}
+
+/// An undecoded record as handed to a source.
+pub(crate) struct RawView<'a> {
+    pub(crate) key: Option<&'a [u8]>,
+    pub(crate) value: Option<&'a [u8]>,
+    pub(crate) timestamp: i64,
+    pub(crate) headers: Headers,
+}
+
+/// The decoding entry of a sub-topology, instantiated per task.
+pub(crate) trait SourceNode: Send {
+    fn process(&mut self, view: RawView<'_>, ctx: &mut TaskCtx) -> Result<(), ProcessError>;
+    fn punctuate(&mut self, p: Punctuation, ctx: &mut TaskCtx) -> Result<(), ProcessError>;
+}
+
+pub(crate) type SourceFactory =
+    Arc<dyn Fn(&mut Instantiator<'_>) -> Result<Box<dyn SourceNode>, TopologyError> + Send + Sync>;
+
+/// A source as declared in the DSL.
+#[derive(Clone)]
+pub(crate) struct SourceDef {
+    pub(crate) topics: Vec<SourceTopic>,
+    pub(crate) group: usize,
+    pub(crate) dead_letter: Option<String>,
+    pub(crate) factory: SourceFactory,
+}
+
+/// Operators that share tasks: everything reachable from a set of sources.
+pub struct SubTopology {
+    /// Index of the sub-topology.
+    pub id: usize,
+    pub(crate) sources: Vec<SourceDef>,
+    pub(crate) stores: Vec<StoreSpec>,
+}
+
+impl SubTopology {
+    /// Source topics with the application id applied, in source order.
+    pub fn source_topics(&self, app_id: &str) -> Vec<String> {
+        self.sources
+            .iter()
+            .flat_map(|s| s.topics.iter().map(|t| t.resolve(app_id)))
+            .collect()
+    }
+
+    /// The stores of this sub-topology.
+    pub fn stores(&self) -> &[StoreSpec] {
+        &self.stores
+    }
+
+    pub(crate) fn internal_sources(&self) -> impl Iterator<Item = (&str, usize)> {
+        self.sources.iter().flat_map(|s| {
+            s.topics.iter().filter_map(|t| match t {
+                SourceTopic::Internal { suffix, upstream } => Some((suffix.as_str(), *upstream)),
+                SourceTopic::External(_) => None,
+            })
+        })
+    }
+
+    /// Instantiates the operators for one task: a source node per declared
+    /// source (index-aligned with `self.sources`) and the async targets.
+    pub(crate) fn instantiate(
+        &self,
+        app_id: &str,
+        stores: &HashMap<String, StoreId>,
+    ) -> Result<Instance, TopologyError> {
+        let mut inst = Instantiator {
+            stores,
+            targets: Vec::new(),
+            app_id,
+        };
+        let sources = self
+            .sources
+            .iter()
+            .map(|s| (s.factory)(&mut inst))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Instance {
+            sources,
+            targets: inst.targets,
+        })
+    }
+}
+
+/// The operators of one task.
+pub(crate) struct Instance {
+    pub(crate) sources: Vec<Box<dyn SourceNode>>,
+    pub(crate) targets: Vec<Arc<Mutex<dyn CompletionTarget>>>,
+}
+
+/// A topology ready to run: built by [`crate::StreamBuilder::build`].
+pub struct Topology {
+    pub(crate) subtopologies: Vec<SubTopology>,
+}
+
+impl Topology {
+    /// The sub-topologies, in id order.
+    pub fn subtopologies(&self) -> &[SubTopology] {
+        &self.subtopologies
+    }
+
+    /// Name of a store's changelog topic.
+    pub fn changelog_topic(app_id: &str, store: &str) -> String {
+        format!("{app_id}-{store}-changelog")
+    }
+
+    /// A human-readable description (sources, stores, internal topics).
+    pub fn describe(&self, app_id: &str) -> String {
+        let mut out = String::new();
+        for st in &self.subtopologies {
+            let _ = writeln!(out, "Sub-topology {}", st.id);
+            for s in &st.sources {
+                let topics: Vec<String> = s.topics.iter().map(|t| t.resolve(app_id)).collect();
+                let _ = writeln!(
+                    out,
+                    "  source {:?}{}",
+                    topics,
+                    s.dead_letter
+                        .as_ref()
+                        .map(|d| format!(" (dead letters to {d})"))
+                        .unwrap_or_default()
+                );
+            }
+            for store in &st.stores {
+                let kind = match store.kind {
+                    StoreKind::KeyValue => "key-value".to_string(),
+                    StoreKind::Window { retention_ms } => format!("window, retention {retention_ms} ms"),
+                };
+                let _ = writeln!(
+                    out,
+                    "  store {} ({kind}){}",
+                    store.name,
+                    if store.changelogged {
+                        format!(", changelog {}", Self::changelog_topic(app_id, &store.name))
+                    } else {
+                        String::new()
+                    }
+                );
+            }
+        }
+        out
+    }
+}

@@ -1,0 +1,390 @@
+//! Time windows and the aggregation operators (windowed and not) with their
+//! grace period, emit modes, replay safety and window expiry.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use sluice_state::StoreId;
+
+use crate::codec::{from_bincode, to_bincode};
+use crate::context::TaskCtx;
+use crate::node::{Data, Forward, Node, Punctuation};
+use crate::record::Record;
+use crate::ProcessError;
+
+/// A time window, `[start, end)` in ms.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Window {
+    /// Inclusive start, ms.
+    pub start: i64,
+    /// Exclusive end, ms.
+    pub end: i64,
+}
+
+/// A key qualified by the window it was aggregated in.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Windowed<K> {
+    /// The record key.
+    pub key: K,
+    /// The window.
+    pub window: Window,
+}
+
+/// Tumbling (advance = size) or hopping (advance < size) windows aligned to the
+/// epoch, with a grace period for late records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TimeWindows {
+    /// Window length, ms.
+    pub size_ms: i64,
+    /// Distance between window starts, ms.
+    pub advance_ms: i64,
+    /// How long after its end a window still accepts records, ms.
+    pub grace_ms: i64,
+}
+
+impl TimeWindows {
+    /// Non-overlapping windows of `size`.
+    pub fn tumbling(size: Duration) -> Self {
+        let ms = size.as_millis() as i64;
+        TimeWindows {
+            size_ms: ms,
+            advance_ms: ms,
+            grace_ms: 0,
+        }
+    }
+
+    /// Overlapping windows of `size` starting every `advance`.
+    pub fn hopping(size: Duration, advance: Duration) -> Self {
+        TimeWindows {
+            size_ms: size.as_millis() as i64,
+            advance_ms: advance.as_millis() as i64,
+            grace_ms: 0,
+        }
+    }
+
+    /// Sets the grace period.
+    pub fn grace(mut self, grace: Duration) -> Self {
+        self.grace_ms = grace.as_millis() as i64;
+        self
+    }
+
+    /// The windows a timestamp falls in, oldest first.
+    pub fn windows_for(&self, ts: i64) -> impl Iterator<Item = Window> + '_ {
+        let last_start = ts - ts.rem_euclid(self.advance_ms);
+        let mut start = last_start;
+        while start - self.advance_ms > ts - self.size_ms {
+            start -= self.advance_ms;
+        }
+        (0..)
+            .map(move |i| start + i * self.advance_ms)
+            .take_while(move |s| *s <= last_start)
+            .map(move |s| Window {
+                start: s,
+                end: s + self.size_ms,
+            })
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), String> {
+        if self.size_ms <= 0 || self.advance_ms <= 0 || self.grace_ms < 0 {
+            return Err("window size and advance must be positive, grace non-negative".into());
+        }
+        if self.advance_ms > self.size_ms {
+            return Err("window advance must not exceed its size".into());
+        }
+        Ok(())
+    }
+}
+
+/// When an aggregation forwards its results.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EmitMode {
+    /// Every update of every window (a changelog stream of the table).
+    OnUpdate,
+    /// Once per window, when stream time passes its end plus grace.
+    OnWindowClose,
+}
+
+/// Stream time and emission progress of a windowed aggregation, kept in its
+/// store under a key no window key can have (shorter than a window key).
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
+pub(crate) struct AggMeta {
+    stream_time: i64,
+    /// Every window whose end is at or before this was emitted (final mode).
+    emitted_until: i64,
+}
+
+const META_KEY: &[u8] = b"\0meta";
+
+/// The aggregate function of an aggregation.
+pub(crate) type AggFn<K, V, A> = Arc<dyn Fn(&K, &V, A) -> A + Send + Sync>;
+
+/// Windowed aggregation over a window store.
+pub(crate) struct WindowAggNode<K, V, A> {
+    pub(crate) store: StoreId,
+    pub(crate) windows: TimeWindows,
+    pub(crate) retention_ms: i64,
+    pub(crate) emit: EmitMode,
+    pub(crate) init: Arc<dyn Fn() -> A + Send + Sync>,
+    pub(crate) agg: AggFn<K, V, A>,
+    pub(crate) kids: Forward<Windowed<K>, A>,
+    pub(crate) meta: Option<AggMeta>,
+    pub(crate) last_expiry: i64,
+}
+
+impl<K, V, A> WindowAggNode<K, V, A>
+where
+    K: Data + Serialize + DeserializeOwned,
+    V: Data,
+    A: Data + Serialize + DeserializeOwned,
+{
+    pub(crate) fn new(
+        store: StoreId,
+        windows: TimeWindows,
+        retention_ms: i64,
+        emit: EmitMode,
+        init: Arc<dyn Fn() -> A + Send + Sync>,
+        agg: AggFn<K, V, A>,
+        kids: Forward<Windowed<K>, A>,
+    ) -> Self {
+        WindowAggNode {
+            store,
+            windows,
+            retention_ms,
+            emit,
+            init,
+            agg,
+            kids,
+            meta: None,
+            last_expiry: i64::MIN,
+        }
+    }
+
+    fn load_meta(&mut self, ctx: &mut TaskCtx) -> Result<AggMeta, ProcessError> {
+        if let Some(m) = self.meta {
+            return Ok(m);
+        }
+        let m = match ctx.state().get(self.store, META_KEY)? {
+            Some(stored) => from_bincode(&stored.value)
+                .map_err(|e| ProcessError::Fatal(format!("corrupt aggregation metadata: {e}")))?,
+            None => AggMeta {
+                stream_time: i64::MIN,
+                emitted_until: i64::MIN,
+            },
+        };
+        ctx.stream_time = ctx.stream_time.max(m.stream_time);
+        self.meta = Some(m);
+        Ok(m)
+    }
+
+    fn save_meta(&mut self, ctx: &mut TaskCtx, m: AggMeta) {
+        self.meta = Some(m);
+        let pos = ctx.position();
+        ctx.state_mut()
+            .put(self.store, META_KEY.to_vec(), &to_bincode(&m), pos);
+    }
+
+    /// True when the metadata already reflects the current (replayed) record.
+    fn meta_reflects_current(&self, ctx: &TaskCtx) -> Result<bool, ProcessError> {
+        if !ctx.replaying() {
+            return Ok(false);
+        }
+        let (Some(cur), Some(stored)) = (ctx.position(), ctx.state().get(self.store, META_KEY)?) else {
+            return Ok(false);
+        };
+        Ok(stored.position.is_some_and(|p| p.covers(&cur)))
+    }
+
+    /// Emits every window closed by stream time and not emitted yet.
+    fn emit_closed(&mut self, ctx: &mut TaskCtx, mut meta: AggMeta) -> Result<AggMeta, ProcessError> {
+        let closed_until = ctx.stream_time.saturating_sub(self.windows.grace_ms);
+        if closed_until <= meta.emitted_until {
+            return Ok(meta);
+        }
+        let size = self.windows.size_ms;
+        let from = meta.emitted_until.saturating_sub(size).saturating_add(1);
+        let to = closed_until.saturating_sub(size).saturating_add(1);
+        if !self.meta_reflects_current(ctx)? {
+            for entry in ctx.state().window_range(self.store, from, to)? {
+                let key: K = from_bincode(&entry.key)
+                    .map_err(|e| ProcessError::Fatal(format!("corrupt window key: {e}")))?;
+                let value: A = from_bincode(&entry.value.value)
+                    .map_err(|e| ProcessError::Fatal(format!("corrupt window value: {e}")))?;
+                let window = Window {
+                    start: entry.start_ms,
+                    end: entry.start_ms + size,
+                };
+                self.kids.forward(
+                    Record::new(Windowed { key, window }, value, window.end - 1),
+                    ctx,
+                )?;
+            }
+        }
+        meta.emitted_until = closed_until;
+        Ok(meta)
+    }
+
+    fn expire(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        let st = ctx.stream_time;
+        if st == i64::MIN || st < self.last_expiry.saturating_add(self.windows.advance_ms) {
+            return Ok(());
+        }
+        self.last_expiry = st;
+        ctx.state_mut()
+            .expire_windows(self.store, st.saturating_sub(self.retention_ms))?;
+        Ok(())
+    }
+}
+
+impl<K, V, A> Node<K, V> for WindowAggNode<K, V, A>
+where
+    K: Data + Serialize + DeserializeOwned,
+    V: Data,
+    A: Data + Serialize + DeserializeOwned,
+{
+    fn process(&mut self, rec: Record<K, V>, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        let mut meta = self.load_meta(ctx)?;
+        let stream_time = ctx.stream_time;
+        let key_bytes = to_bincode(&rec.key);
+        let position = ctx.position();
+        for window in self.windows.windows_for(rec.timestamp) {
+            if window.end.saturating_add(self.windows.grace_ms) <= stream_time {
+                ctx.counters.late_dropped += 1;
+                continue;
+            }
+            let stored = ctx.state().window_get(self.store, &key_bytes, window.start)?;
+            if ctx.replaying() {
+                if let (Some(cur), Some(p)) = (position, stored.as_ref().and_then(|s| s.position)) {
+                    if p.covers(&cur) {
+                        ctx.counters.replay_skipped += 1;
+                        continue;
+                    }
+                }
+            }
+            let current = match stored {
+                Some(s) => from_bincode(&s.value)
+                    .map_err(|e| ProcessError::Fatal(format!("corrupt window value: {e}")))?,
+                None => (self.init)(),
+            };
+            let updated = (self.agg)(&rec.key, &rec.value, current);
+            ctx.state_mut().window_put(
+                self.store,
+                &key_bytes,
+                window.start,
+                &to_bincode(&updated),
+                position,
+            );
+            if self.emit == EmitMode::OnUpdate {
+                self.kids.forward(
+                    Record {
+                        key: Windowed {
+                            key: rec.key.clone(),
+                            window,
+                        },
+                        value: updated,
+                        timestamp: rec.timestamp,
+                        headers: rec.headers.clone(),
+                    },
+                    ctx,
+                )?;
+            }
+        }
+        let before = meta;
+        if stream_time > meta.stream_time {
+            meta.stream_time = stream_time;
+        }
+        if self.emit == EmitMode::OnWindowClose {
+            meta = self.emit_closed(ctx, meta)?;
+        }
+        if meta.stream_time != before.stream_time || meta.emitted_until != before.emitted_until {
+            self.save_meta(ctx, meta);
+        }
+        self.expire(ctx)
+    }
+
+    fn punctuate(&mut self, p: Punctuation, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        self.kids.punctuate(p, ctx)
+    }
+}
+
+/// Aggregation over a key-value store (no windows).
+pub(crate) struct KvAggNode<K, V, A> {
+    pub(crate) store: StoreId,
+    pub(crate) init: Arc<dyn Fn() -> A + Send + Sync>,
+    pub(crate) agg: AggFn<K, V, A>,
+    pub(crate) kids: Forward<K, A>,
+}
+
+impl<K, V, A> Node<K, V> for KvAggNode<K, V, A>
+where
+    K: Data + Serialize + DeserializeOwned,
+    V: Data,
+    A: Data + Serialize + DeserializeOwned,
+{
+    fn process(&mut self, rec: Record<K, V>, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        let key_bytes = to_bincode(&rec.key);
+        let position = ctx.position();
+        let stored = ctx.state().get(self.store, &key_bytes)?;
+        if ctx.replaying() {
+            if let (Some(cur), Some(p)) = (position, stored.as_ref().and_then(|s| s.position)) {
+                if p.covers(&cur) {
+                    ctx.counters.replay_skipped += 1;
+                    return Ok(());
+                }
+            }
+        }
+        let current = match stored {
+            Some(s) => from_bincode(&s.value).map_err(|e| ProcessError::Fatal(format!("corrupt value: {e}")))?,
+            None => (self.init)(),
+        };
+        let updated = (self.agg)(&rec.key, &rec.value, current);
+        ctx.state_mut()
+            .put(self.store, key_bytes, &to_bincode(&updated), position);
+        let Record {
+            key,
+            timestamp,
+            headers,
+            ..
+        } = rec;
+        self.kids.forward(
+            Record {
+                key,
+                value: updated,
+                timestamp,
+                headers,
+            },
+            ctx,
+        )
+    }
+
+    fn punctuate(&mut self, p: Punctuation, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        self.kids.punctuate(p, ctx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tumbling_windows() {
+        let w = TimeWindows::tumbling(Duration::from_secs(60));
+        let got: Vec<Window> = w.windows_for(61_000).collect();
+        assert_eq!(got, vec![Window { start: 60_000, end: 120_000 }]);
+        let got: Vec<Window> = w.windows_for(60_000).collect();
+        assert_eq!(got, vec![Window { start: 60_000, end: 120_000 }]);
+        assert_eq!(w.windows_for(59_999).next().unwrap().start, 0);
+    }
+
+    #[test]
+    fn hopping_windows_cover_the_timestamp() {
+        let w = TimeWindows::hopping(Duration::from_secs(60), Duration::from_secs(20));
+        let got: Vec<i64> = w.windows_for(65_000).map(|w| w.start).collect();
+        assert_eq!(got, vec![20_000, 40_000, 60_000]);
+        for win in w.windows_for(65_000) {
+            assert!(win.start <= 65_000 && 65_000 < win.end);
+        }
+        assert!(TimeWindows::hopping(Duration::from_secs(1), Duration::from_secs(2)).validate().is_err());
+    }
+}

@@ -1,0 +1,250 @@
+//! DSL behaviour through the in-process test driver (no broker).
+
+use std::time::Duration;
+
+use sluice_topology::{
+    dlq_headers, header, JsonCodec, ProcessError, Processor, ProcessorContext, Record, SourceOptions, StreamBuilder,
+    StringCodec, TimeWindows, TopologyTestDriver, Windowed,
+};
+
+const MIN: i64 = 60_000;
+
+fn windowed_counts(final_only: bool) -> TopologyTestDriver {
+    let b = StreamBuilder::new();
+    let s = b.stream(&["in"], StringCodec, StringCodec);
+    let w = s
+        .group_by_key()
+        .windowed_by(TimeWindows::tumbling(Duration::from_secs(60)).grace(Duration::from_secs(10)));
+    let w = if final_only { w.emit_final() } else { w };
+    w.count("counts")
+        .to_stream()
+        .to("out", JsonCodec::<Windowed<String>>::default(), JsonCodec::<u64>::default());
+    TopologyTestDriver::new(b.build().unwrap()).unwrap()
+}
+
+fn pipe(d: &mut TopologyTestDriver, k: &str, ts: i64) {
+    d.pipe("in", &k.to_string(), &"v".to_string(), &StringCodec, &StringCodec, ts)
+        .unwrap();
+}
+
+#[test]
+fn tumbling_count_emits_every_update() {
+    let mut d = windowed_counts(false);
+    pipe(&mut d, "a", 1_000);
+    pipe(&mut d, "a", 2_000);
+    pipe(&mut d, "b", 3_000);
+    pipe(&mut d, "a", MIN + 1);
+    let out = d
+        .read_typed("out", &JsonCodec::<Windowed<String>>::default(), &JsonCodec::<u64>::default())
+        .unwrap();
+    let got: Vec<(String, i64, u64)> = out.into_iter().map(|(k, v)| (k.key, k.window.start, v)).collect();
+    assert_eq!(
+        got,
+        vec![
+            ("a".into(), 0, 1),
+            ("a".into(), 0, 2),
+            ("b".into(), 0, 1),
+            ("a".into(), MIN, 1)
+        ]
+    );
+}
+
+#[test]
+fn late_records_past_grace_are_dropped_and_counted() {
+    let mut d = windowed_counts(false);
+    pipe(&mut d, "a", 1_000);
+    pipe(&mut d, "a", MIN + 5_000); // stream time 65 s: window [0,60) still open (grace 10 s)
+    pipe(&mut d, "a", 2_000); // accepted
+    pipe(&mut d, "a", MIN + 20_000); // stream time 80 s: window [0,60) closed
+    pipe(&mut d, "a", 3_000); // late: dropped
+    let out = d
+        .read_typed("out", &JsonCodec::<Windowed<String>>::default(), &JsonCodec::<u64>::default())
+        .unwrap();
+    let first_window: Vec<u64> = out.iter().filter(|(k, _)| k.window.start == 0).map(|(_, v)| *v).collect();
+    assert_eq!(first_window, vec![1, 2]);
+    assert_eq!(d.counters().late_dropped, 1);
+}
+
+#[test]
+fn emit_final_emits_each_window_once_after_grace() {
+    let mut d = windowed_counts(true);
+    for ts in [1_000, 2_000, 30_000] {
+        pipe(&mut d, "a", ts);
+    }
+    pipe(&mut d, "b", 40_000);
+    pipe(&mut d, "a", MIN + 5_000); // not closed yet (grace)
+    assert!(d.read_output("out").is_empty());
+    pipe(&mut d, "a", MIN + 10_000); // stream time 70 s: [0,60) closes
+    let out = d
+        .read_typed("out", &JsonCodec::<Windowed<String>>::default(), &JsonCodec::<u64>::default())
+        .unwrap();
+    let got: Vec<(String, i64, u64)> = out.into_iter().map(|(k, v)| (k.key, k.window.start, v)).collect();
+    assert_eq!(got, vec![("a".into(), 0, 3), ("b".into(), 0, 1)]);
+    pipe(&mut d, "a", MIN + 11_000);
+    assert!(d.read_output("out").is_empty(), "closed windows are emitted once");
+}
+
+#[test]
+fn hopping_windows_count_each_record_in_every_window() {
+    let b = StreamBuilder::new();
+    b.stream(&["in"], StringCodec, StringCodec)
+        .group_by_key()
+        .windowed_by(TimeWindows::hopping(Duration::from_secs(60), Duration::from_secs(30)))
+        .count("hop")
+        .to_stream()
+        .to("out", JsonCodec::<Windowed<String>>::default(), JsonCodec::<u64>::default());
+    let mut d = TopologyTestDriver::new(b.build().unwrap()).unwrap();
+    pipe(&mut d, "k", 45_000); // windows [0,60) and [30,90)
+    let starts: Vec<i64> = d
+        .read_typed("out", &JsonCodec::<Windowed<String>>::default(), &JsonCodec::<u64>::default())
+        .unwrap()
+        .into_iter()
+        .map(|(k, _)| k.window.start)
+        .collect();
+    assert_eq!(starts, vec![0, 30_000]);
+}
+
+#[test]
+fn group_by_repartitions_and_stateless_operators_compose() {
+    let b = StreamBuilder::new();
+    let words = b
+        .stream(&["lines"], StringCodec, StringCodec)
+        .flat_map(|r: Record<String, String>| {
+            r.value
+                .split_whitespace()
+                .map(|w| Record::new(String::new(), w.to_lowercase(), r.timestamp))
+                .collect::<Vec<_>>()
+        })
+        .filter(|r| r.value.len() > 2);
+    let branches = words.branch(vec![
+        Box::new(|r: &Record<String, String>| r.value.starts_with('x')),
+        Box::new(|_: &Record<String, String>| true),
+    ]);
+    branches[0].to("x-words", StringCodec, StringCodec);
+    branches[1]
+        .map(|r| Record::new(r.value.clone(), 1u64, r.timestamp))
+        .group_by(|r| r.key.clone())
+        .aggregate("word-counts", || 0u64, |_, v, acc| acc + v)
+        .to_stream()
+        .to("counts", StringCodec, JsonCodec::<u64>::default());
+    let topology = b.build().unwrap();
+    assert_eq!(topology.subtopologies().len(), 2, "{}", topology.describe("test"));
+    let mut d = TopologyTestDriver::new(topology).unwrap();
+    d.pipe("lines", &String::new(), &"the cat and THE xylophone".to_string(), &StringCodec, &StringCodec, 5)
+        .unwrap();
+    d.pipe("lines", &String::new(), &"a cat".to_string(), &StringCodec, &StringCodec, 6)
+        .unwrap();
+    let x: Vec<(String, String)> = d.read_typed("x-words", &StringCodec, &StringCodec).unwrap();
+    assert_eq!(x.len(), 1);
+    let counts: Vec<(String, u64)> = d.read_typed("counts", &StringCodec, &JsonCodec::<u64>::default()).unwrap();
+    let last = |w: &str| counts.iter().rev().find(|(k, _)| k == w).map(|(_, v)| *v);
+    assert_eq!(last("the"), Some(2));
+    assert_eq!(last("cat"), Some(2));
+    assert_eq!(last("and"), Some(1));
+}
+
+/// Sleeps a key-dependent time, then forwards the value upper-cased.
+struct SlowUpper;
+
+impl Processor<String, String> for SlowUpper {
+    type OutKey = String;
+    type OutValue = String;
+    type Output = (String, String);
+
+    fn process(
+        &mut self,
+        r: Record<String, String>,
+        ctx: &mut ProcessorContext<'_, String, String, (String, String)>,
+    ) -> Result<(), ProcessError> {
+        let delay = (r.value.len() as u64 % 5) * 20;
+        ctx.spawn(async move {
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+            (r.key, r.value.to_uppercase())
+        });
+        Ok(())
+    }
+
+    fn complete(
+        &mut self,
+        (k, v): (String, String),
+        ctx: &mut ProcessorContext<'_, String, String, (String, String)>,
+    ) -> Result<(), ProcessError> {
+        let count: u64 = ctx.kv::<String, u64>("seen")?.get(&k)?.unwrap_or(0);
+        ctx.kv::<String, u64>("seen")?.put(&k, &(count + 1));
+        ctx.forward(Record::new(k, v, 0))
+    }
+}
+
+#[test]
+fn async_processor_completes_out_of_order_and_commits_only_the_finished_prefix() {
+    let b = StreamBuilder::new();
+    b.add_kv_store("seen", true);
+    b.stream(&["in"], StringCodec, StringCodec)
+        .process("upper", &["seen"], || SlowUpper)
+        .to("out", StringCodec, StringCodec);
+    let mut d = TopologyTestDriver::new(b.build().unwrap()).unwrap();
+    let values = ["aaaa", "a", "aaa", "aa", "aaaaa"]; // delays 80, 20, 60, 40, 0 ms
+    for (i, v) in values.iter().enumerate() {
+        d.pipe("in", &format!("k{i}"), &v.to_string(), &StringCodec, &StringCodec, 1)
+            .unwrap();
+    }
+    assert_eq!(d.committable_offset("in"), Some(0), "nothing finished past offset 0 yet");
+    assert_eq!(d.wait_for_async(Duration::from_secs(5)).unwrap(), 0);
+    let out: Vec<(String, String)> = d.read_typed("out", &StringCodec, &StringCodec).unwrap();
+    assert_eq!(out.len(), 5);
+    assert_ne!(out[0].0, "k0", "completions arrive in completion order");
+    assert_eq!(d.committable_offset("in"), Some(5));
+    assert_eq!(d.commit().unwrap(), 5, "one changelog record per key");
+}
+
+#[test]
+fn undecodable_records_go_to_the_dead_letter_topic_with_reasons() {
+    let b = StreamBuilder::new();
+    b.stream_with(
+        &["in"],
+        StringCodec,
+        JsonCodec::<u32>::default(),
+        SourceOptions {
+            dead_letter_topic: Some("in.dlq".into()),
+        },
+    )
+    .map_values(|_, v| v + 1)
+    .to("out", StringCodec, JsonCodec::<u32>::default());
+    let mut d = TopologyTestDriver::new(b.build().unwrap()).unwrap();
+    d.pipe_raw("in", Some(b"k"), Some(b"41"), 1).unwrap();
+    d.pipe_raw("in", Some(b"k"), Some(b"{oops"), 2).unwrap();
+    d.pipe_raw("in", Some(b"k"), Some(b"1"), 3).unwrap();
+    let out = d.read_typed("out", &StringCodec, &JsonCodec::<u32>::default()).unwrap();
+    assert_eq!(out.iter().map(|(_, v)| *v).collect::<Vec<_>>(), vec![42, 2]);
+    let dlq = d.read_output("in.dlq");
+    assert_eq!(dlq.len(), 1);
+    assert_eq!(dlq[0].value.as_deref(), Some(&b"{oops"[..]));
+    assert_eq!(header(&dlq[0].headers, dlq_headers::CATEGORY), Some(&b"poison"[..]));
+    assert_eq!(header(&dlq[0].headers, dlq_headers::ORIGINAL_OFFSET), Some(&b"1"[..]));
+    assert!(header(&dlq[0].headers, dlq_headers::REASON).is_some());
+    assert_eq!(d.committable_offset("in"), Some(3));
+}
+
+#[test]
+fn undecodable_record_without_dead_letter_topic_stops_the_task() {
+    let b = StreamBuilder::new();
+    b.stream(&["in"], StringCodec, JsonCodec::<u32>::default())
+        .to("out", StringCodec, JsonCodec::<u32>::default());
+    let mut d = TopologyTestDriver::new(b.build().unwrap()).unwrap();
+    let err = d.pipe_raw("in", Some(b"k"), Some(b"nope"), 1).unwrap_err();
+    assert!(matches!(err, ProcessError::Fatal(_)), "{err:?}");
+}
+
+#[test]
+fn bad_topologies_fail_to_build() {
+    let b = StreamBuilder::new();
+    b.add_kv_store("orphan", true);
+    b.stream(&["in"], StringCodec, StringCodec).to("out", StringCodec, StringCodec);
+    assert!(b.build().is_err());
+
+    let b = StreamBuilder::new();
+    let s = b.stream(&["in"], StringCodec, StringCodec);
+    s.group_by_key().count("dup");
+    s.group_by_key().count("dup");
+    assert!(b.build().is_err());
+}

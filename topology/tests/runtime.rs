@@ -1,0 +1,115 @@
+//! The Kafka runtime in process against the test broker: a windowed count
+//! under both guarantees, checked against the input.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use sluice_topology::runtime::{EngineMetrics, Guarantee, StreamsApp, StreamsConfig};
+use sluice_topology::{JsonCodec, StreamBuilder, StringCodec, TimeWindows, Windowed};
+
+fn bootstrap() -> String {
+    std::env::var("SLUICE_TEST_BOOTSTRAP")
+        .expect("SLUICE_TEST_BOOTSTRAP is not set: run the tests with `make test`, which starts the broker")
+}
+
+fn unique(p: &str) -> String {
+    format!("{p}-{}", &uuid::Uuid::new_v4().simple().to_string()[..10])
+}
+
+fn create(topics: &[(&str, i32)]) {
+    let admin: AdminClient<DefaultClientContext> =
+        ClientConfig::new().set("bootstrap.servers", bootstrap()).create().unwrap();
+    let new: Vec<NewTopic<'_>> = topics
+        .iter()
+        .map(|(t, p)| NewTopic::new(t, *p, TopicReplication::Fixed(1)))
+        .collect();
+    futures::executor::block_on(admin.create_topics(&new, &AdminOptions::new())).unwrap();
+}
+
+fn read_all(topic: &str, partitions: i32, done: impl Fn(&BTreeMap<(i64, String), u64>) -> bool) -> BTreeMap<(i64, String), u64> {
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap())
+        .set("group.id", unique("reader"))
+        .set("isolation.level", "read_committed")
+        .create()
+        .unwrap();
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..partitions {
+        tpl.add_partition_offset(topic, p, Offset::Beginning).unwrap();
+    }
+    c.assign(&tpl).unwrap();
+    let mut latest = BTreeMap::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while Instant::now() < deadline {
+        match c.poll(Duration::from_millis(200)) {
+            Some(Ok(m)) => {
+                let k: Windowed<String> = serde_json::from_slice(m.key().unwrap()).unwrap();
+                let v: u64 = serde_json::from_slice(m.payload().unwrap()).unwrap();
+                latest.insert((k.window.start, k.key), v);
+            }
+            _ => {
+                if done(&latest) {
+                    break;
+                }
+            }
+        }
+    }
+    latest
+}
+
+fn windowed_count_round_trip(guarantee: Guarantee) {
+    let (input, output, app) = (unique("rt-in"), unique("rt-out"), unique("rt-app"));
+    create(&[(&input, 3), (&output, 3)]);
+    let producer: ThreadedProducer<DefaultProducerContext> = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap())
+        .set("linger.ms", "5")
+        .create()
+        .unwrap();
+    let base = 1_700_000_000_000i64;
+    let mut expected: BTreeMap<(i64, String), u64> = BTreeMap::new();
+    for i in 0..10_000i64 {
+        let key = format!("k{}", i % 37);
+        let ts = base + i * 30;
+        *expected.entry((ts - ts.rem_euclid(60_000), key.clone())).or_default() += 1;
+        producer
+            .send(BaseRecord::<str, str>::to(&input).key(&key).payload("x").timestamp(ts))
+            .map_err(|(e, _)| e)
+            .unwrap();
+    }
+    producer.flush(Duration::from_secs(30)).unwrap();
+
+    let b = StreamBuilder::new();
+    b.stream(&[&input], StringCodec, StringCodec)
+        .group_by_key()
+        .windowed_by(TimeWindows::tumbling(Duration::from_secs(60)).grace(Duration::from_secs(3600)))
+        .count("counts")
+        .to_stream()
+        .to(&output, JsonCodec::<Windowed<String>>::default(), JsonCodec::<u64>::default());
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = StreamsConfig::new(&app, &bootstrap(), dir.path());
+    cfg.guarantee = guarantee;
+    cfg.session_timeout = Duration::from_secs(6);
+    let metrics = EngineMetrics::unregistered();
+    let running = StreamsApp::new(b.build().unwrap(), cfg, metrics.clone()).start().unwrap();
+    let got = read_all(&output, 3, |m| m == &expected);
+    running.shutdown();
+    running.join().unwrap();
+    assert_eq!(got, expected);
+    assert_eq!(metrics.records_in(), 10_000);
+    assert!(metrics.commit_count() > 0);
+}
+
+#[test]
+fn windowed_count_at_least_once() {
+    windowed_count_round_trip(Guarantee::AtLeastOnce);
+}
+
+#[test]
+fn windowed_count_exactly_once() {
+    windowed_count_round_trip(Guarantee::ExactlyOnce);
+}
