@@ -50,19 +50,30 @@ impl Example {
     }
 
     fn spawn(&self, name: &str, state_dir: &std::path::Path) -> Proc {
+        eprintln!(
+            "[{name}] app {} input {} output {}",
+            self.app, self.input, self.output
+        );
         Proc::spawn(name, &self.args(state_dir))
     }
 }
 
 /// `n` keyed records over `keys` keys and `minutes` one-minute windows, in
 /// timestamp order; returns them and the expected count per (window, key).
-fn keyed_records(n: usize, keys: usize, minutes: i64, base: i64) -> (Vec<OutRecord>, BTreeMap<(i64, String), u64>) {
+fn keyed_records(
+    n: usize,
+    keys: usize,
+    minutes: i64,
+    base: i64,
+) -> (Vec<OutRecord>, BTreeMap<(i64, String), u64>) {
     let mut expected = BTreeMap::new();
     let recs = (0..n)
         .map(|i| {
             let key = format!("k{}", (i * 7919) % keys);
             let ts = base + (i as i64 * minutes * MINUTE) / n as i64;
-            *expected.entry((ts - ts % MINUTE, key.clone())).or_insert(0u64) += 1;
+            *expected
+                .entry((ts - ts % MINUTE, key.clone()))
+                .or_insert(0u64) += 1;
             OutRecord {
                 key: Some(key.into_bytes()),
                 value: Some(format!("{i}").into_bytes()),
@@ -78,7 +89,11 @@ fn base_time() -> i64 {
     (chrono::Utc::now().timestamp_millis() / MINUTE - 60) * MINUTE
 }
 
-fn wait_counts(output: &str, expected: &BTreeMap<(i64, String), u64>, timeout: Duration) -> BTreeMap<(i64, String), u64> {
+fn wait_counts(
+    output: &str,
+    expected: &BTreeMap<(i64, String), u64>,
+    timeout: Duration,
+) -> BTreeMap<(i64, String), u64> {
     let msgs = read_topics(&bootstrap(), &[output], true, timeout, |m| {
         latest_counts(m).is_ok_and(|got| &got == expected)
     })
@@ -86,7 +101,10 @@ fn wait_counts(output: &str, expected: &BTreeMap<(i64, String), u64>, timeout: D
     latest_counts(&msgs).unwrap()
 }
 
-fn assert_counts_equal(got: &BTreeMap<(i64, String), u64>, expected: &BTreeMap<(i64, String), u64>) {
+fn assert_counts_equal(
+    got: &BTreeMap<(i64, String), u64>,
+    expected: &BTreeMap<(i64, String), u64>,
+) {
     if got != expected {
         let wrong: Vec<_> = expected
             .iter()
@@ -96,7 +114,10 @@ fn assert_counts_equal(got: &BTreeMap<(i64, String), u64>, expected: &BTreeMap<(
             .collect();
         panic!(
             "{} of {} windows differ (got {} windows); first: {wrong:#?}",
-            expected.iter().filter(|(k, v)| got.get(k) != Some(v)).count(),
+            expected
+                .iter()
+                .filter(|(k, v)| got.get(k) != Some(v))
+                .count(),
             expected.len(),
             got.len()
         );
@@ -110,7 +131,12 @@ fn exactly_once_windowed_count_survives_three_sigkills() {
         app: unique("eos-kill"),
         input: unique("in"),
         output: unique("out"),
-        extra: vec!["--guarantee".into(), "exactly-once".into(), "--grace-ms".into(), "3600000".into()],
+        extra: vec![
+            "--guarantee".into(),
+            "exactly-once".into(),
+            "--grace-ms".into(),
+            "3600000".into(),
+        ],
     };
     create_topics(&bootstrap(), &[(&ex.input, 4, &[]), (&ex.output, 4, &[])]).unwrap();
     let (records, expected) = keyed_records(100_000, 500, 10, base_time());
@@ -119,7 +145,9 @@ fn exactly_once_windowed_count_survives_three_sigkills() {
     let mut rng = rand::rng();
     for round in 0..3 {
         let mut p = ex.spawn(&format!("eos-kill-{round}"), dir.path());
-        eventually(Duration::from_secs(90), "instance ready", || p.ready().then_some(()));
+        eventually(Duration::from_secs(90), "instance ready", || {
+            p.ready().then_some(())
+        });
         std::thread::sleep(Duration::from_millis(rng.random_range(300..2_500)));
         p.kill9();
     }
@@ -131,13 +159,63 @@ fn exactly_once_windowed_count_survives_three_sigkills() {
 }
 
 #[test]
+fn a_crash_after_changelog_writes_leaks_nothing_into_state() {
+    // The process aborts inside its 2nd transaction, after its changelog and
+    // output records were acknowledged but before the commit. A correct broker
+    // aborts that transaction when the restarted task fences it; the test
+    // broker exposes its records instead (design §8). Either way the restarted
+    // instance must neither re-apply nor re-emit what those records reflect.
+    let ex = Example {
+        kind: "windowed-count",
+        app: unique("eos-leak"),
+        input: unique("in"),
+        output: unique("out"),
+        extra: vec![
+            "--guarantee".into(),
+            "exactly-once".into(),
+            "--grace-ms".into(),
+            "3600000".into(),
+        ],
+    };
+    create_topics(&bootstrap(), &[(&ex.input, 2, &[]), (&ex.output, 2, &[])]).unwrap();
+    let (records, expected) = keyed_records(40_000, 200, 4, base_time());
+    produce(&bootstrap(), &ex.input, records).unwrap();
+    let dir = temp_dir();
+    let mut p = Proc::spawn_env(
+        "leak-1",
+        &ex.args(dir.path()),
+        &[("SLUICE_FAILPOINT", "eos_after_changelog_flush:2")],
+    );
+    let status = eventually(
+        Duration::from_secs(120),
+        "the failpoint aborts the process",
+        || p.child.try_wait().unwrap(),
+    );
+    assert!(!status.success(), "the failpoint aborted the process");
+    let mut p = ex.spawn("leak-2", dir.path());
+    let got = wait_counts(&ex.output, &expected, Duration::from_secs(180));
+    let stats = p.stop();
+    assert_counts_equal(&got, &expected);
+    assert_eq!(stats["ok"], true, "{stats}");
+    // On the test broker the interrupted transaction became visible: its
+    // changelog records were restored (and the input they reflect, when read
+    // again, skipped: `replay_skipped`), yet every count is exact.
+    assert!(stats["restored_records"].as_u64().unwrap() > 0, "{stats}");
+}
+
+#[test]
 fn survivor_takes_over_a_killed_instance_and_keeps_aggregates_exact() {
     let ex = Example {
         kind: "windowed-count",
         app: unique("eos-failover"),
         input: unique("in"),
         output: unique("out"),
-        extra: vec!["--guarantee".into(), "exactly-once".into(), "--grace-ms".into(), "3600000".into()],
+        extra: vec![
+            "--guarantee".into(),
+            "exactly-once".into(),
+            "--grace-ms".into(),
+            "3600000".into(),
+        ],
     };
     create_topics(&bootstrap(), &[(&ex.input, 4, &[]), (&ex.output, 4, &[])]).unwrap();
     let (records, expected) = keyed_records(60_000, 300, 5, base_time());
@@ -145,9 +223,11 @@ fn survivor_takes_over_a_killed_instance_and_keeps_aggregates_exact() {
     let mut a = ex.spawn("A", dir_a.path());
     let mut b = ex.spawn("B", dir_b.path());
     // Both members share the partitions before data flows.
-    eventually(Duration::from_secs(90), "partitions split between A and B", || {
-        (!a.tasks().is_empty() && !b.tasks().is_empty() && a.ready() && b.ready()).then_some(())
-    });
+    eventually(
+        Duration::from_secs(90),
+        "partitions split between A and B",
+        || (!a.tasks().is_empty() && !b.tasks().is_empty() && a.ready() && b.ready()).then_some(()),
+    );
     let (ta, tb) = (a.tasks(), b.tasks());
     assert_eq!(ta.len() + tb.len(), 4, "A {ta:?} B {tb:?}");
     // Produce in slices so that B is killed in the middle of processing.
@@ -161,7 +241,9 @@ fn survivor_takes_over_a_killed_instance_and_keeps_aggregates_exact() {
     for c in rest {
         produce(&bootstrap(), &ex.input, c.clone()).unwrap();
     }
-    eventually(Duration::from_secs(120), "A owns every task", || (a.tasks().len() == 4).then_some(()));
+    eventually(Duration::from_secs(120), "A owns every task", || {
+        (a.tasks().len() == 4).then_some(())
+    });
     let got = wait_counts(&ex.output, &expected, Duration::from_secs(180));
     let stats = a.stop();
     assert_counts_equal(&got, &expected);
@@ -179,7 +261,9 @@ fn committed(group: &str, topic: &str, partitions: i32) -> HashMap<i32, i64> {
     for p in 0..partitions {
         tpl.add_partition(topic, p);
     }
-    let got = consumer.committed_offsets(tpl, Duration::from_secs(10)).unwrap();
+    let got = consumer
+        .committed_offsets(tpl, Duration::from_secs(10))
+        .unwrap();
     got.elements()
         .iter()
         .filter_map(|e| match e.offset() {
@@ -191,11 +275,19 @@ fn committed(group: &str, topic: &str, partitions: i32) -> HashMap<i32, i64> {
 
 fn echoed(output: &str, read_committed: bool, expect: usize, timeout: Duration) -> Vec<String> {
     read_topics(&bootstrap(), &[output], read_committed, timeout, |m| {
-        m.iter().filter_map(|m| m.key()).collect::<HashSet<_>>().len() >= expect
+        m.iter()
+            .filter_map(|m| m.key())
+            .collect::<HashSet<_>>()
+            .len()
+            >= expect
     })
     .unwrap()
     .iter()
-    .map(|m| serde_json::from_slice::<Echo>(m.payload().unwrap_or_default()).unwrap().value)
+    .map(|m| {
+        serde_json::from_slice::<Echo>(m.payload().unwrap_or_default())
+            .unwrap()
+            .value
+    })
     .collect()
 }
 
@@ -206,9 +298,16 @@ fn async_operator_out_of_order_never_commits_past_an_unfinished_record() {
         app: unique("async"),
         input: unique("in"),
         output: unique("out"),
-        extra: ["--guarantee", "exactly-once", "--min-delay-ms", "0", "--max-delay-ms", "2000"]
-            .map(String::from)
-            .to_vec(),
+        extra: [
+            "--guarantee",
+            "exactly-once",
+            "--min-delay-ms",
+            "0",
+            "--max-delay-ms",
+            "2000",
+        ]
+        .map(String::from)
+        .to_vec(),
     };
     create_topics(&bootstrap(), &[(&ex.input, 2, &[]), (&ex.output, 2, &[])]).unwrap();
     let values: Vec<String> = (0..400).map(|i| format!("v{i}")).collect();
@@ -224,10 +323,22 @@ fn async_operator_out_of_order_never_commits_past_an_unfinished_record() {
     )
     .unwrap();
     // Where each value sits in the input.
-    let input = read_topics(&bootstrap(), &[&ex.input], false, Duration::from_secs(30), |m| m.len() >= values.len()).unwrap();
+    let input = read_topics(
+        &bootstrap(),
+        &[&ex.input],
+        false,
+        Duration::from_secs(30),
+        |m| m.len() >= values.len(),
+    )
+    .unwrap();
     let position: HashMap<String, (i32, i64)> = input
         .iter()
-        .map(|m| (String::from_utf8_lossy(m.payload().unwrap()).into_owned(), (m.partition(), m.offset())))
+        .map(|m| {
+            (
+                String::from_utf8_lossy(m.payload().unwrap()).into_owned(),
+                (m.partition(), m.offset()),
+            )
+        })
         .collect();
 
     let dir = temp_dir();
@@ -240,7 +351,9 @@ fn async_operator_out_of_order_never_commits_past_an_unfinished_record() {
 
     // Everything below a committed offset must have its effect visible.
     let offsets = committed(&ex.app, &ex.input, 2);
-    let visible: HashSet<String> = echoed(&ex.output, true, 0, Duration::from_secs(3)).into_iter().collect();
+    let visible: HashSet<String> = echoed(&ex.output, true, 0, Duration::from_secs(3))
+        .into_iter()
+        .collect();
     let below: Vec<&String> = values
         .iter()
         .filter(|v| {
@@ -248,9 +361,15 @@ fn async_operator_out_of_order_never_commits_past_an_unfinished_record() {
             offsets.get(&part).is_some_and(|c| off < *c)
         })
         .collect();
-    assert!(!below.is_empty(), "some offsets were committed before the kill: {offsets:?}");
+    assert!(
+        !below.is_empty(),
+        "some offsets were committed before the kill: {offsets:?}"
+    );
     let missing: Vec<&&String> = below.iter().filter(|v| !visible.contains(**v)).collect();
-    assert!(missing.is_empty(), "committed past unfinished records: {missing:?}");
+    assert!(
+        missing.is_empty(),
+        "committed past unfinished records: {missing:?}"
+    );
     assert!(
         below.len() < values.len(),
         "the kill happened mid-run ({} of {} committed)",
@@ -290,7 +409,9 @@ fn a_15_second_operator_call_causes_no_rebalance_and_no_duplicate() {
     create_topics(&bootstrap(), &[(&ex.input, 2, &[]), (&ex.output, 2, &[])]).unwrap();
     let dir = temp_dir();
     let mut p = ex.spawn("slow", dir.path());
-    eventually(Duration::from_secs(90), "instance ready", || p.ready().then_some(()));
+    eventually(Duration::from_secs(90), "instance ready", || {
+        p.ready().then_some(())
+    });
     let values: Vec<String> = (0..6).map(|i| format!("slow{i}")).collect();
     produce(
         &bootstrap(),
@@ -307,18 +428,31 @@ fn a_15_second_operator_call_causes_no_rebalance_and_no_duplicate() {
     let stats = p.stop();
     let out_after = echoed(&ex.output, true, values.len(), Duration::from_secs(5));
     assert_eq!(out.len(), values.len(), "{out:?}");
-    assert_eq!(out_after.len(), values.len(), "no duplicate after shutdown: {out_after:?}");
+    assert_eq!(
+        out_after.len(),
+        values.len(),
+        "no duplicate after shutdown: {out_after:?}"
+    );
     assert_eq!(stats["rebalances"], 0, "{stats}");
     assert_eq!(stats["ok"], true, "{stats}");
 }
 
 fn changelog_records(app: &str) -> usize {
     let topic = format!("{app}-counts-changelog");
-    let msgs = read_topics(&bootstrap(), &[&topic], true, Duration::from_secs(4), |_| false).unwrap();
+    let msgs = read_topics(
+        &bootstrap(),
+        &[&topic],
+        true,
+        Duration::from_secs(4),
+        |_| false,
+    )
+    .unwrap();
     msgs.iter()
         .filter(|m| {
-            !m.headers()
-                .is_some_and(|h| h.iter().any(|h| h.key == sluice_topology::runtime::BARRIER_HEADER))
+            !m.headers().is_some_and(|h| {
+                h.iter()
+                    .any(|h| h.key == sluice_topology::runtime::BARRIER_HEADER)
+            })
         })
         .count()
 }
@@ -330,7 +464,12 @@ fn restart_with_local_state_restores_only_the_changelog_tail() {
         app: unique("restore"),
         input: unique("in"),
         output: unique("out"),
-        extra: vec!["--guarantee".into(), "exactly-once".into(), "--grace-ms".into(), "3600000".into()],
+        extra: vec![
+            "--guarantee".into(),
+            "exactly-once".into(),
+            "--grace-ms".into(),
+            "3600000".into(),
+        ],
     };
     create_topics(&bootstrap(), &[(&ex.input, 2, &[]), (&ex.output, 2, &[])]).unwrap();
     let base = base_time();
@@ -339,27 +478,44 @@ fn restart_with_local_state_restores_only_the_changelog_tail() {
     let (dir_a, dir_b) = (temp_dir(), temp_dir());
 
     let mut a = ex.spawn("A1", dir_a.path());
-    assert_counts_equal(&wait_counts(&ex.output, &expected, Duration::from_secs(120)), &expected);
+    assert_counts_equal(
+        &wait_counts(&ex.output, &expected, Duration::from_secs(120)),
+        &expected,
+    );
     let a1 = a.stop();
     assert_eq!(a1["restored_records"], 0, "{a1}");
 
     // An instance without local state restores everything.
     let written_by_a = changelog_records(&ex.app);
-    assert!(written_by_a >= 500, "one record per key at least: {written_by_a}");
+    assert!(
+        written_by_a >= 500,
+        "one record per key at least: {written_by_a}"
+    );
     let mut b = ex.spawn("B", dir_b.path());
-    eventually(Duration::from_secs(90), "B ready", || b.ready().then_some(()));
+    eventually(Duration::from_secs(90), "B ready", || {
+        b.ready().then_some(())
+    });
     let (more, more_expected) = keyed_records(500, 50, 1, base + 2 * MINUTE);
     produce(&bootstrap(), &ex.input, more).unwrap();
     expected.extend(more_expected);
-    assert_counts_equal(&wait_counts(&ex.output, &expected, Duration::from_secs(120)), &expected);
+    assert_counts_equal(
+        &wait_counts(&ex.output, &expected, Duration::from_secs(120)),
+        &expected,
+    );
     let b1 = b.stop();
-    assert_eq!(b1["restored_records"].as_u64(), Some(written_by_a as u64), "{b1}");
+    assert_eq!(
+        b1["restored_records"].as_u64(),
+        Some(written_by_a as u64),
+        "{b1}"
+    );
 
     // A restarts on its local state: only what B appended is restored.
     let tail = changelog_records(&ex.app) - written_by_a;
     assert!(tail > 0 && tail < written_by_a);
     let mut a = ex.spawn("A2", dir_a.path());
-    eventually(Duration::from_secs(90), "A ready again", || a.ready().then_some(()));
+    eventually(Duration::from_secs(90), "A ready again", || {
+        a.ready().then_some(())
+    });
     let a2 = a.stop();
     assert_eq!(a2["restored_records"].as_u64(), Some(tail as u64), "{a2}");
 }
@@ -381,14 +537,18 @@ fn undecodable_records_are_dead_lettered_and_processing_continues() {
             dlq.clone(),
         ],
     };
-    create_topics(&bootstrap(), &[(&ex.input, 1, &[]), (&ex.output, 1, &[]), (&dlq, 1, &[])]).unwrap();
+    create_topics(
+        &bootstrap(),
+        &[(&ex.input, 1, &[]), (&ex.output, 1, &[]), (&dlq, 1, &[])],
+    )
+    .unwrap();
     let base = base_time();
     let mut recs = Vec::new();
     let mut expected = BTreeMap::new();
     for i in 0..300 {
         let (key, good) = match i % 50 {
-            7 => (None, false),                              // null key
-            13 => (Some(vec![0xff, 0xfe, b'x']), false),     // invalid UTF-8
+            7 => (None, false),                          // null key
+            13 => (Some(vec![0xff, 0xfe, b'x']), false), // invalid UTF-8
             _ => (Some(format!("k{}", i % 10).into_bytes()), true),
         };
         if good {
@@ -405,21 +565,37 @@ fn undecodable_records_are_dead_lettered_and_processing_continues() {
     produce(&bootstrap(), &ex.input, recs).unwrap();
     let dir = temp_dir();
     let mut p = ex.spawn("poison", dir.path());
-    assert_counts_equal(&wait_counts(&ex.output, &expected, Duration::from_secs(120)), &expected);
-    let dead = read_topics(&bootstrap(), &[&dlq], false, Duration::from_secs(30), |m| m.len() >= 12).unwrap();
+    assert_counts_equal(
+        &wait_counts(&ex.output, &expected, Duration::from_secs(120)),
+        &expected,
+    );
+    let dead = read_topics(&bootstrap(), &[&dlq], false, Duration::from_secs(30), |m| {
+        m.len() >= 12
+    })
+    .unwrap();
     p.stop();
     assert_eq!(dead.len(), 12);
     for m in &dead {
         let header = |name: &str| {
             m.headers()
-                .and_then(|h| h.iter().find(|h| h.key == name).and_then(|h| h.value.map(<[u8]>::to_vec)))
+                .and_then(|h| {
+                    h.iter()
+                        .find(|h| h.key == name)
+                        .and_then(|h| h.value.map(<[u8]>::to_vec))
+                })
                 .map(|v| String::from_utf8(v).unwrap())
         };
         assert_eq!(header("dlq.category").as_deref(), Some("poison"));
         assert!(header("dlq.reason").unwrap().contains("undecodable key"));
-        assert_eq!(header("dlq.original.topic").as_deref(), Some(ex.input.as_str()));
+        assert_eq!(
+            header("dlq.original.topic").as_deref(),
+            Some(ex.input.as_str())
+        );
         assert!(header("dlq.original.offset").is_some());
-        assert!(String::from_utf8_lossy(m.payload().unwrap()).starts_with("payload-"), "original bytes kept");
+        assert!(
+            String::from_utf8_lossy(m.payload().unwrap()).starts_with("payload-"),
+            "original bytes kept"
+        );
     }
 }
 
@@ -441,5 +617,8 @@ fn non_co_partitioned_merge_inputs_fail_at_start() {
     let line = p
         .wait_line(Duration::from_secs(5), |l| l.starts_with("START_ERROR"))
         .expect("a start error is printed");
-    assert!(line.contains("co-partitioned") && line.contains(&a) && line.contains(&b), "{line}");
+    assert!(
+        line.contains("co-partitioned") && line.contains(&a) && line.contains(&b),
+        "{line}"
+    );
 }

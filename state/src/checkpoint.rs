@@ -42,7 +42,10 @@ impl Checkpoint {
     pub fn store(&self, dir: &Path) -> Result<(), StateError> {
         let path = Self::path(dir);
         let tmp = dir.join(format!("{FILE}.tmp"));
-        let io = |source| StateError::Io { path: path.clone(), source };
+        let io = |source| StateError::Io {
+            path: path.clone(),
+            source,
+        };
         let bytes = serde_json::to_vec(self).expect("checkpoint serializes");
         std::fs::write(&tmp, bytes).map_err(io)?;
         std::fs::rename(&tmp, &path).map_err(io)

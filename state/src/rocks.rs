@@ -38,7 +38,9 @@ pub struct RocksEnv {
 
 impl std::fmt::Debug for RocksEnv {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RocksEnv").field("settings", &self.settings).finish()
+        f.debug_struct("RocksEnv")
+            .field("settings", &self.settings)
+            .finish()
     }
 }
 

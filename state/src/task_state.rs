@@ -163,7 +163,10 @@ impl TaskState {
     /// Reads a value.
     pub fn get(&self, id: StoreId, key: &[u8]) -> Result<Option<StoredValue>, StateError> {
         match self.get_raw(id, key)? {
-            Some(bytes) => Ok(Some(StoredValue::decode(&self.stores[id.0].spec.name, &bytes)?)),
+            Some(bytes) => Ok(Some(StoredValue::decode(
+                &self.stores[id.0].spec.name,
+                &bytes,
+            )?)),
             None => Ok(None),
         }
     }
@@ -227,10 +230,10 @@ impl TaskState {
             }
             merged.insert(k.to_vec(), v.to_vec());
         }
-        for (k, v) in self.stores[id.0]
-            .dirty
-            .range::<[u8], _>((Bound::Included(lo.as_slice()), Bound::Excluded(hi.as_slice())))
-        {
+        for (k, v) in self.stores[id.0].dirty.range::<[u8], _>((
+            Bound::Included(lo.as_slice()),
+            Bound::Excluded(hi.as_slice()),
+        )) {
             match v {
                 Some(v) => merged.insert(k.clone(), v.clone()),
                 None => merged.remove(k),
@@ -297,7 +300,10 @@ impl TaskState {
         let store = &mut self.stores[id.0];
         let doomed: Vec<Vec<u8>> = store
             .dirty
-            .range::<[u8], _>((Bound::Included(lo.as_slice()), Bound::Excluded(hi.as_slice())))
+            .range::<[u8], _>((
+                Bound::Included(lo.as_slice()),
+                Bound::Excluded(hi.as_slice()),
+            ))
             .filter(|(k, _)| k.len() >= window_key_prefix_len())
             .map(|(k, _)| k.clone())
             .collect();
@@ -335,7 +341,10 @@ impl TaskState {
     /// Writes the dirty entries to RocksDB after the changelog records for them
     /// were committed, and advances the checkpoint to `changelog_next` (next
     /// changelog offset per store, for stores that wrote this round).
-    pub fn commit_local(&mut self, changelog_next: &HashMap<StoreId, i64>) -> Result<(), StateError> {
+    pub fn commit_local(
+        &mut self,
+        changelog_next: &HashMap<StoreId, i64>,
+    ) -> Result<(), StateError> {
         let mut batch = WriteBatch::default();
         for store in &self.stores {
             let cf = self
@@ -459,7 +468,9 @@ mod tests {
             },
             StoreSpec {
                 name: "win".into(),
-                kind: StoreKind::Window { retention_ms: 10_000 },
+                kind: StoreKind::Window {
+                    retention_ms: 10_000,
+                },
                 changelogged: true,
             },
             StoreSpec {
@@ -535,7 +546,11 @@ mod tests {
             .collect();
         assert_eq!(
             got,
-            vec![(0, b"k1".to_vec()), (1000, b"k1".to_vec()), (1000, b"k2".to_vec())]
+            vec![
+                (0, b"k1".to_vec()),
+                (1000, b"k1".to_vec()),
+                (1000, b"k2".to_vec())
+            ]
         );
         st.expire_windows(w, 1000).unwrap();
         assert_eq!(st.window_get(w, b"k1", 0).unwrap(), None);
@@ -552,7 +567,11 @@ mod tests {
         let mut stats = RestoreStats::default();
         st.apply_restored(
             kv,
-            &[(b"a".to_vec(), v(3)), (b"b".to_vec(), v(9)), (b"a".to_vec(), None)],
+            &[
+                (b"a".to_vec(), v(3)),
+                (b"b".to_vec(), v(9)),
+                (b"a".to_vec(), None),
+            ],
             &mut stats,
         )
         .unwrap();
@@ -579,7 +598,12 @@ mod tests {
         st.commit_local(&HashMap::new()).unwrap();
         st.delete(kv, b"t1/a".to_vec());
         st.put(kv, b"t1/c".to_vec(), b"4", None);
-        let keys: Vec<Vec<u8>> = st.prefix_scan(kv, b"t1/").unwrap().into_iter().map(|(k, _)| k).collect();
+        let keys: Vec<Vec<u8>> = st
+            .prefix_scan(kv, b"t1/")
+            .unwrap()
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect();
         assert_eq!(keys, vec![b"t1/b".to_vec(), b"t1/c".to_vec()]);
     }
 }

@@ -46,7 +46,10 @@ impl StoredValue {
         if bytes.len() < HEADER_LEN || bytes[0] != VERSION {
             return Err(StateError::Corrupt {
                 store: store.to_string(),
-                reason: format!("value header missing or unknown version ({} bytes)", bytes.len()),
+                reason: format!(
+                    "value header missing or unknown version ({} bytes)",
+                    bytes.len()
+                ),
             });
         }
         let source = u32::from_le_bytes(bytes[1..5].try_into().expect("4 bytes"));
@@ -87,13 +90,22 @@ mod tests {
     #[test]
     fn round_trips_with_and_without_position() {
         let with = StoredValue {
-            position: Some(Position { source: 7, offset: 42 }),
+            position: Some(Position {
+                source: 7,
+                offset: 42,
+            }),
             value: b"abc".to_vec(),
         };
         assert_eq!(StoredValue::decode("s", &with.encode()).unwrap(), with);
         assert_eq!(StoredValue::decode_position(&with.encode()), with.position);
-        let without = StoredValue { position: None, value: vec![] };
-        assert_eq!(StoredValue::decode("s", &without.encode()).unwrap(), without);
+        let without = StoredValue {
+            position: None,
+            value: vec![],
+        };
+        assert_eq!(
+            StoredValue::decode("s", &without.encode()).unwrap(),
+            without
+        );
     }
 
     #[test]
@@ -104,10 +116,25 @@ mod tests {
 
     #[test]
     fn covers_needs_same_source_and_later_offset() {
-        let p = Position { source: 1, offset: 10 };
-        assert!(p.covers(&Position { source: 1, offset: 10 }));
-        assert!(p.covers(&Position { source: 1, offset: 3 }));
-        assert!(!p.covers(&Position { source: 1, offset: 11 }));
-        assert!(!p.covers(&Position { source: 2, offset: 3 }));
+        let p = Position {
+            source: 1,
+            offset: 10,
+        };
+        assert!(p.covers(&Position {
+            source: 1,
+            offset: 10
+        }));
+        assert!(p.covers(&Position {
+            source: 1,
+            offset: 3
+        }));
+        assert!(!p.covers(&Position {
+            source: 1,
+            offset: 11
+        }));
+        assert!(!p.covers(&Position {
+            source: 2,
+            offset: 3
+        }));
     }
 }

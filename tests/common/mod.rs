@@ -18,7 +18,10 @@ pub fn bootstrap() -> String {
 
 /// A unique name for topics, groups and transactional ids.
 pub fn unique(prefix: &str) -> String {
-    format!("{prefix}-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+    format!(
+        "{prefix}-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    )
 }
 
 /// A fresh temporary directory (removed on drop).
@@ -41,9 +44,18 @@ pub struct Proc {
 impl Proc {
     /// Starts `sluice <args>`.
     pub fn spawn(name: &str, args: &[String]) -> Proc {
+        Self::spawn_env(name, args, &[])
+    }
+
+    /// Starts `sluice <args>` with extra environment variables.
+    pub fn spawn_env(name: &str, args: &[String], env: &[(&str, &str)]) -> Proc {
         let mut child = Command::new(sluice_bin())
             .args(args)
-            .env("SLUICE_LOG", std::env::var("SLUICE_LOG").unwrap_or_else(|_| "warn,sluice_topology=info".into()))
+            .envs(env.iter().copied())
+            .env(
+                "SLUICE_LOG",
+                std::env::var("SLUICE_LOG").unwrap_or_else(|_| "warn,sluice_topology=info".into()),
+            )
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -134,7 +146,10 @@ impl Proc {
         self.lines()
             .iter()
             .rev()
-            .find_map(|l| l.strip_prefix("STATS ").map(|j| serde_json::from_str(j).expect("stats json")))
+            .find_map(|l| {
+                l.strip_prefix("STATS ")
+                    .map(|j| serde_json::from_str(j).expect("stats json"))
+            })
             .unwrap_or(serde_json::Value::Null)
     }
 }

@@ -39,7 +39,8 @@ impl<T: Serialize + DeserializeOwned + 'static> Codec<T> for JsonCodec<T> {
             .map_err(|e| CodecError(format!("json encode: {e}")))
     }
     fn decode(&self, bytes: Option<&[u8]>) -> Result<T, CodecError> {
-        serde_json::from_slice(require(bytes)?).map_err(|e| CodecError(format!("malformed json: {}", e.classify_str())))
+        serde_json::from_slice(require(bytes)?)
+            .map_err(|e| CodecError(format!("malformed json: {}", e.classify_str())))
     }
 }
 
@@ -56,7 +57,11 @@ impl ClassifyStr for serde_json::Error {
             serde_json::error::Category::Data => "data",
             serde_json::error::Category::Eof => "eof",
         };
-        format!("{kind} error at line {} column {}", self.line(), self.column())
+        format!(
+            "{kind} error at line {} column {}",
+            self.line(),
+            self.column()
+        )
     }
 }
 

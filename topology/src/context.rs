@@ -39,7 +39,11 @@ pub(crate) struct Spawner {
 }
 
 impl Spawner {
-    pub(crate) fn new(handle: tokio::runtime::Handle, tx: Sender<CompletionMsg>, task: TaskId) -> Self {
+    pub(crate) fn new(
+        handle: tokio::runtime::Handle,
+        tx: Sender<CompletionMsg>,
+        task: TaskId,
+    ) -> Self {
         Spawner {
             handle,
             tx,
@@ -125,14 +129,12 @@ pub struct TaskCtx {
     pub(crate) commit_requested: bool,
     /// Input topic → its dead-letter topic, if any.
     pub(crate) dead_letter_topics: HashMap<String, Option<String>>,
+    /// Next offset after this task's committed outputs, per topic partition.
+    pub(crate) output_ends: HashMap<(String, i32), i64>,
 }
 
 impl TaskCtx {
-    pub(crate) fn new(
-        task: TaskId,
-        state: Option<TaskState>,
-        spawner: Spawner,
-    ) -> Self {
+    pub(crate) fn new(task: TaskId, state: Option<TaskState>, spawner: Spawner) -> Self {
         let stores = state
             .as_ref()
             .map(|s| {
@@ -154,6 +156,7 @@ impl TaskCtx {
             counters: TaskCounters::default(),
             commit_requested: false,
             dead_letter_topics: HashMap::new(),
+            output_ends: HashMap::new(),
         }
     }
 

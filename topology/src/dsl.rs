@@ -16,8 +16,8 @@ use sluice_state::{StoreKind, StoreSpec};
 use crate::codec::BincodeCodec;
 use crate::context::TaskCtx;
 use crate::node::{
-    new_slot, BranchNode, Data, Forward, Instantiator, Node, NodeFactory, Punctuation, SinkNode, SinkTopic, Slot,
-    StatelessNode,
+    new_slot, BranchNode, Data, FlatMapFn, Forward, Instantiator, Node, NodeFactory, Punctuation,
+    SinkNode, SinkTopic, Slot, StatelessNode,
 };
 use crate::processor::{ProcState, Processor, ProcessorNode};
 use crate::record::Record;
@@ -133,8 +133,16 @@ impl StreamBuilder {
         value: impl Codec<V>,
         options: SourceOptions,
     ) -> KStream<K, V> {
-        let topics = topics.iter().map(|t| SourceTopic::External(t.to_string())).collect();
-        self.source(topics, Arc::new(key), Arc::new(value), options.dead_letter_topic)
+        let topics = topics
+            .iter()
+            .map(|t| SourceTopic::External(t.to_string()))
+            .collect();
+        self.source(
+            topics,
+            Arc::new(key),
+            Arc::new(value),
+            options.dead_letter_topic,
+        )
     }
 
     fn source<K: Data, V: Data>(
@@ -205,7 +213,10 @@ impl StreamBuilder {
         }
         for s in &inner.stores {
             if s.group.is_none() {
-                return Err(TopologyError::Invalid(format!("store {} is used by no operator", s.spec.name)));
+                return Err(TopologyError::Invalid(format!(
+                    "store {} is used by no operator",
+                    s.spec.name
+                )));
             }
         }
         // Sub-topology ids in order of first source.
@@ -248,7 +259,10 @@ impl StreamBuilder {
         for (spec, g) in stores {
             let root = inner.find(g);
             let Some(id) = roots.iter().position(|r| *r == root) else {
-                return Err(TopologyError::Invalid(format!("store {} is not reachable from a source", spec.name)));
+                return Err(TopologyError::Invalid(format!(
+                    "store {} is not reachable from a source",
+                    spec.name
+                )));
             };
             subtopologies[id].stores.push(spec);
         }
@@ -286,6 +300,10 @@ impl<K: Data, V: Data> SourceNode for TypedSource<K, V> {
     fn punctuate(&mut self, p: Punctuation, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
         self.kids.punctuate(p, ctx)
     }
+
+    fn flush(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        self.kids.flush(ctx)
+    }
 }
 
 /// A stream of records of type `(K, V)`.
@@ -306,7 +324,10 @@ impl<K, V> Clone for KStream<K, V> {
 }
 
 impl<K: Data, V: Data> KStream<K, V> {
-    fn child<K2: Data, V2: Data>(&self, factory: impl Fn(Slot<K2, V2>) -> NodeFactory<K, V>) -> KStream<K2, V2> {
+    fn child<K2: Data, V2: Data>(
+        &self,
+        factory: impl Fn(Slot<K2, V2>) -> NodeFactory<K, V>,
+    ) -> KStream<K2, V2> {
         let slot = new_slot::<K2, V2>();
         self.slot.lock().push(factory(slot.clone()));
         KStream {
@@ -320,7 +341,7 @@ impl<K: Data, V: Data> KStream<K, V> {
         &self,
         f: impl Fn(Record<K, V>, &mut dyn FnMut(Record<K2, V2>)) + Send + Sync + 'static,
     ) -> KStream<K2, V2> {
-        let f: Arc<dyn Fn(Record<K, V>, &mut dyn FnMut(Record<K2, V2>)) + Send + Sync> = Arc::new(f);
+        let f: FlatMapFn<K, V, K2, V2> = Arc::new(f);
         self.child(move |kids: Slot<K2, V2>| {
             let f = f.clone();
             Arc::new(move |inst: &mut Instantiator<'_>| {
@@ -341,7 +362,10 @@ impl<K: Data, V: Data> KStream<K, V> {
     }
 
     /// Transforms each value, keeping key, timestamp and headers.
-    pub fn map_values<V2: Data>(&self, f: impl Fn(&K, V) -> V2 + Send + Sync + 'static) -> KStream<K, V2> {
+    pub fn map_values<V2: Data>(
+        &self,
+        f: impl Fn(&K, V) -> V2 + Send + Sync + 'static,
+    ) -> KStream<K, V2> {
         self.stateless(move |r: Record<K, V>, out| {
             let v = f(&r.key, r.value);
             out(Record {
@@ -354,7 +378,10 @@ impl<K: Data, V: Data> KStream<K, V> {
     }
 
     /// Keeps the records the predicate accepts.
-    pub fn filter(&self, pred: impl Fn(&Record<K, V>) -> bool + Send + Sync + 'static) -> KStream<K, V> {
+    pub fn filter(
+        &self,
+        pred: impl Fn(&Record<K, V>) -> bool + Send + Sync + 'static,
+    ) -> KStream<K, V> {
         self.stateless(move |r, out| {
             if pred(&r) {
                 out(r)
@@ -380,20 +407,25 @@ impl<K: Data, V: Data> KStream<K, V> {
     /// Splits the stream: each record goes to the first branch whose predicate
     /// accepts it (records no predicate accepts are dropped; add a catch-all).
     #[allow(clippy::type_complexity)]
-    pub fn branch(&self, predicates: Vec<Box<dyn Fn(&Record<K, V>) -> bool + Send + Sync>>) -> Vec<KStream<K, V>> {
+    pub fn branch(
+        &self,
+        predicates: Vec<Box<dyn Fn(&Record<K, V>) -> bool + Send + Sync>>,
+    ) -> Vec<KStream<K, V>> {
         let preds: Vec<Arc<dyn Fn(&Record<K, V>) -> bool + Send + Sync>> =
             predicates.into_iter().map(Arc::from).collect();
         let slots: Vec<Slot<K, V>> = preds.iter().map(|_| new_slot()).collect();
         let kid_slots = slots.clone();
-        self.slot.lock().push(Arc::new(move |inst: &mut Instantiator<'_>| {
-            Ok(Box::new(BranchNode {
-                predicates: preds.clone(),
-                branches: kid_slots
-                    .iter()
-                    .map(|s| Forward::instantiate(s, inst))
-                    .collect::<Result<Vec<_>, _>>()?,
-            }) as Box<dyn Node<K, V>>)
-        }));
+        self.slot
+            .lock()
+            .push(Arc::new(move |inst: &mut Instantiator<'_>| {
+                Ok(Box::new(BranchNode {
+                    predicates: preds.clone(),
+                    branches: kid_slots
+                        .iter()
+                        .map(|s| Forward::instantiate(s, inst))
+                        .collect::<Result<Vec<_>, _>>()?,
+                }) as Box<dyn Node<K, V>>)
+            }));
         slots
             .into_iter()
             .map(|slot| KStream {
@@ -411,11 +443,13 @@ impl<K: Data, V: Data> KStream<K, V> {
         let slot = new_slot::<K, V>();
         for parent in [&self.slot, &other.slot] {
             let kids = slot.clone();
-            parent.lock().push(Arc::new(move |inst: &mut Instantiator<'_>| {
-                Ok(Box::new(PassThrough {
-                    kids: Forward::instantiate(&kids, inst)?,
-                }) as Box<dyn Node<K, V>>)
-            }));
+            parent
+                .lock()
+                .push(Arc::new(move |inst: &mut Instantiator<'_>| {
+                    Ok(Box::new(PassThrough {
+                        kids: Forward::instantiate(&kids, inst)?,
+                    }) as Box<dyn Node<K, V>>)
+                }));
         }
         KStream {
             builder: self.builder.clone(),
@@ -426,17 +460,23 @@ impl<K: Data, V: Data> KStream<K, V> {
 
     /// Writes the stream to a topic.
     pub fn to(&self, topic: &str, key: impl Codec<K>, value: impl Codec<V>) {
-        self.sink(SinkTopic::External(topic.to_string()), Arc::new(key), Arc::new(value));
+        self.sink(
+            SinkTopic::External(topic.to_string()),
+            Arc::new(key),
+            Arc::new(value),
+        );
     }
 
     fn sink(&self, topic: SinkTopic, key: Arc<dyn Codec<K>>, value: Arc<dyn Codec<V>>) {
-        self.slot.lock().push(Arc::new(move |inst: &mut Instantiator<'_>| {
-            Ok(Box::new(SinkNode {
-                topic: topic.resolve(inst.app_id),
-                key_codec: key.clone(),
-                value_codec: value.clone(),
-            }) as Box<dyn Node<K, V>>)
-        }));
+        self.slot
+            .lock()
+            .push(Arc::new(move |inst: &mut Instantiator<'_>| {
+                Ok(Box::new(SinkNode {
+                    topic: topic.resolve(inst.app_id),
+                    key_codec: key.clone(),
+                    value_codec: value.clone(),
+                }) as Box<dyn Node<K, V>>)
+            }));
     }
 
     /// Runs a custom processor (see [`Processor`]) with access to `stores`.
@@ -479,6 +519,7 @@ impl<K: Data, V: Data> KStream<K, V> {
         KGroupedStream {
             stream: self.clone(),
             repartition: false,
+            emit: EmitMode::OnCommit,
         }
     }
 }
@@ -510,7 +551,10 @@ where
     }
 
     /// Re-keys the stream for grouping; the aggregation repartitions by the new key.
-    pub fn group_by<K2>(&self, f: impl Fn(&Record<K, V>) -> K2 + Send + Sync + 'static) -> KGroupedStream<K2, V>
+    pub fn group_by<K2>(
+        &self,
+        f: impl Fn(&Record<K, V>) -> K2 + Send + Sync + 'static,
+    ) -> KGroupedStream<K2, V>
     where
         K2: Data + Serialize + DeserializeOwned,
     {
@@ -525,6 +569,7 @@ where
                 }
             }),
             repartition: true,
+            emit: EmitMode::OnCommit,
         }
     }
 }
@@ -540,12 +585,17 @@ impl<K: Data, V: Data> Node<K, V> for PassThrough<K, V> {
     fn punctuate(&mut self, p: Punctuation, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
         self.kids.punctuate(p, ctx)
     }
+
+    fn flush(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        self.kids.flush(ctx)
+    }
 }
 
 /// A stream grouped by key, ready to aggregate.
 pub struct KGroupedStream<K, V> {
     stream: KStream<K, V>,
     repartition: bool,
+    emit: EmitMode,
 }
 
 impl<K, V> KGroupedStream<K, V>
@@ -561,12 +611,20 @@ where
         }
     }
 
+    /// Forward every update instead of the latest value per key once per
+    /// commit (the default, like Kafka Streams' record cache).
+    pub fn emit_on_update(mut self) -> Self {
+        self.emit = EmitMode::OnUpdate;
+        self
+    }
+
     /// Windows the grouped stream.
     pub fn windowed_by(self, windows: TimeWindows) -> TimeWindowedKStream<K, V> {
+        let emit = self.emit;
         TimeWindowedKStream {
             grouped: self,
             windows,
-            emit: EmitMode::OnUpdate,
+            emit,
             retention: None,
         }
     }
@@ -596,6 +654,7 @@ where
         let init: Arc<dyn Fn() -> A + Send + Sync> = Arc::new(init);
         let agg: crate::window::AggFn<K, V, A> = Arc::new(agg);
         let store = name.to_string();
+        let emit = self.emit;
         KTable {
             stream: input.child(move |kids: Slot<K, A>| {
                 let (init, agg, store) = (init.clone(), agg.clone(), store.clone());
@@ -604,7 +663,9 @@ where
                         store: inst.store(&store)?,
                         init: init.clone(),
                         agg: agg.clone(),
+                        emit,
                         kids: Forward::instantiate(&kids, inst)?,
+                        pending: Default::default(),
                     }) as Box<dyn Node<K, V>>)
                 })
             }),
@@ -630,6 +691,13 @@ where
     K: Data + Serialize + DeserializeOwned,
     V: Data + Serialize + DeserializeOwned,
 {
+    /// Forward every update instead of the latest value per window once per
+    /// commit (the default).
+    pub fn emit_on_update(mut self) -> Self {
+        self.emit = EmitMode::OnUpdate;
+        self
+    }
+
     /// Emit each window once, when it closes (stream time past end + grace),
     /// instead of on every update.
     pub fn emit_final(mut self) -> Self {
@@ -703,11 +771,21 @@ where
     }
 
     /// Combines values per key and window.
-    pub fn reduce(&self, name: &str, f: impl Fn(&V, &V) -> V + Send + Sync + 'static) -> KTable<Windowed<K>, V> {
-        self.aggregate(name, || None::<V>, move |_, v, acc| Some(match acc {
-            None => v.clone(),
-            Some(a) => f(&a, v),
-        }))
+    pub fn reduce(
+        &self,
+        name: &str,
+        f: impl Fn(&V, &V) -> V + Send + Sync + 'static,
+    ) -> KTable<Windowed<K>, V> {
+        self.aggregate(
+            name,
+            || None::<V>,
+            move |_, v, acc| {
+                Some(match acc {
+                    None => v.clone(),
+                    Some(a) => f(&a, v),
+                })
+            },
+        )
         .map_values_table(|v| v.expect("a window holds at least one record"))
     }
 }
@@ -723,7 +801,10 @@ impl<K: Data, V: Data> KTable<K, V> {
         self.stream.clone()
     }
 
-    fn map_values_table<V2: Data>(&self, f: impl Fn(V) -> V2 + Send + Sync + 'static) -> KTable<K, V2> {
+    fn map_values_table<V2: Data>(
+        &self,
+        f: impl Fn(V) -> V2 + Send + Sync + 'static,
+    ) -> KTable<K, V2> {
         KTable {
             stream: self.stream.map_values(move |_, v| f(v)),
         }

@@ -21,7 +21,10 @@ mod test_driver;
 mod topology;
 mod window;
 
-pub use codec::{from_bincode, to_bincode, BincodeCodec, BytesCodec, Codec, CodecError, JsonCodec, StringCodec, UnitCodec};
+pub use codec::{
+    from_bincode, to_bincode, BincodeCodec, BytesCodec, Codec, CodecError, JsonCodec, StringCodec,
+    UnitCodec,
+};
 pub use context::TaskCounters;
 pub use dsl::{KGroupedStream, KStream, KTable, SourceOptions, StreamBuilder, TimeWindowedKStream};
 pub use error::{ProcessError, TopologyError};

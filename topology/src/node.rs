@@ -28,6 +28,9 @@ pub struct Punctuation {
 pub(crate) trait Node<K, V>: Send {
     fn process(&mut self, rec: Record<K, V>, ctx: &mut TaskCtx) -> Result<(), ProcessError>;
     fn punctuate(&mut self, p: Punctuation, ctx: &mut TaskCtx) -> Result<(), ProcessError>;
+    /// Called before every commit: forward anything held back (cached
+    /// aggregation results), then flush the children.
+    fn flush(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError>;
 }
 
 /// An async-capable operator's completion entry point.
@@ -49,10 +52,9 @@ pub(crate) struct Instantiator<'a> {
 
 impl Instantiator<'_> {
     pub(crate) fn store(&self, name: &str) -> Result<StoreId, TopologyError> {
-        self.stores
-            .get(name)
-            .copied()
-            .ok_or_else(|| TopologyError::Invalid(format!("store {name} is not attached to this sub-topology")))
+        self.stores.get(name).copied().ok_or_else(|| {
+            TopologyError::Invalid(format!("store {name} is not attached to this sub-topology"))
+        })
     }
 
     /// Registers an async target; returns its node id.
@@ -78,7 +80,10 @@ pub(crate) struct Forward<K, V> {
 }
 
 impl<K: Data, V: Data> Forward<K, V> {
-    pub(crate) fn instantiate(slot: &Slot<K, V>, inst: &mut Instantiator<'_>) -> Result<Self, TopologyError> {
+    pub(crate) fn instantiate(
+        slot: &Slot<K, V>,
+        inst: &mut Instantiator<'_>,
+    ) -> Result<Self, TopologyError> {
         let factories: Vec<NodeFactory<K, V>> = slot.lock().clone();
         let kids = factories
             .iter()
@@ -87,7 +92,11 @@ impl<K: Data, V: Data> Forward<K, V> {
         Ok(Forward { kids })
     }
 
-    pub(crate) fn forward(&mut self, rec: Record<K, V>, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+    pub(crate) fn forward(
+        &mut self,
+        rec: Record<K, V>,
+        ctx: &mut TaskCtx,
+    ) -> Result<(), ProcessError> {
         let Some((last, rest)) = self.kids.split_last_mut() else {
             return Ok(());
         };
@@ -97,18 +106,32 @@ impl<K: Data, V: Data> Forward<K, V> {
         last.process(rec, ctx)
     }
 
-    pub(crate) fn punctuate(&mut self, p: Punctuation, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+    pub(crate) fn punctuate(
+        &mut self,
+        p: Punctuation,
+        ctx: &mut TaskCtx,
+    ) -> Result<(), ProcessError> {
         for kid in &mut self.kids {
             kid.punctuate(p, ctx)?;
         }
         Ok(())
     }
+
+    pub(crate) fn flush(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        for kid in &mut self.kids {
+            kid.flush(ctx)?;
+        }
+        Ok(())
+    }
 }
+
+/// A function from a record to zero or more records, passed to `emit`.
+pub(crate) type FlatMapFn<K, V, K2, V2> =
+    Arc<dyn Fn(Record<K, V>, &mut dyn FnMut(Record<K2, V2>)) + Send + Sync>;
 
 /// A stateless operator: a function from a record to zero or more records.
 pub(crate) struct StatelessNode<K, V, K2, V2> {
-    #[allow(clippy::type_complexity)]
-    pub(crate) f: Arc<dyn Fn(Record<K, V>, &mut dyn FnMut(Record<K2, V2>)) + Send + Sync>,
+    pub(crate) f: FlatMapFn<K, V, K2, V2>,
     pub(crate) kids: Forward<K2, V2>,
 }
 
@@ -124,6 +147,10 @@ impl<K: Data, V: Data, K2: Data, V2: Data> Node<K, V> for StatelessNode<K, V, K2
 
     fn punctuate(&mut self, p: Punctuation, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
         self.kids.punctuate(p, ctx)
+    }
+
+    fn flush(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        self.kids.flush(ctx)
     }
 }
 
@@ -147,6 +174,13 @@ impl<K: Data, V: Data> Node<K, V> for BranchNode<K, V> {
     fn punctuate(&mut self, p: Punctuation, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
         for b in &mut self.branches {
             b.punctuate(p, ctx)?;
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        for b in &mut self.branches {
+            b.flush(ctx)?;
         }
         Ok(())
     }
@@ -174,10 +208,9 @@ impl<K: Data, V: Data> Node<K, V> for SinkNode<K, V> {
             .key_codec
             .encode(&rec.key)
             .map_err(|e| ProcessError::Fatal(format!("encoding a key for {}: {e}", self.topic)))?;
-        let value = self
-            .value_codec
-            .encode(&rec.value)
-            .map_err(|e| ProcessError::Fatal(format!("encoding a value for {}: {e}", self.topic)))?;
+        let value = self.value_codec.encode(&rec.value).map_err(|e| {
+            ProcessError::Fatal(format!("encoding a value for {}: {e}", self.topic))
+        })?;
         ctx.out.push(OutputRecord {
             topic: self.topic.clone(),
             partition: None,
@@ -190,6 +223,10 @@ impl<K: Data, V: Data> Node<K, V> for SinkNode<K, V> {
     }
 
     fn punctuate(&mut self, _: Punctuation, _: &mut TaskCtx) -> Result<(), ProcessError> {
+        Ok(())
+    }
+
+    fn flush(&mut self, _: &mut TaskCtx) -> Result<(), ProcessError> {
         Ok(())
     }
 }

@@ -3,6 +3,7 @@
 //! operators complete.
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crossbeam_channel::Sender;
@@ -22,15 +23,26 @@ pub struct RecordToken {
     /// reflected in restored state).
     pub(crate) replay: bool,
     done: Sender<(usize, i64)>,
+    silent: bool,
+    /// Set when the task abandoned its in-flight work: such records must
+    /// stay unfinished so their offsets are never committed.
+    abandoned: Arc<AtomicBool>,
 }
 
 impl RecordToken {
+    /// Finishes the record without reporting it over the channel (the caller
+    /// updates the tracker itself).
+    pub(crate) fn finish_silently(mut self) {
+        self.silent = true;
+    }
+
     pub(crate) fn new(
         slot: usize,
         position: Position,
         raw: Option<Arc<crate::RawRecord>>,
         replay: bool,
         done: Sender<(usize, i64)>,
+        abandoned: Arc<AtomicBool>,
     ) -> Arc<Self> {
         Arc::new(RecordToken {
             slot,
@@ -38,12 +50,17 @@ impl RecordToken {
             raw,
             replay,
             done,
+            silent: false,
+            abandoned,
         })
     }
 }
 
 impl Drop for RecordToken {
     fn drop(&mut self) {
+        if self.silent || self.abandoned.load(Ordering::Acquire) {
+            return;
+        }
         // The receiver lives as long as the task; a closed task ignores this.
         let _ = self.done.send((self.slot, self.position.offset));
     }
@@ -89,6 +106,11 @@ impl OffsetTracker {
         self.in_flight.remove(&offset);
     }
 
+    /// A record was received and finished at once (synchronous processing).
+    pub fn received_finished(&mut self, offset: i64) {
+        self.next_received = Some(self.next_received.map_or(offset + 1, |n| n.max(offset + 1)));
+    }
+
     /// Records received and not finished.
     pub fn in_flight(&self) -> usize {
         self.in_flight.len()
@@ -107,6 +129,11 @@ impl OffsetTracker {
     pub fn to_commit(&self) -> Option<i64> {
         let c = self.committable()?;
         (self.committed != Some(c)).then_some(c)
+    }
+
+    /// The offset this task last committed, if any.
+    pub fn last_committed(&self) -> Option<i64> {
+        self.committed
     }
 
     /// Records that `offset` was committed.
@@ -146,11 +173,41 @@ mod tests {
     #[test]
     fn token_drop_reports_finish_once_all_clones_are_gone() {
         let (tx, rx) = crossbeam_channel::unbounded();
-        let tok = RecordToken::new(2, Position { source: 1, offset: 7 }, None, false, tx);
+        let tok = RecordToken::new(
+            2,
+            Position {
+                source: 1,
+                offset: 7,
+            },
+            None,
+            false,
+            tx,
+            Default::default(),
+        );
         let held = InFlight(tok.clone());
         drop(tok);
         assert!(rx.try_recv().is_err());
         drop(held);
         assert_eq!(rx.try_recv().unwrap(), (2, 7));
+    }
+
+    #[test]
+    fn abandoned_records_are_never_reported_finished() {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let abandoned = Arc::new(AtomicBool::new(false));
+        let tok = RecordToken::new(
+            0,
+            Position {
+                source: 1,
+                offset: 3,
+            },
+            None,
+            false,
+            tx,
+            abandoned.clone(),
+        );
+        abandoned.store(true, Ordering::Release);
+        drop(tok);
+        assert!(rx.try_recv().is_err());
     }
 }

@@ -36,7 +36,10 @@ pub trait Processor<K, V>: Send + 'static {
     type Output: Send + 'static;
 
     /// Called once when the task starts, after its state was restored.
-    fn init(&mut self, _ctx: &mut ProcessorContext<'_, Self::OutKey, Self::OutValue, Self::Output>) -> Result<(), ProcessError> {
+    fn init(
+        &mut self,
+        _ctx: &mut ProcessorContext<'_, Self::OutKey, Self::OutValue, Self::Output>,
+    ) -> Result<(), ProcessError> {
         Ok(())
     }
 
@@ -154,8 +157,22 @@ impl<K: Data, V: Data, O: Send + 'static> ProcessorContext<'_, K, V, O> {
     /// Sends the current record's original bytes to its source's dead-letter
     /// topic with a reason, category and attempt count. Fails when the source
     /// has no dead-letter topic.
-    pub fn dead_letter(&mut self, reason: &str, category: &str, attempts: u32) -> Result<(), ProcessError> {
+    pub fn dead_letter(
+        &mut self,
+        reason: &str,
+        category: &str,
+        attempts: u32,
+    ) -> Result<(), ProcessError> {
         self.ctx.dead_letter(reason, category, attempts)
+    }
+
+    /// The offset after this task's last committed output to a topic
+    /// partition (known from delivery reports; `None` before the first).
+    pub fn output_end(&self, topic: &str, partition: i32) -> Option<i64> {
+        self.ctx
+            .output_ends
+            .get(&(topic.to_string(), partition))
+            .copied()
     }
 
     /// Asks the runtime to commit soon (e.g. after a batch of state updates).
@@ -168,10 +185,9 @@ impl<K: Data, V: Data, O: Send + 'static> ProcessorContext<'_, K, V, O> {
         &mut self,
         name: &str,
     ) -> Result<KvStore<'_, SK, SV>, ProcessError> {
-        let id = self
-            .ctx
-            .store(name)
-            .ok_or_else(|| ProcessError::Fatal(format!("store {name} is not attached to this processor")))?;
+        let id = self.ctx.store(name).ok_or_else(|| {
+            ProcessError::Fatal(format!("store {name} is not attached to this processor"))
+        })?;
         let position = self.ctx.position();
         Ok(KvStore {
             state: self.ctx.state_mut(),
@@ -197,7 +213,10 @@ impl<K: Serialize + DeserializeOwned, V: Serialize + DeserializeOwned> KvStore<'
     }
 
     /// Reads a value and the input position it reflects.
-    pub fn get_with_position(&self, key: &K) -> Result<Option<(V, Option<Position>)>, ProcessError> {
+    pub fn get_with_position(
+        &self,
+        key: &K,
+    ) -> Result<Option<(V, Option<Position>)>, ProcessError> {
         match self.state.get(self.id, &to_bincode(key))? {
             None => Ok(None),
             Some(stored) => {
@@ -227,6 +246,13 @@ impl<K: Serialize + DeserializeOwned, V: Serialize + DeserializeOwned> KvStore<'
             .put(self.id, to_bincode(key), &to_bincode(value), self.position);
     }
 
+    /// Writes a value stamped with an explicit position (e.g. one carried by a
+    /// record read outside the task's input).
+    pub fn put_at(&mut self, key: &K, value: &V, position: Option<Position>) {
+        self.state
+            .put(self.id, to_bincode(key), &to_bincode(value), position);
+    }
+
     /// Deletes a key.
     pub fn delete(&mut self, key: &K) {
         self.state.delete(self.id, to_bincode(key));
@@ -239,8 +265,10 @@ impl<K: Serialize + DeserializeOwned, V: Serialize + DeserializeOwned> KvStore<'
             .prefix_scan(self.id, prefix)?
             .into_iter()
             .map(|(k, v)| {
-                let k = from_bincode(&k).map_err(|e| ProcessError::Fatal(format!("corrupt store key: {e}")))?;
-                let v = from_bincode(&v.value).map_err(|e| ProcessError::Fatal(format!("corrupt store value: {e}")))?;
+                let k = from_bincode(&k)
+                    .map_err(|e| ProcessError::Fatal(format!("corrupt store key: {e}")))?;
+                let v = from_bincode(&v.value)
+                    .map_err(|e| ProcessError::Fatal(format!("corrupt store value: {e}")))?;
                 Ok((k, v))
             })
             .collect()
@@ -259,11 +287,19 @@ where
     pub(crate) _in: PhantomData<fn(K, V)>,
 }
 
+/// The context type a processor `P` sees.
+type CtxOf<'a, P, K, V> = ProcessorContext<
+    'a,
+    <P as Processor<K, V>>::OutKey,
+    <P as Processor<K, V>>::OutValue,
+    <P as Processor<K, V>>::Output,
+>;
+
 impl<P, K, V> ProcState<P, K, V>
 where
     P: Processor<K, V>,
 {
-    fn pctx<'a>(&'a mut self, ctx: &'a mut TaskCtx) -> (&'a mut P, ProcessorContext<'a, P::OutKey, P::OutValue, P::Output>) {
+    fn pctx<'a>(&'a mut self, ctx: &'a mut TaskCtx) -> (&'a mut P, CtxOf<'a, P, K, V>) {
         (
             &mut self.processor,
             ProcessorContext {
@@ -287,7 +323,11 @@ where
         p.init(&mut pc)
     }
 
-    fn complete(&mut self, output: Box<dyn std::any::Any + Send>, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+    fn complete(
+        &mut self,
+        output: Box<dyn std::any::Any + Send>,
+        ctx: &mut TaskCtx,
+    ) -> Result<(), ProcessError> {
         let output = output
             .downcast::<P::Output>()
             .map_err(|_| ProcessError::Fatal("async output of an unexpected type".into()))?;
@@ -323,5 +363,9 @@ where
             p.punctuate(time, &mut pc)?;
         }
         st.kids.punctuate(time, ctx)
+    }
+
+    fn flush(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        self.state.lock().kids.flush(ctx)
     }
 }

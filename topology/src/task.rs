@@ -90,6 +90,7 @@ pub(crate) struct TaskCore {
     done_tx: Sender<(usize, i64)>,
     done_rx: Receiver<(usize, i64)>,
     replay_until: HashMap<u32, i64>,
+    abandoned: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl TaskCore {
@@ -141,11 +142,12 @@ impl TaskCore {
             done_tx,
             done_rx,
             replay_until,
+            abandoned: Default::default(),
         };
         for t in task.targets.clone() {
-            t.lock()
-                .init(&mut task.ctx)
-                .map_err(|e| TopologyError::Invalid(format!("processor init failed in task {id}: {e}")))?;
+            t.lock().init(&mut task.ctx).map_err(|e| {
+                TopologyError::Invalid(format!("processor init failed in task {id}: {e}"))
+            })?;
         }
         Ok(task)
     }
@@ -158,8 +160,17 @@ impl TaskCore {
     /// Processes one input record. Dead letters are queued as output; other
     /// errors are returned and stop the task.
     pub(crate) fn process(&mut self, slot: usize, input: Input<'_>) -> Result<(), ProcessError> {
+        // Below the offset this task committed, every record was processed by
+        // this very task: a broker that delivers it again (its committed offset
+        // lagging an applied-late commit) must not have it applied twice.
+        if self.trackers[slot]
+            .last_committed()
+            .is_some_and(|c| input.offset < c)
+        {
+            self.ctx.counters.replay_skipped += 1;
+            return Ok(());
+        }
         let info = &self.slots[slot];
-        self.trackers[slot].received(input.offset);
         let position = Position {
             source: info.source_id,
             offset: input.offset,
@@ -180,7 +191,14 @@ impl TaskCore {
             })
         });
         let source = info.source;
-        let token = RecordToken::new(slot, position, raw, replay, self.done_tx.clone());
+        let token = RecordToken::new(
+            slot,
+            position,
+            raw,
+            replay,
+            self.done_tx.clone(),
+            self.abandoned.clone(),
+        );
         self.ctx.current = Some(token);
         self.ctx.stream_time = self.ctx.stream_time.max(input.timestamp);
         let view = RawView {
@@ -191,7 +209,19 @@ impl TaskCore {
         };
         let result = self.sources[source].process(view, &mut self.ctx);
         let result = self.handle(result, slot, input.offset);
-        self.ctx.current = None;
+        // A record nothing holds any more finished synchronously: account for
+        // it directly instead of through the channel.
+        match self.ctx.current.take().map(Arc::try_unwrap) {
+            Some(Ok(token)) => {
+                token.finish_silently();
+                self.trackers[slot].received_finished(input.offset);
+            }
+            Some(Err(shared)) => {
+                self.trackers[slot].received(input.offset);
+                drop(shared);
+            }
+            None => self.trackers[slot].received(input.offset),
+        }
         result
     }
 
@@ -201,7 +231,10 @@ impl TaskCore {
             return Ok(());
         };
         let Some(target) = self.targets.get(msg.node).cloned() else {
-            return Err(ProcessError::Fatal(format!("completion for unknown node {}", msg.node)));
+            return Err(ProcessError::Fatal(format!(
+                "completion for unknown node {}",
+                msg.node
+            )));
         };
         let (slot, offset) = tokens
             .first()
@@ -215,7 +248,12 @@ impl TaskCore {
         result
     }
 
-    fn handle(&mut self, result: Result<(), ProcessError>, slot: usize, offset: i64) -> Result<(), ProcessError> {
+    fn handle(
+        &mut self,
+        result: Result<(), ProcessError>,
+        slot: usize,
+        offset: i64,
+    ) -> Result<(), ProcessError> {
         match result {
             Err(ProcessError::DeadLetter { reason, category }) => self
                 .ctx
@@ -240,6 +278,14 @@ impl TaskCore {
         };
         for s in &mut self.sources {
             s.punctuate(p, &mut self.ctx)?;
+        }
+        Ok(())
+    }
+
+    /// Forwards whatever operators hold back until a commit (cached results).
+    pub(crate) fn flush(&mut self) -> Result<(), ProcessError> {
+        for s in &mut self.sources {
+            s.flush(&mut self.ctx)?;
         }
         Ok(())
     }
@@ -278,21 +324,39 @@ impl TaskCore {
         }
     }
 
-    /// Cancels pending async calls (on abandon).
-    pub(crate) fn abort_pending(&mut self) {
+    /// Abandons in-flight work: pending async calls are cancelled, and no
+    /// record still in flight will ever count as finished, so nothing past the
+    /// first of them is committed. The task must be restored afresh to run again.
+    pub(crate) fn abandon(&mut self) {
+        self.abandoned
+            .store(true, std::sync::atomic::Ordering::Release);
         self.ctx.spawner.abort_all();
+    }
+
+    /// True once [`TaskCore::abandon`] was called.
+    pub(crate) fn is_abandoned(&self) -> bool {
+        self.abandoned.load(std::sync::atomic::Ordering::Acquire)
     }
 }
 
 impl TaskCtx {
     /// Queues the current record's original bytes for its source's dead-letter
     /// topic, with the reason headers.
-    pub(crate) fn dead_letter(&mut self, reason: &str, category: &str, attempts: u32) -> Result<(), ProcessError> {
+    pub(crate) fn dead_letter(
+        &mut self,
+        reason: &str,
+        category: &str,
+        attempts: u32,
+    ) -> Result<(), ProcessError> {
         let Some(token) = self.current.clone() else {
-            return Err(ProcessError::Fatal("no current record to dead-letter".into()));
+            return Err(ProcessError::Fatal(
+                "no current record to dead-letter".into(),
+            ));
         };
         let Some(raw) = token.raw.as_ref() else {
-            return Err(ProcessError::Fatal("its source has no dead-letter topic".into()));
+            return Err(ProcessError::Fatal(
+                "its source has no dead-letter topic".into(),
+            ));
         };
         let topic = self
             .dead_letter_topics
@@ -312,7 +376,11 @@ impl TaskCtx {
             dlq_headers::SENT_AT,
             chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
         );
-        *self.counters.dead_lettered.entry(category.to_string()).or_default() += 1;
+        *self
+            .counters
+            .dead_lettered
+            .entry(category.to_string())
+            .or_default() += 1;
         self.out.push(OutputRecord {
             topic,
             partition: None,

@@ -55,9 +55,20 @@ impl TopologyTestDriver {
             let state = if sub.stores.is_empty() {
                 None
             } else {
-                Some(TaskState::open(&dir.join(format!("{}_0", sub.id)), &sub.stores, &env)?)
+                Some(TaskState::open(
+                    &dir.join(format!("{}_0", sub.id)),
+                    &sub.stores,
+                    &env,
+                )?)
             };
-            tasks.push(TaskCore::new(sub, 0, app_id, state, runtime.handle().clone(), tx.clone())?);
+            tasks.push(TaskCore::new(
+                sub,
+                0,
+                app_id,
+                state,
+                runtime.handle().clone(),
+                tx.clone(),
+            )?);
         }
         Ok(TopologyTestDriver {
             tasks,
@@ -108,9 +119,14 @@ impl TopologyTestDriver {
                             headers: rec.headers.clone(),
                         },
                     )?;
+                    task.flush()?;
                     queue.extend(task.take_output());
                 }
-                None => self.outputs.entry(rec.topic.clone()).or_default().push_back(rec),
+                None => self
+                    .outputs
+                    .entry(rec.topic.clone())
+                    .or_default()
+                    .push_back(rec),
             }
         }
         Ok(())
@@ -142,9 +158,17 @@ impl TopologyTestDriver {
         }
         for rec in pending {
             if self.tasks.iter().any(|t| t.slot_of(&rec.topic).is_some()) {
-                self.pipe_raw(&rec.topic, rec.key.as_deref(), rec.value.as_deref(), rec.timestamp)?;
+                self.pipe_raw(
+                    &rec.topic,
+                    rec.key.as_deref(),
+                    rec.value.as_deref(),
+                    rec.timestamp,
+                )?;
             } else {
-                self.outputs.entry(rec.topic.clone()).or_default().push_back(rec);
+                self.outputs
+                    .entry(rec.topic.clone())
+                    .or_default()
+                    .push_back(rec);
             }
         }
         Ok(())
@@ -154,6 +178,7 @@ impl TopologyTestDriver {
     pub fn punctuate(&mut self, wall_clock_ms: i64) -> Result<(), ProcessError> {
         for t in &mut self.tasks {
             t.punctuate(wall_clock_ms)?;
+            t.flush()?;
         }
         self.route_outputs()
     }
@@ -172,6 +197,7 @@ impl TopologyTestDriver {
                 Ok(msg) => {
                     if let Some(t) = self.tasks.iter_mut().find(|t| t.id == msg.task) {
                         t.complete(msg)?;
+                        t.flush()?;
                     }
                     self.route_outputs()?;
                 }
@@ -197,7 +223,12 @@ impl TopologyTestDriver {
     ) -> Result<Vec<(K, V)>, crate::CodecError> {
         self.read_output(topic)
             .into_iter()
-            .map(|r| Ok((key_codec.decode(r.key.as_deref())?, value_codec.decode(r.value.as_deref())?)))
+            .map(|r| {
+                Ok((
+                    key_codec.decode(r.key.as_deref())?,
+                    value_codec.decode(r.value.as_deref())?,
+                ))
+            })
             .collect()
     }
 

@@ -44,6 +44,7 @@ pub(crate) struct RawView<'a> {
 pub(crate) trait SourceNode: Send {
     fn process(&mut self, view: RawView<'_>, ctx: &mut TaskCtx) -> Result<(), ProcessError>;
     fn punctuate(&mut self, p: Punctuation, ctx: &mut TaskCtx) -> Result<(), ProcessError>;
+    fn flush(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError>;
 }
 
 pub(crate) type SourceFactory =
@@ -155,7 +156,9 @@ impl Topology {
             for store in &st.stores {
                 let kind = match store.kind {
                     StoreKind::KeyValue => "key-value".to_string(),
-                    StoreKind::Window { retention_ms } => format!("window, retention {retention_ms} ms"),
+                    StoreKind::Window { retention_ms } => {
+                        format!("window, retention {retention_ms} ms")
+                    }
                 };
                 let _ = writeln!(
                     out,

@@ -1,6 +1,7 @@
 //! Time windows and the aggregation operators (windowed and not) with their
 //! grace period, emit modes, replay safety and window expiry.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -102,6 +103,10 @@ impl TimeWindows {
 pub enum EmitMode {
     /// Every update of every window (a changelog stream of the table).
     OnUpdate,
+    /// The latest value of each updated key, once per commit (like Kafka
+    /// Streams' record cache): output grows with distinct keys per commit, not
+    /// with input records.
+    OnCommit,
     /// Once per window, when stream time passes its end plus grace.
     OnWindowClose,
 }
@@ -131,6 +136,8 @@ pub(crate) struct WindowAggNode<K, V, A> {
     pub(crate) kids: Forward<Windowed<K>, A>,
     pub(crate) meta: Option<AggMeta>,
     pub(crate) last_expiry: i64,
+    /// Latest results not yet forwarded (`OnCommit`).
+    pending: BTreeMap<(i64, Vec<u8>), Record<Windowed<K>, A>>,
 }
 
 impl<K, V, A> WindowAggNode<K, V, A>
@@ -158,6 +165,7 @@ where
             kids,
             meta: None,
             last_expiry: i64::MIN,
+            pending: BTreeMap::new(),
         }
     }
 
@@ -190,14 +198,19 @@ where
         if !ctx.replaying() {
             return Ok(false);
         }
-        let (Some(cur), Some(stored)) = (ctx.position(), ctx.state().get(self.store, META_KEY)?) else {
+        let (Some(cur), Some(stored)) = (ctx.position(), ctx.state().get(self.store, META_KEY)?)
+        else {
             return Ok(false);
         };
         Ok(stored.position.is_some_and(|p| p.covers(&cur)))
     }
 
     /// Emits every window closed by stream time and not emitted yet.
-    fn emit_closed(&mut self, ctx: &mut TaskCtx, mut meta: AggMeta) -> Result<AggMeta, ProcessError> {
+    fn emit_closed(
+        &mut self,
+        ctx: &mut TaskCtx,
+        mut meta: AggMeta,
+    ) -> Result<AggMeta, ProcessError> {
         let closed_until = ctx.stream_time.saturating_sub(self.windows.grace_ms);
         if closed_until <= meta.emitted_until {
             return Ok(meta);
@@ -253,7 +266,9 @@ where
                 ctx.counters.late_dropped += 1;
                 continue;
             }
-            let stored = ctx.state().window_get(self.store, &key_bytes, window.start)?;
+            let stored = ctx
+                .state()
+                .window_get(self.store, &key_bytes, window.start)?;
             if ctx.replaying() {
                 if let (Some(cur), Some(p)) = (position, stored.as_ref().and_then(|s| s.position)) {
                     if p.covers(&cur) {
@@ -275,19 +290,22 @@ where
                 &to_bincode(&updated),
                 position,
             );
-            if self.emit == EmitMode::OnUpdate {
-                self.kids.forward(
-                    Record {
-                        key: Windowed {
-                            key: rec.key.clone(),
-                            window,
-                        },
-                        value: updated,
-                        timestamp: rec.timestamp,
-                        headers: rec.headers.clone(),
-                    },
-                    ctx,
-                )?;
+            let out = || Record {
+                key: Windowed {
+                    key: rec.key.clone(),
+                    window,
+                },
+                value: updated.clone(),
+                timestamp: rec.timestamp,
+                headers: rec.headers.clone(),
+            };
+            match self.emit {
+                EmitMode::OnUpdate => self.kids.forward(out(), ctx)?,
+                EmitMode::OnCommit => {
+                    self.pending
+                        .insert((window.start, key_bytes.clone()), out());
+                }
+                EmitMode::OnWindowClose => {}
             }
         }
         let before = meta;
@@ -306,6 +324,13 @@ where
     fn punctuate(&mut self, p: Punctuation, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
         self.kids.punctuate(p, ctx)
     }
+
+    fn flush(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        for (_, rec) in std::mem::take(&mut self.pending) {
+            self.kids.forward(rec, ctx)?;
+        }
+        self.kids.flush(ctx)
+    }
 }
 
 /// Aggregation over a key-value store (no windows).
@@ -313,7 +338,9 @@ pub(crate) struct KvAggNode<K, V, A> {
     pub(crate) store: StoreId,
     pub(crate) init: Arc<dyn Fn() -> A + Send + Sync>,
     pub(crate) agg: AggFn<K, V, A>,
+    pub(crate) emit: EmitMode,
     pub(crate) kids: Forward<K, A>,
+    pub(crate) pending: BTreeMap<Vec<u8>, Record<K, A>>,
 }
 
 impl<K, V, A> Node<K, V> for KvAggNode<K, V, A>
@@ -335,31 +362,46 @@ where
             }
         }
         let current = match stored {
-            Some(s) => from_bincode(&s.value).map_err(|e| ProcessError::Fatal(format!("corrupt value: {e}")))?,
+            Some(s) => from_bincode(&s.value)
+                .map_err(|e| ProcessError::Fatal(format!("corrupt value: {e}")))?,
             None => (self.init)(),
         };
         let updated = (self.agg)(&rec.key, &rec.value, current);
-        ctx.state_mut()
-            .put(self.store, key_bytes, &to_bincode(&updated), position);
+        ctx.state_mut().put(
+            self.store,
+            key_bytes.clone(),
+            &to_bincode(&updated),
+            position,
+        );
         let Record {
             key,
             timestamp,
             headers,
             ..
         } = rec;
-        self.kids.forward(
-            Record {
-                key,
-                value: updated,
-                timestamp,
-                headers,
-            },
-            ctx,
-        )
+        let out = Record {
+            key,
+            value: updated,
+            timestamp,
+            headers,
+        };
+        if self.emit == EmitMode::OnCommit {
+            self.pending.insert(key_bytes, out);
+            Ok(())
+        } else {
+            self.kids.forward(out, ctx)
+        }
     }
 
     fn punctuate(&mut self, p: Punctuation, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
         self.kids.punctuate(p, ctx)
+    }
+
+    fn flush(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        for (_, rec) in std::mem::take(&mut self.pending) {
+            self.kids.forward(rec, ctx)?;
+        }
+        self.kids.flush(ctx)
     }
 }
 
@@ -371,9 +413,21 @@ mod tests {
     fn tumbling_windows() {
         let w = TimeWindows::tumbling(Duration::from_secs(60));
         let got: Vec<Window> = w.windows_for(61_000).collect();
-        assert_eq!(got, vec![Window { start: 60_000, end: 120_000 }]);
+        assert_eq!(
+            got,
+            vec![Window {
+                start: 60_000,
+                end: 120_000
+            }]
+        );
         let got: Vec<Window> = w.windows_for(60_000).collect();
-        assert_eq!(got, vec![Window { start: 60_000, end: 120_000 }]);
+        assert_eq!(
+            got,
+            vec![Window {
+                start: 60_000,
+                end: 120_000
+            }]
+        );
         assert_eq!(w.windows_for(59_999).next().unwrap().start, 0);
     }
 
@@ -385,6 +439,10 @@ mod tests {
         for win in w.windows_for(65_000) {
             assert!(win.start <= 65_000 && 65_000 < win.end);
         }
-        assert!(TimeWindows::hopping(Duration::from_secs(1), Duration::from_secs(2)).validate().is_err());
+        assert!(
+            TimeWindows::hopping(Duration::from_secs(1), Duration::from_secs(2))
+                .validate()
+                .is_err()
+        );
     }
 }

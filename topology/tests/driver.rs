@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use sluice_topology::{
-    dlq_headers, header, JsonCodec, ProcessError, Processor, ProcessorContext, Record, SourceOptions, StreamBuilder,
-    StringCodec, TimeWindows, TopologyTestDriver, Windowed,
+    dlq_headers, header, JsonCodec, ProcessError, Processor, ProcessorContext, Record,
+    SourceOptions, StreamBuilder, StringCodec, TimeWindows, TopologyTestDriver, Windowed,
 };
 
 const MIN: i64 = 60_000;
@@ -16,15 +16,24 @@ fn windowed_counts(final_only: bool) -> TopologyTestDriver {
         .group_by_key()
         .windowed_by(TimeWindows::tumbling(Duration::from_secs(60)).grace(Duration::from_secs(10)));
     let w = if final_only { w.emit_final() } else { w };
-    w.count("counts")
-        .to_stream()
-        .to("out", JsonCodec::<Windowed<String>>::default(), JsonCodec::<u64>::default());
+    w.count("counts").to_stream().to(
+        "out",
+        JsonCodec::<Windowed<String>>::default(),
+        JsonCodec::<u64>::default(),
+    );
     TopologyTestDriver::new(b.build().unwrap()).unwrap()
 }
 
 fn pipe(d: &mut TopologyTestDriver, k: &str, ts: i64) {
-    d.pipe("in", &k.to_string(), &"v".to_string(), &StringCodec, &StringCodec, ts)
-        .unwrap();
+    d.pipe(
+        "in",
+        &k.to_string(),
+        &"v".to_string(),
+        &StringCodec,
+        &StringCodec,
+        ts,
+    )
+    .unwrap();
 }
 
 #[test]
@@ -35,9 +44,16 @@ fn tumbling_count_emits_every_update() {
     pipe(&mut d, "b", 3_000);
     pipe(&mut d, "a", MIN + 1);
     let out = d
-        .read_typed("out", &JsonCodec::<Windowed<String>>::default(), &JsonCodec::<u64>::default())
+        .read_typed(
+            "out",
+            &JsonCodec::<Windowed<String>>::default(),
+            &JsonCodec::<u64>::default(),
+        )
         .unwrap();
-    let got: Vec<(String, i64, u64)> = out.into_iter().map(|(k, v)| (k.key, k.window.start, v)).collect();
+    let got: Vec<(String, i64, u64)> = out
+        .into_iter()
+        .map(|(k, v)| (k.key, k.window.start, v))
+        .collect();
     assert_eq!(
         got,
         vec![
@@ -58,9 +74,17 @@ fn late_records_past_grace_are_dropped_and_counted() {
     pipe(&mut d, "a", MIN + 20_000); // stream time 80 s: window [0,60) closed
     pipe(&mut d, "a", 3_000); // late: dropped
     let out = d
-        .read_typed("out", &JsonCodec::<Windowed<String>>::default(), &JsonCodec::<u64>::default())
+        .read_typed(
+            "out",
+            &JsonCodec::<Windowed<String>>::default(),
+            &JsonCodec::<u64>::default(),
+        )
         .unwrap();
-    let first_window: Vec<u64> = out.iter().filter(|(k, _)| k.window.start == 0).map(|(_, v)| *v).collect();
+    let first_window: Vec<u64> = out
+        .iter()
+        .filter(|(k, _)| k.window.start == 0)
+        .map(|(_, v)| *v)
+        .collect();
     assert_eq!(first_window, vec![1, 2]);
     assert_eq!(d.counters().late_dropped, 1);
 }
@@ -76,12 +100,22 @@ fn emit_final_emits_each_window_once_after_grace() {
     assert!(d.read_output("out").is_empty());
     pipe(&mut d, "a", MIN + 10_000); // stream time 70 s: [0,60) closes
     let out = d
-        .read_typed("out", &JsonCodec::<Windowed<String>>::default(), &JsonCodec::<u64>::default())
+        .read_typed(
+            "out",
+            &JsonCodec::<Windowed<String>>::default(),
+            &JsonCodec::<u64>::default(),
+        )
         .unwrap();
-    let got: Vec<(String, i64, u64)> = out.into_iter().map(|(k, v)| (k.key, k.window.start, v)).collect();
+    let got: Vec<(String, i64, u64)> = out
+        .into_iter()
+        .map(|(k, v)| (k.key, k.window.start, v))
+        .collect();
     assert_eq!(got, vec![("a".into(), 0, 3), ("b".into(), 0, 1)]);
     pipe(&mut d, "a", MIN + 11_000);
-    assert!(d.read_output("out").is_empty(), "closed windows are emitted once");
+    assert!(
+        d.read_output("out").is_empty(),
+        "closed windows are emitted once"
+    );
 }
 
 #[test]
@@ -89,14 +123,25 @@ fn hopping_windows_count_each_record_in_every_window() {
     let b = StreamBuilder::new();
     b.stream(&["in"], StringCodec, StringCodec)
         .group_by_key()
-        .windowed_by(TimeWindows::hopping(Duration::from_secs(60), Duration::from_secs(30)))
+        .windowed_by(TimeWindows::hopping(
+            Duration::from_secs(60),
+            Duration::from_secs(30),
+        ))
         .count("hop")
         .to_stream()
-        .to("out", JsonCodec::<Windowed<String>>::default(), JsonCodec::<u64>::default());
+        .to(
+            "out",
+            JsonCodec::<Windowed<String>>::default(),
+            JsonCodec::<u64>::default(),
+        );
     let mut d = TopologyTestDriver::new(b.build().unwrap()).unwrap();
     pipe(&mut d, "k", 45_000); // windows [0,60) and [30,90)
     let starts: Vec<i64> = d
-        .read_typed("out", &JsonCodec::<Windowed<String>>::default(), &JsonCodec::<u64>::default())
+        .read_typed(
+            "out",
+            &JsonCodec::<Windowed<String>>::default(),
+            &JsonCodec::<u64>::default(),
+        )
         .unwrap()
         .into_iter()
         .map(|(k, _)| k.window.start)
@@ -128,15 +173,36 @@ fn group_by_repartitions_and_stateless_operators_compose() {
         .to_stream()
         .to("counts", StringCodec, JsonCodec::<u64>::default());
     let topology = b.build().unwrap();
-    assert_eq!(topology.subtopologies().len(), 2, "{}", topology.describe("test"));
+    assert_eq!(
+        topology.subtopologies().len(),
+        2,
+        "{}",
+        topology.describe("test")
+    );
     let mut d = TopologyTestDriver::new(topology).unwrap();
-    d.pipe("lines", &String::new(), &"the cat and THE xylophone".to_string(), &StringCodec, &StringCodec, 5)
-        .unwrap();
-    d.pipe("lines", &String::new(), &"a cat".to_string(), &StringCodec, &StringCodec, 6)
-        .unwrap();
+    d.pipe(
+        "lines",
+        &String::new(),
+        &"the cat and THE xylophone".to_string(),
+        &StringCodec,
+        &StringCodec,
+        5,
+    )
+    .unwrap();
+    d.pipe(
+        "lines",
+        &String::new(),
+        &"a cat".to_string(),
+        &StringCodec,
+        &StringCodec,
+        6,
+    )
+    .unwrap();
     let x: Vec<(String, String)> = d.read_typed("x-words", &StringCodec, &StringCodec).unwrap();
     assert_eq!(x.len(), 1);
-    let counts: Vec<(String, u64)> = d.read_typed("counts", &StringCodec, &JsonCodec::<u64>::default()).unwrap();
+    let counts: Vec<(String, u64)> = d
+        .read_typed("counts", &StringCodec, &JsonCodec::<u64>::default())
+        .unwrap();
     let last = |w: &str| counts.iter().rev().find(|(k, _)| k == w).map(|(_, v)| *v);
     assert_eq!(last("the"), Some(2));
     assert_eq!(last("cat"), Some(2));
@@ -185,10 +251,21 @@ fn async_processor_completes_out_of_order_and_commits_only_the_finished_prefix()
     let mut d = TopologyTestDriver::new(b.build().unwrap()).unwrap();
     let values = ["aaaa", "a", "aaa", "aa", "aaaaa"]; // delays 80, 20, 60, 40, 0 ms
     for (i, v) in values.iter().enumerate() {
-        d.pipe("in", &format!("k{i}"), &v.to_string(), &StringCodec, &StringCodec, 1)
-            .unwrap();
+        d.pipe(
+            "in",
+            &format!("k{i}"),
+            &v.to_string(),
+            &StringCodec,
+            &StringCodec,
+            1,
+        )
+        .unwrap();
     }
-    assert_eq!(d.committable_offset("in"), Some(0), "nothing finished past offset 0 yet");
+    assert_eq!(
+        d.committable_offset("in"),
+        Some(0),
+        "nothing finished past offset 0 yet"
+    );
     assert_eq!(d.wait_for_async(Duration::from_secs(5)).unwrap(), 0);
     let out: Vec<(String, String)> = d.read_typed("out", &StringCodec, &StringCodec).unwrap();
     assert_eq!(out.len(), 5);
@@ -214,13 +291,21 @@ fn undecodable_records_go_to_the_dead_letter_topic_with_reasons() {
     d.pipe_raw("in", Some(b"k"), Some(b"41"), 1).unwrap();
     d.pipe_raw("in", Some(b"k"), Some(b"{oops"), 2).unwrap();
     d.pipe_raw("in", Some(b"k"), Some(b"1"), 3).unwrap();
-    let out = d.read_typed("out", &StringCodec, &JsonCodec::<u32>::default()).unwrap();
+    let out = d
+        .read_typed("out", &StringCodec, &JsonCodec::<u32>::default())
+        .unwrap();
     assert_eq!(out.iter().map(|(_, v)| *v).collect::<Vec<_>>(), vec![42, 2]);
     let dlq = d.read_output("in.dlq");
     assert_eq!(dlq.len(), 1);
     assert_eq!(dlq[0].value.as_deref(), Some(&b"{oops"[..]));
-    assert_eq!(header(&dlq[0].headers, dlq_headers::CATEGORY), Some(&b"poison"[..]));
-    assert_eq!(header(&dlq[0].headers, dlq_headers::ORIGINAL_OFFSET), Some(&b"1"[..]));
+    assert_eq!(
+        header(&dlq[0].headers, dlq_headers::CATEGORY),
+        Some(&b"poison"[..])
+    );
+    assert_eq!(
+        header(&dlq[0].headers, dlq_headers::ORIGINAL_OFFSET),
+        Some(&b"1"[..])
+    );
     assert!(header(&dlq[0].headers, dlq_headers::REASON).is_some());
     assert_eq!(d.committable_offset("in"), Some(3));
 }
@@ -239,7 +324,8 @@ fn undecodable_record_without_dead_letter_topic_stops_the_task() {
 fn bad_topologies_fail_to_build() {
     let b = StreamBuilder::new();
     b.add_kv_store("orphan", true);
-    b.stream(&["in"], StringCodec, StringCodec).to("out", StringCodec, StringCodec);
+    b.stream(&["in"], StringCodec, StringCodec)
+        .to("out", StringCodec, StringCodec);
     assert!(b.build().is_err());
 
     let b = StreamBuilder::new();

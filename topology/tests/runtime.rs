@@ -13,8 +13,9 @@ use sluice_topology::runtime::{EngineMetrics, Guarantee, StreamsApp, StreamsConf
 use sluice_topology::{JsonCodec, StreamBuilder, StringCodec, TimeWindows, Windowed};
 
 fn bootstrap() -> String {
-    std::env::var("SLUICE_TEST_BOOTSTRAP")
-        .expect("SLUICE_TEST_BOOTSTRAP is not set: run the tests with `make test`, which starts the broker")
+    std::env::var("SLUICE_TEST_BOOTSTRAP").expect(
+        "SLUICE_TEST_BOOTSTRAP is not set: run the tests with `make test`, which starts the broker",
+    )
 }
 
 fn unique(p: &str) -> String {
@@ -22,8 +23,10 @@ fn unique(p: &str) -> String {
 }
 
 fn create(topics: &[(&str, i32)]) {
-    let admin: AdminClient<DefaultClientContext> =
-        ClientConfig::new().set("bootstrap.servers", bootstrap()).create().unwrap();
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap())
+        .create()
+        .unwrap();
     let new: Vec<NewTopic<'_>> = topics
         .iter()
         .map(|(t, p)| NewTopic::new(t, *p, TopicReplication::Fixed(1)))
@@ -31,7 +34,11 @@ fn create(topics: &[(&str, i32)]) {
     futures::executor::block_on(admin.create_topics(&new, &AdminOptions::new())).unwrap();
 }
 
-fn read_all(topic: &str, partitions: i32, done: impl Fn(&BTreeMap<(i64, String), u64>) -> bool) -> BTreeMap<(i64, String), u64> {
+fn read_all(
+    topic: &str,
+    partitions: i32,
+    done: impl Fn(&BTreeMap<(i64, String), u64>) -> bool,
+) -> BTreeMap<(i64, String), u64> {
     let c: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap())
         .set("group.id", unique("reader"))
@@ -40,7 +47,8 @@ fn read_all(topic: &str, partitions: i32, done: impl Fn(&BTreeMap<(i64, String),
         .unwrap();
     let mut tpl = TopicPartitionList::new();
     for p in 0..partitions {
-        tpl.add_partition_offset(topic, p, Offset::Beginning).unwrap();
+        tpl.add_partition_offset(topic, p, Offset::Beginning)
+            .unwrap();
     }
     c.assign(&tpl).unwrap();
     let mut latest = BTreeMap::new();
@@ -75,9 +83,16 @@ fn windowed_count_round_trip(guarantee: Guarantee) {
     for i in 0..10_000i64 {
         let key = format!("k{}", i % 37);
         let ts = base + i * 30;
-        *expected.entry((ts - ts.rem_euclid(60_000), key.clone())).or_default() += 1;
+        *expected
+            .entry((ts - ts.rem_euclid(60_000), key.clone()))
+            .or_default() += 1;
         producer
-            .send(BaseRecord::<str, str>::to(&input).key(&key).payload("x").timestamp(ts))
+            .send(
+                BaseRecord::<str, str>::to(&input)
+                    .key(&key)
+                    .payload("x")
+                    .timestamp(ts),
+            )
             .map_err(|(e, _)| e)
             .unwrap();
     }
@@ -86,16 +101,24 @@ fn windowed_count_round_trip(guarantee: Guarantee) {
     let b = StreamBuilder::new();
     b.stream(&[&input], StringCodec, StringCodec)
         .group_by_key()
-        .windowed_by(TimeWindows::tumbling(Duration::from_secs(60)).grace(Duration::from_secs(3600)))
+        .windowed_by(
+            TimeWindows::tumbling(Duration::from_secs(60)).grace(Duration::from_secs(3600)),
+        )
         .count("counts")
         .to_stream()
-        .to(&output, JsonCodec::<Windowed<String>>::default(), JsonCodec::<u64>::default());
+        .to(
+            &output,
+            JsonCodec::<Windowed<String>>::default(),
+            JsonCodec::<u64>::default(),
+        );
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = StreamsConfig::new(&app, &bootstrap(), dir.path());
     cfg.guarantee = guarantee;
     cfg.session_timeout = Duration::from_secs(6);
     let metrics = EngineMetrics::unregistered();
-    let running = StreamsApp::new(b.build().unwrap(), cfg, metrics.clone()).start().unwrap();
+    let running = StreamsApp::new(b.build().unwrap(), cfg, metrics.clone())
+        .start()
+        .unwrap();
     let got = read_all(&output, 3, |m| m == &expected);
     running.shutdown();
     running.join().unwrap();

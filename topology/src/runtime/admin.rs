@@ -17,20 +17,34 @@ use crate::topology::SourceTopic;
 use crate::{Topology, TopologyError};
 
 /// Partition counts of existing topics (absent topics are missing).
-pub(crate) fn partition_counts(cfg: &StreamsConfig, topics: &[String]) -> Result<HashMap<String, i32>, TopologyError> {
+pub(crate) fn partition_counts(
+    cfg: &StreamsConfig,
+    topics: &[String],
+) -> Result<HashMap<String, i32>, TopologyError> {
     let consumer: BaseConsumer = client_config(cfg).create()?;
     let md = consumer.fetch_metadata(None, Duration::from_secs(30))?;
     let mut out = HashMap::new();
     for t in md.topics() {
-        if topics.iter().any(|x| x == t.name()) && t.error().is_none() && !t.partitions().is_empty() {
+        if topics.iter().any(|x| x == t.name()) && t.error().is_none() && !t.partitions().is_empty()
+        {
             out.insert(t.name().to_string(), t.partitions().len() as i32);
         }
     }
     Ok(out)
 }
 
+/// A topic to create: name, partitions, configs.
+struct TopicSpec {
+    name: String,
+    partitions: i32,
+    configs: Vec<(String, String)>,
+}
+
 /// Checks sources and creates internal topics.
-pub(crate) fn prepare_topics(cfg: &StreamsConfig, topology: &Topology) -> Result<(), TopologyError> {
+pub(crate) fn prepare_topics(
+    cfg: &StreamsConfig,
+    topology: &Topology,
+) -> Result<(), TopologyError> {
     let app = &cfg.application_id;
     let mut all: Vec<String> = Vec::new();
     for st in topology.subtopologies() {
@@ -71,7 +85,11 @@ pub(crate) fn prepare_topics(cfg: &StreamsConfig, topology: &Topology) -> Result
         for st in topology.subtopologies() {
             for (suffix, upstream) in st.internal_sources() {
                 let name = format!("{app}-{suffix}");
-                let want = match (cfg.repartition_partitions, existing.get(&name), parts[upstream]) {
+                let want = match (
+                    cfg.repartition_partitions,
+                    existing.get(&name),
+                    parts[upstream],
+                ) {
                     (_, Some(c), _) => Some(*c),
                     (Some(c), None, _) => Some(c),
                     (None, None, up) => up,
@@ -95,10 +113,12 @@ pub(crate) fn prepare_topics(cfg: &StreamsConfig, topology: &Topology) -> Result
     let subtopology_partitions: Vec<i32> = parts
         .into_iter()
         .enumerate()
-        .map(|(i, p)| p.ok_or_else(|| TopologyError::Invalid(format!("cannot size sub-topology {i}"))))
+        .map(|(i, p)| {
+            p.ok_or_else(|| TopologyError::Invalid(format!("cannot size sub-topology {i}")))
+        })
         .collect::<Result<_, _>>()?;
 
-    let mut to_create: Vec<(String, i32, Vec<(String, String)>)> = Vec::new();
+    let mut to_create: Vec<TopicSpec> = Vec::new();
     for st in topology.subtopologies() {
         let p = subtopology_partitions[st.id];
         for (suffix, _) in st.internal_sources() {
@@ -116,7 +136,8 @@ pub(crate) fn prepare_topics(cfg: &StreamsConfig, topology: &Topology) -> Result
                     ("cleanup.policy".to_string(), "compact,delete".to_string()),
                     (
                         "retention.ms".to_string(),
-                        (retention_ms + cfg.windowed_changelog_extra_retention.as_millis() as i64).to_string(),
+                        (retention_ms + cfg.windowed_changelog_extra_retention.as_millis() as i64)
+                            .to_string(),
                     ),
                 ],
             };
@@ -131,7 +152,7 @@ fn check_or_plan(
     name: &str,
     partitions: i32,
     configs: Vec<(String, String)>,
-    plan: &mut Vec<(String, i32, Vec<(String, String)>)>,
+    plan: &mut Vec<TopicSpec>,
 ) -> Result<(), TopologyError> {
     match existing.get(name) {
         Some(c) if *c != partitions => Err(TopologyError::Invalid(format!(
@@ -139,31 +160,31 @@ fn check_or_plan(
         ))),
         Some(_) => Ok(()),
         None => {
-            plan.push((name.to_string(), partitions, configs));
+            plan.push(TopicSpec {
+                name: name.to_string(),
+                partitions,
+                configs,
+            });
             Ok(())
         }
     }
 }
 
-/// Creates topics (name, partitions, configs); existing ones are fine.
-pub fn create_topics_with(
-    cfg: &StreamsConfig,
-    topics: &[(String, i32, Vec<(String, String)>)],
-) -> Result<(), TopologyError> {
-    create_topics(cfg, topics)
-}
-
-fn create_topics(cfg: &StreamsConfig, topics: &[(String, i32, Vec<(String, String)>)]) -> Result<(), TopologyError> {
+fn create_topics(cfg: &StreamsConfig, topics: &[TopicSpec]) -> Result<(), TopologyError> {
     if topics.is_empty() {
         return Ok(());
     }
     let admin: AdminClient<DefaultClientContext> = client_config(cfg).create()?;
     let new: Vec<NewTopic<'_>> = topics
         .iter()
-        .map(|(name, p, configs)| {
-            configs.iter().fold(
-                NewTopic::new(name, *p, TopicReplication::Fixed(cfg.replication_factor)),
-                |t, (k, v)| t.set(k, v),
+        .map(|t| {
+            t.configs.iter().fold(
+                NewTopic::new(
+                    &t.name,
+                    t.partitions,
+                    TopicReplication::Fixed(cfg.replication_factor),
+                ),
+                |nt, (k, v)| nt.set(k, v),
             )
         })
         .collect();
@@ -172,7 +193,9 @@ fn create_topics(cfg: &StreamsConfig, topics: &[(String, i32, Vec<(String, Strin
     for r in results {
         if let Err((name, code)) = r {
             if code != RDKafkaErrorCode::TopicAlreadyExists {
-                return Err(TopologyError::Invalid(format!("cannot create topic {name}: {code}")));
+                return Err(TopologyError::Invalid(format!(
+                    "cannot create topic {name}: {code}"
+                )));
             }
         }
     }

@@ -19,8 +19,8 @@ use crate::TaskId;
 
 /// What a produced record was, so its delivery report can be attributed.
 pub(crate) enum DeliveryTag {
-    /// An output record.
-    Output,
+    /// An output record of a task.
+    Output(TaskId),
     /// A changelog record of a task's store.
     Changelog { task: TaskId, store: usize },
     /// A restore barrier; its offset is sent back.
@@ -33,7 +33,11 @@ pub(crate) struct DeliveryState {
     errors: AtomicU64,
     first_error: Mutex<Option<String>>,
     changelog_next: Mutex<HashMap<(TaskId, usize), i64>>,
+    output_next: Mutex<HashMap<TaskId, OutputEnds>>,
 }
+
+/// Next offset after delivered outputs, per (topic, partition).
+pub(crate) type OutputEnds = HashMap<(String, i32), i64>;
 
 impl DeliveryState {
     /// The first delivery error since the last call, if any.
@@ -41,7 +45,15 @@ impl DeliveryState {
         if self.errors.swap(0, Ordering::AcqRel) == 0 {
             return None;
         }
-        self.first_error.lock().take().or_else(|| Some("delivery failed".into()))
+        self.first_error
+            .lock()
+            .take()
+            .or_else(|| Some("delivery failed".into()))
+    }
+
+    /// Next offsets after the task's delivered outputs, per topic partition.
+    pub(crate) fn take_output_next(&self, task: TaskId) -> OutputEnds {
+        self.output_next.lock().remove(&task).unwrap_or_default()
     }
 
     /// Next changelog offsets per store of a task, from delivery reports.
@@ -74,7 +86,17 @@ impl ProducerContext for TrackingContext {
             (Ok(msg), DeliveryTag::Barrier(tx)) => {
                 let _ = tx.send(Ok(msg.offset()));
             }
-            (Ok(_), DeliveryTag::Output) => {}
+            (Ok(msg), DeliveryTag::Output(task)) => {
+                let mut map = self.state.output_next.lock();
+                let ends = map.entry(task).or_default();
+                let next = msg.offset() + 1;
+                match ends.get_mut(&(msg.topic().to_string(), msg.partition())) {
+                    Some(v) => *v = (*v).max(next),
+                    None => {
+                        ends.insert((msg.topic().to_string(), msg.partition()), next);
+                    }
+                }
+            }
             (Err((e, _)), DeliveryTag::Barrier(tx)) => {
                 let _ = tx.send(Err(e.to_string()));
             }
@@ -82,7 +104,11 @@ impl ProducerContext for TrackingContext {
                 self.state.errors.fetch_add(1, Ordering::AcqRel);
                 let mut first = self.state.first_error.lock();
                 if first.is_none() {
-                    *first = Some(format!("delivery to {}/{} failed: {e}", msg.topic(), msg.partition()));
+                    *first = Some(format!(
+                        "delivery to {}/{} failed: {e}",
+                        msg.topic(),
+                        msg.partition()
+                    ));
                 }
             }
         }
@@ -118,14 +144,18 @@ pub(crate) fn create_producer(
         // Java producers (and Kafka Streams) would put them.
         .set("partitioner", "murmur2_random");
     if let Some(id) = transactional_id {
-        c.set("transactional.id", id)
-            .set("transaction.timeout.ms", cfg.transaction_timeout.as_millis().to_string());
+        c.set("transactional.id", id).set(
+            "transaction.timeout.ms",
+            cfg.transaction_timeout.as_millis().to_string(),
+        );
     }
     for (k, v) in &cfg.producer_overrides {
         c.set(k, v);
     }
     let state = Arc::new(DeliveryState::default());
-    let producer: TrackedProducer = c.create_with_context(TrackingContext { state: state.clone() })?;
+    let producer: TrackedProducer = c.create_with_context(TrackingContext {
+        state: state.clone(),
+    })?;
     Ok((Arc::new(producer), state))
 }
 
@@ -142,14 +172,18 @@ pub(crate) fn send(
     tag: DeliveryTag,
 ) -> Result<(), KafkaError> {
     let owned_headers = (!headers.is_empty()).then(|| {
-        headers.iter().fold(OwnedHeaders::new_with_capacity(headers.len()), |h, (k, v)| {
-            h.insert(Header {
-                key: k,
-                value: Some(v.as_slice()),
-            })
-        })
+        headers.iter().fold(
+            OwnedHeaders::new_with_capacity(headers.len()),
+            |h, (k, v)| {
+                h.insert(Header {
+                    key: k,
+                    value: Some(v.as_slice()),
+                })
+            },
+        )
     });
-    let mut record: BaseRecord<'_, [u8], [u8], Box<DeliveryTag>> = BaseRecord::with_opaque_to(topic, Box::new(tag));
+    let mut record: BaseRecord<'_, [u8], [u8], Box<DeliveryTag>> =
+        BaseRecord::with_opaque_to(topic, Box::new(tag));
     if let Some(k) = key {
         record = record.key(k);
     }
@@ -178,7 +212,11 @@ pub(crate) fn send(
 }
 
 /// Flushes a producer and reports the first delivery error.
-pub(crate) fn flush(producer: &TrackedProducer, state: &DeliveryState, timeout: Duration) -> Result<(), String> {
+pub(crate) fn flush(
+    producer: &TrackedProducer,
+    state: &DeliveryState,
+    timeout: Duration,
+) -> Result<(), String> {
     producer
         .flush(timeout)
         .map_err(|e| format!("producer flush failed: {e}"))?;

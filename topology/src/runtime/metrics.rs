@@ -1,7 +1,9 @@
 //! Engine metrics (prefix `sluice_`), registered into a caller's registry.
 //! Labels are bounded: topics, task states and dead-letter categories only.
 
-use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+use prometheus::{
+    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
 
 /// Metric names of the engine.
 pub mod names {
@@ -65,8 +67,13 @@ impl EngineMetrics {
             records_in: IntCounter::new(names::RECORDS_IN, "Records consumed from input topics")?,
             records_out: IntCounter::new(names::RECORDS_OUT, "Records produced to output topics")?,
             process_seconds: Histogram::with_opts(
-                HistogramOpts::new(names::PROCESS_SECONDS, "Synchronous processing time per input record")
-                    .buckets(vec![1e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 0.1, 1.0]),
+                HistogramOpts::new(
+                    names::PROCESS_SECONDS,
+                    "Synchronous processing time per input record",
+                )
+                .buckets(vec![
+                    1e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 0.1, 1.0,
+                ]),
             )?,
             in_flight: IntGauge::new(names::IN_FLIGHT, "Input records received and not finished")?,
             paused: IntGauge::new(names::PAUSED, "Input partitions paused for backpressure")?,
@@ -78,11 +85,26 @@ impl EngineMetrics {
             restore_records: IntCounter::new(names::RESTORE_RECORDS, "Changelog records restored")?,
             commits: IntCounter::new(names::COMMITS, "Commits")?,
             aborted: IntCounter::new(names::ABORTED, "Transactions aborted")?,
-            lag: IntGaugeVec::new(Opts::new(names::LAG, "Consumer lag per input topic"), &["topic"])?,
-            dlq: IntCounterVec::new(Opts::new(names::DLQ, "Records dead-lettered by the engine"), &["category"])?,
-            late: IntCounter::new(names::LATE, "Records dropped after their window's grace period")?,
-            replay_skipped: IntCounter::new(names::REPLAY_SKIPPED, "Replayed records already reflected in state")?,
-            tasks: IntGaugeVec::new(Opts::new(names::TASKS, "Tasks of this instance by state"), &["state"])?,
+            lag: IntGaugeVec::new(
+                Opts::new(names::LAG, "Consumer lag per input topic"),
+                &["topic"],
+            )?,
+            dlq: IntCounterVec::new(
+                Opts::new(names::DLQ, "Records dead-lettered by the engine"),
+                &["category"],
+            )?,
+            late: IntCounter::new(
+                names::LATE,
+                "Records dropped after their window's grace period",
+            )?,
+            replay_skipped: IntCounter::new(
+                names::REPLAY_SKIPPED,
+                "Replayed records already reflected in state",
+            )?,
+            tasks: IntGaugeVec::new(
+                Opts::new(names::TASKS, "Tasks of this instance by state"),
+                &["state"],
+            )?,
             restore_max_ms: Default::default(),
         };
         registry.register(Box::new(m.records_in.clone()))?;
@@ -120,18 +142,27 @@ impl EngineMetrics {
 
     /// The longest single task restore, seconds.
     pub fn restore_seconds_max(&self) -> f64 {
-        self.restore_max_ms.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1000.0
+        self.restore_max_ms
+            .load(std::sync::atomic::Ordering::Relaxed) as f64
+            / 1000.0
     }
 
     pub(crate) fn observe_restore(&self, elapsed: std::time::Duration) {
         self.restore_seconds.observe(elapsed.as_secs_f64());
-        self.restore_max_ms
-            .fetch_max(elapsed.as_millis() as u64, std::sync::atomic::Ordering::Relaxed);
+        self.restore_max_ms.fetch_max(
+            elapsed.as_millis() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
     }
 
     /// Commits counted so far.
     pub fn commit_count(&self) -> u64 {
         self.commits.get()
+    }
+
+    /// Replayed records skipped because restored state already reflected them.
+    pub fn replay_skipped(&self) -> u64 {
+        self.replay_skipped.get()
     }
 
     /// Rebalances seen so far.

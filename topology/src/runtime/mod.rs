@@ -34,7 +34,6 @@ use std::thread::JoinHandle;
 
 use parking_lot::Mutex;
 
-pub use admin::create_topics_with;
 pub use config::{Guarantee, StreamsConfig};
 pub use metrics::EngineMetrics;
 pub use restore::BARRIER_HEADER;
@@ -182,6 +181,13 @@ impl StreamsApp {
         self
     }
 
+    /// Uses an intake control created beforehand (e.g. handed to operators
+    /// while building the topology).
+    pub fn with_intake(mut self, intake: IntakeControl) -> Self {
+        self.intake = intake;
+        self
+    }
+
     /// The intake control of this application.
     pub fn intake(&self) -> IntakeControl {
         self.intake.clone()
@@ -203,7 +209,9 @@ impl StreamsApp {
                     .enable_all()
                     .thread_name("sluice-async")
                     .build()
-                    .map_err(|e| TopologyError::Invalid(format!("cannot start tokio runtime: {e}")))?;
+                    .map_err(|e| {
+                        TopologyError::Invalid(format!("cannot start tokio runtime: {e}"))
+                    })?;
                 let h = rt.handle().clone();
                 (Some(rt), h)
             }

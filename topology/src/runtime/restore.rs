@@ -16,6 +16,9 @@ use rdkafka::message::Headers as _;
 use rdkafka::{Message, Offset, TopicPartitionList};
 use sluice_state::{RestoreStats, StoreId, TaskState};
 
+/// A changelog record as restored: key and value (or tombstone).
+type RestoredRecord = (Vec<u8>, Option<Vec<u8>>);
+
 use super::config::{Guarantee, StreamsConfig};
 use super::kafka::{client_config, flush, send, DeliveryState, DeliveryTag, TrackedProducer};
 use super::RuntimeError;
@@ -24,6 +27,8 @@ use crate::{TaskId, Topology};
 /// Header marking restore barrier records; restores skip them.
 pub const BARRIER_HEADER: &str = "sluice.barrier";
 const BARRIER_KEY: &[u8] = b"\0sluice.barrier";
+/// How long a restore waits without reading anything before it writes a new barrier.
+const BARRIER_STALL: Duration = Duration::from_secs(10);
 
 /// Restores the changelogged stores of one task. Returns what was applied.
 #[allow(clippy::too_many_arguments)]
@@ -39,7 +44,12 @@ pub(crate) fn restore_task(
         .specs()
         .enumerate()
         .filter(|(_, s)| s.changelogged)
-        .map(|(i, s)| (StoreId(i), Topology::changelog_topic(&cfg.application_id, &s.name)))
+        .map(|(i, s)| {
+            (
+                StoreId(i),
+                Topology::changelog_topic(&cfg.application_id, &s.name),
+            )
+        })
         .collect();
     let mut stats = RestoreStats::default();
     if stores.is_empty() {
@@ -79,10 +89,29 @@ pub(crate) fn restore_task(
     }
     consumer.assign(&tpl)?;
     let deadline = Instant::now() + cfg.restore_timeout;
-    let mut batches: HashMap<StoreId, Vec<(Vec<u8>, Option<Vec<u8>>)>> = HashMap::new();
+    let mut batches: HashMap<StoreId, Vec<RestoredRecord>> = HashMap::new();
+    let mut last_progress = Instant::now();
     while !remaining.is_empty() {
         if cancel.load(Ordering::Relaxed) {
             return Err(RuntimeError::Cancelled);
+        }
+        if last_progress.elapsed() > BARRIER_STALL {
+            // Nothing readable for a while although the barrier was committed:
+            // a broker may hold a committed transaction back (the local test
+            // broker does when transaction ends race). A new barrier transaction
+            // gives it another chance to apply, and a later end to read to.
+            let stalled: Vec<(StoreId, String)> = remaining
+                .iter()
+                .map(|(topic, (id, _))| (*id, topic.clone()))
+                .collect();
+            tracing::warn!(%task, topics = ?stalled.iter().map(|s| &s.1).collect::<Vec<_>>(), "restore stalled; writing a new barrier");
+            let fresh = write_barriers(cfg, task, &stalled, producer, delivery)?;
+            for ((_, topic), b) in stalled.iter().zip(fresh) {
+                if let Some(entry) = remaining.get_mut(topic) {
+                    entry.1 = b;
+                }
+            }
+            last_progress = Instant::now();
         }
         if Instant::now() > deadline {
             return Err(RuntimeError::Other(format!(
@@ -95,6 +124,7 @@ pub(crate) fn restore_task(
             continue;
         };
         let msg = msg?;
+        last_progress = Instant::now();
         let Some(&(id, barrier)) = remaining.get(msg.topic()) else {
             continue;
         };
@@ -163,8 +193,12 @@ fn write_barriers(
         .into_iter()
         .map(|rx| match rx.recv_timeout(timeout) {
             Ok(Ok(offset)) => Ok(offset),
-            Ok(Err(e)) => Err(RuntimeError::Other(format!("task {task}: restore barrier failed: {e}"))),
-            Err(_) => Err(RuntimeError::Other(format!("task {task}: restore barrier not acknowledged"))),
+            Ok(Err(e)) => Err(RuntimeError::Other(format!(
+                "task {task}: restore barrier failed: {e}"
+            ))),
+            Err(_) => Err(RuntimeError::Other(format!(
+                "task {task}: restore barrier not acknowledged"
+            ))),
         })
         .collect()
 }
