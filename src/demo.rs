@@ -41,7 +41,9 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         .map(|i| {
             let tenant = TENANTS[(i * 7 + i / 3) % TENANTS.len()];
             let ts = base + (i as i64 * 5 * MINUTE) / args.events as i64;
-            *expected.entry((ts - ts % MINUTE, tenant.to_string())).or_default() += 1;
+            *expected
+                .entry((ts - ts % MINUTE, tenant.to_string()))
+                .or_default() += 1;
             OutRecord {
                 key: Some(tenant.as_bytes().to_vec()),
                 value: Some(format!("{{\"event\":{i}}}").into_bytes()),
@@ -55,10 +57,17 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         move || produce(&b, &t, events)
     })
     .await??;
-    println!("demo: produced {n} events for {} tenants to {input}", TENANTS.len());
+    println!(
+        "demo: produced {n} events for {} tenants to {input}",
+        TENANTS.len()
+    );
 
     let state_dir = std::env::temp_dir().join(format!("sluice-demo-{run_id}"));
-    let mut cfg = StreamsConfig::new(&format!("sluice-demo-{run_id}"), &args.bootstrap, &state_dir);
+    let mut cfg = StreamsConfig::new(
+        &format!("sluice-demo-{run_id}"),
+        &args.bootstrap,
+        &state_dir,
+    );
     cfg.guarantee = Guarantee::ExactlyOnce;
     cfg.session_timeout = Duration::from_secs(6);
     let metrics = EngineMetrics::unregistered();
@@ -84,12 +93,18 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let _ = std::fs::remove_dir_all(&state_dir);
 
     println!("demo: per-tenant counts in 1-minute windows (exactly-once)");
-    println!("{:<22} {:<10} {:>8} {:>8}", "window start (UTC)", "tenant", "count", "input");
+    println!(
+        "{:<22} {:<10} {:>8} {:>8}",
+        "window start (UTC)", "tenant", "count", "input"
+    );
     for ((start, tenant), count) in &got {
         let when = chrono::DateTime::from_timestamp_millis(*start)
             .map(|d| d.format("%Y-%m-%d %H:%M").to_string())
             .unwrap_or_default();
-        let input_count = expected.get(&(*start, tenant.clone())).copied().unwrap_or(0);
+        let input_count = expected
+            .get(&(*start, tenant.clone()))
+            .copied()
+            .unwrap_or(0);
         println!("{when:<22} {tenant:<10} {count:>8} {input_count:>8}");
     }
     if got == expected {
@@ -106,7 +121,9 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
 }
 
 /// The last count per (window start, key) in windowed-count output.
-pub fn latest_counts(msgs: &[rdkafka::message::OwnedMessage]) -> anyhow::Result<BTreeMap<(i64, String), u64>> {
+pub fn latest_counts(
+    msgs: &[rdkafka::message::OwnedMessage],
+) -> anyhow::Result<BTreeMap<(i64, String), u64>> {
     let mut out = BTreeMap::new();
     for m in msgs {
         let key: Windowed<String> = serde_json::from_slice(m.key().unwrap_or_default())?;

@@ -11,8 +11,8 @@ use rand::Rng;
 use serde::{Deserialize, Serialize};
 use sluice_topology::runtime::{EngineMetrics, Guarantee, RunningApp, StreamsApp, StreamsConfig};
 use sluice_topology::{
-    JsonCodec, ProcessError, Processor, ProcessorContext, Record, SourceOptions, StreamBuilder, StringCodec,
-    TimeWindows, Topology, Windowed,
+    JsonCodec, ProcessError, Processor, ProcessorContext, Record, SourceOptions, StreamBuilder,
+    StringCodec, TimeWindows, Topology, Windowed,
 };
 
 /// Which example topology to run.
@@ -97,19 +97,30 @@ impl From<GuaranteeArg> for Guarantee {
 
 /// The windowed-count topology: string keys, any value; JSON output keyed by
 /// the windowed key with the running count as value.
-pub fn windowed_count(input: &[&str], output: &str, dlq: Option<String>, grace: Duration) -> Topology {
+pub fn windowed_count(
+    input: &[&str],
+    output: &str,
+    dlq: Option<String>,
+    grace: Duration,
+) -> Topology {
     let b = StreamBuilder::new();
     b.stream_with(
         input,
         StringCodec,
-        sluice_topology::BytesCodec,
-        SourceOptions { dead_letter_topic: dlq },
+        sluice_topology::UnitCodec,
+        SourceOptions {
+            dead_letter_topic: dlq,
+        },
     )
     .group_by_key()
     .windowed_by(TimeWindows::tumbling(Duration::from_secs(60)).grace(grace))
     .count("counts")
     .to_stream()
-    .to(output, JsonCodec::<Windowed<String>>::default(), JsonCodec::<u64>::default());
+    .to(
+        output,
+        JsonCodec::<Windowed<String>>::default(),
+        JsonCodec::<u64>::default(),
+    );
     b.build().expect("the windowed-count topology is valid")
 }
 
@@ -181,11 +192,11 @@ fn merged_count(input: &[&str], output: &str) -> Topology {
         .map(|t| b.stream(&[t], StringCodec, sluice_topology::BytesCodec));
     let first = streams.next().expect("at least one input");
     let merged = streams.fold(first, |acc, s| acc.merge(&s));
-    merged
-        .group_by_key()
-        .count("merged-counts")
-        .to_stream()
-        .to(output, StringCodec, JsonCodec::<u64>::default());
+    merged.group_by_key().count("merged-counts").to_stream().to(
+        output,
+        StringCodec,
+        JsonCodec::<u64>::default(),
+    );
     b.build().expect("the merged-count topology is valid")
 }
 
@@ -205,9 +216,12 @@ pub fn example_config(a: &ExampleArgs) -> StreamsConfig {
 pub fn example_topology(a: &ExampleArgs) -> Topology {
     let inputs: Vec<&str> = a.input.split(',').collect();
     match a.kind {
-        ExampleKind::WindowedCount => {
-            windowed_count(&inputs, &a.output, a.dlq.clone(), Duration::from_millis(a.grace_ms))
-        }
+        ExampleKind::WindowedCount => windowed_count(
+            &inputs,
+            &a.output,
+            a.dlq.clone(),
+            Duration::from_millis(a.grace_ms),
+        ),
         ExampleKind::AsyncEcho => async_echo(&inputs, &a.output, a.min_delay_ms, a.max_delay_ms),
         ExampleKind::MergedCount => merged_count(&inputs, &a.output),
     }
@@ -232,8 +246,17 @@ pub async fn run_example(a: ExampleArgs) -> anyhow::Result<()> {
         tokio::spawn(async move {
             let mut last = String::from("-");
             loop {
-                let tasks: Vec<String> = running.status().tasks().iter().map(|t| t.to_string()).collect();
-                let line = format!("TASKS {} ready={}", tasks.join(","), running.status().is_ready());
+                let tasks: Vec<String> = running
+                    .status()
+                    .tasks()
+                    .iter()
+                    .map(|t| t.to_string())
+                    .collect();
+                let line = format!(
+                    "TASKS {} ready={}",
+                    tasks.join(","),
+                    running.status().is_ready()
+                );
                 if line != last {
                     println!("{line}");
                     last = line;
@@ -249,7 +272,9 @@ pub async fn run_example(a: ExampleArgs) -> anyhow::Result<()> {
     running.shutdown();
     let running = Arc::try_unwrap(running).ok();
     watcher.abort();
-    let result = tokio::task::spawn_blocking(move || running.map(RunningApp::join).unwrap_or(Ok(()))).await?;
+    let result =
+        tokio::task::spawn_blocking(move || running.map(RunningApp::join).unwrap_or(Ok(())))
+            .await?;
     println!(
         "STATS {}",
         serde_json::json!({
@@ -257,6 +282,7 @@ pub async fn run_example(a: ExampleArgs) -> anyhow::Result<()> {
             "records_in": metrics.records_in(),
             "commits": metrics.commit_count(),
             "rebalances": metrics.rebalance_count(),
+            "replay_skipped": metrics.replay_skipped(),
             "ok": result.is_ok(),
         })
     );

@@ -34,15 +34,28 @@ fn base(bootstrap: &str) -> ClientConfig {
     c
 }
 
-/// Creates topics (name, partitions, configs); existing ones are left alone.
-pub fn create_topics(bootstrap: &str, topics: &[(&str, i32, &[(&str, &str)])]) -> anyhow::Result<()> {
+/// A topic to create: name, partition count, and topic configs.
+pub type TopicDef<'a> = (&'a str, i32, &'a [(&'a str, &'a str)]);
+
+/// Creates topics; existing ones are left alone.
+pub fn create_topics(bootstrap: &str, topics: &[TopicDef<'_>]) -> anyhow::Result<()> {
+    create_topics_rf(bootstrap, topics, 1)
+}
+
+/// Creates topics with a replication factor; existing ones are left alone.
+pub fn create_topics_rf(
+    bootstrap: &str,
+    topics: &[TopicDef<'_>],
+    replication: i32,
+) -> anyhow::Result<()> {
     let admin: AdminClient<DefaultClientContext> = base(bootstrap).create()?;
     let new: Vec<NewTopic<'_>> = topics
         .iter()
         .map(|(name, p, configs)| {
-            configs
-                .iter()
-                .fold(NewTopic::new(name, *p, TopicReplication::Fixed(1)), |t, (k, v)| t.set(k, v))
+            configs.iter().fold(
+                NewTopic::new(name, *p, TopicReplication::Fixed(replication)),
+                |t, (k, v)| t.set(k, v),
+            )
         })
         .collect();
     let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
@@ -57,9 +70,32 @@ pub fn create_topics(bootstrap: &str, topics: &[(&str, i32, &[(&str, &str)])]) -
     Ok(())
 }
 
+/// Partition counts of the named topics that exist.
+pub fn partition_counts(
+    bootstrap: &str,
+    topics: &[String],
+) -> anyhow::Result<std::collections::HashMap<String, i32>> {
+    let consumer: BaseConsumer = base(bootstrap).create()?;
+    let md = consumer.fetch_metadata(None, Duration::from_secs(10))?;
+    Ok(md
+        .topics()
+        .iter()
+        .filter(|t| {
+            t.error().is_none()
+                && !t.partitions().is_empty()
+                && topics.iter().any(|x| x == t.name())
+        })
+        .map(|t| (t.name().to_string(), t.partitions().len() as i32))
+        .collect())
+}
+
 /// Produces records (idempotent producer, murmur2 partitioner) and waits
 /// until all are acknowledged.
-pub fn produce(bootstrap: &str, topic: &str, records: impl IntoIterator<Item = OutRecord>) -> anyhow::Result<usize> {
+pub fn produce(
+    bootstrap: &str,
+    topic: &str,
+    records: impl IntoIterator<Item = OutRecord>,
+) -> anyhow::Result<usize> {
     let producer: ThreadedProducer<DefaultProducerContext> = base(bootstrap)
         .set("enable.idempotence", "true")
         .set("linger.ms", "10")
@@ -90,7 +126,9 @@ pub fn produce(bootstrap: &str, topic: &str, records: impl IntoIterator<Item = O
         loop {
             match producer.send(rec) {
                 Ok(()) => break,
-                Err((e, back)) if matches!(e.rdkafka_error_code(), Some(RDKafkaErrorCode::QueueFull)) => {
+                Err((e, back))
+                    if matches!(e.rdkafka_error_code(), Some(RDKafkaErrorCode::QueueFull)) =>
+                {
                     rec = back;
                     std::thread::sleep(Duration::from_millis(2));
                 }
@@ -114,11 +152,18 @@ pub fn read_topics(
     mut done: impl FnMut(&[OwnedMessage]) -> bool,
 ) -> anyhow::Result<Vec<OwnedMessage>> {
     let consumer: BaseConsumer = base(bootstrap)
-        .set("group.id", format!("sluice-reader-{}", uuid::Uuid::new_v4()))
+        .set(
+            "group.id",
+            format!("sluice-reader-{}", uuid::Uuid::new_v4()),
+        )
         .set("enable.auto.commit", "false")
         .set(
             "isolation.level",
-            if read_committed { "read_committed" } else { "read_uncommitted" },
+            if read_committed {
+                "read_committed"
+            } else {
+                "read_uncommitted"
+            },
         )
         .create()?;
     let md = consumer.fetch_metadata(None, Duration::from_secs(10))?;

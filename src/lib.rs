@@ -4,9 +4,13 @@
 //! everything specific to LLM workloads, built on their public API, plus the command-line
 //! tools.
 
+pub mod app;
+pub mod config;
 pub mod demo;
 pub mod envelope;
 pub mod examples;
+pub mod http;
 pub mod kafka;
 pub mod llm;
+pub mod operator;
 pub mod sim;

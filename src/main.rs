@@ -1,6 +1,9 @@
 //! The `sluice` command line.
 
-use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
 
 /// A stateful stream processor for LLM workloads on Kafka.
 #[derive(Parser, Debug)]
@@ -12,6 +15,13 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Runs the LLM task pipeline.
+    Run(ConfigArg),
+    /// Manages the topics a configuration uses.
+    Topics {
+        #[command(subcommand)]
+        command: TopicsCommand,
+    },
     /// Runs the demo on a local broker with the simulated provider.
     Demo(sluice::demo::DemoArgs),
     /// Runs the simulated OpenAI-compatible provider.
@@ -21,34 +31,73 @@ enum Command {
     Example(sluice::examples::ExampleArgs),
 }
 
-fn main() -> std::process::ExitCode {
+#[derive(Subcommand, Debug)]
+enum TopicsCommand {
+    /// Creates the task, dead-letter and results topics.
+    Create(ConfigArg),
+}
+
+#[derive(Args, Debug)]
+struct ConfigArg {
+    /// The TOML configuration file (SLUICE_<SECTION>__<KEY> variables override it).
+    #[arg(long, short)]
+    config: PathBuf,
+}
+
+/// Exit code for an invalid configuration.
+const EXIT_CONFIG: u8 = 2;
+
+fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("SLUICE_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,sluice=info,sluice_topology=info")),
+            tracing_subscriber::EnvFilter::try_from_env("SLUICE_LOG").unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new("warn,sluice=info,sluice_topology=info")
+            }),
         )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("sluice: cannot start the async runtime: {e}");
-            return std::process::ExitCode::FAILURE;
+            return ExitCode::FAILURE;
         }
     };
-    let result = runtime.block_on(async move {
+    let result: Result<(), (u8, String)> = runtime.block_on(async move {
+        let fail = |e: anyhow::Error| (1, format!("{e:#}"));
         match cli.command {
-            Command::Demo(args) => sluice::demo::run(args).await,
-            Command::SimProvider(args) => sluice::sim::run(args).await,
-            Command::Example(args) => sluice::examples::run_example(args).await,
+            Command::Run(a) => sluice::app::run(&a.config).await.map_err(|e| match e {
+                sluice::app::RunError::Config(c) => (EXIT_CONFIG, c.to_string()),
+                sluice::app::RunError::Other(o) => fail(o),
+            }),
+            Command::Topics {
+                command: TopicsCommand::Create(a),
+            } => {
+                let cfg = sluice::config::Config::load(&a.config)
+                    .map_err(|c| (EXIT_CONFIG, c.to_string()))?;
+                let created = tokio::task::spawn_blocking(move || sluice::app::create_topics(&cfg))
+                    .await
+                    .map_err(|e| fail(e.into()))?
+                    .map_err(fail)?;
+                for t in created {
+                    println!("{t}");
+                }
+                Ok(())
+            }
+            Command::Demo(args) => sluice::demo::run(args).await.map_err(fail),
+            Command::SimProvider(args) => sluice::sim::run(args).await.map_err(fail),
+            Command::Example(args) => sluice::examples::run_example(args).await.map_err(fail),
         }
     });
     match result {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("sluice: {e:#}");
-            std::process::ExitCode::FAILURE
+        Ok(()) => ExitCode::SUCCESS,
+        Err((code, message)) => {
+            eprintln!("sluice: {message}");
+            ExitCode::from(code)
         }
     }
 }

@@ -1,1 +1,302 @@
-//! Task and result envelopes (design §2).
+//! Task and result envelopes (design §2): the JSON wire types on the external topics, the
+//! dead-letter categories and header names, and validated decoding of incoming tasks.
+//!
+//! Decoding never echoes prompt text: a [`PoisonError`] carries only a short machine-readable
+//! reason (`missing_field:taskId`, `unknown_task_type:translate`, …) fit for a DLQ header.
+
+mod decode;
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+pub use decode::{decode_task, EnvelopeLimits, PoisonError};
+
+/// Scheduling priority of a task; `high` is served first, `batch` last but never starved.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Priority {
+    /// Interactive work.
+    High,
+    /// The default.
+    #[default]
+    Normal,
+    /// Bulk work that may wait.
+    Batch,
+}
+
+impl Priority {
+    /// Every priority, highest first.
+    pub const ALL: [Priority; 3] = [Priority::High, Priority::Normal, Priority::Batch];
+
+    /// The wire name (`high`, `normal`, `batch`), also used as a metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Priority::High => "high",
+            Priority::Normal => "normal",
+            Priority::Batch => "batch",
+        }
+    }
+
+    /// Dense index (0 = high) for per-priority arrays.
+    pub fn index(self) -> usize {
+        match self {
+            Priority::High => 0,
+            Priority::Normal => 1,
+            Priority::Batch => 2,
+        }
+    }
+}
+
+fn default_attempt() -> u32 {
+    1
+}
+
+/// A task as published on `ai.tasks.<type>` (camelCase JSON, keyed by tenant id).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TaskEnvelope {
+    /// Idempotency key of the task.
+    pub task_id: String,
+    /// Task type, e.g. `summarize`; selects the prompt template.
+    pub task_type: String,
+    /// Owning tenant; when absent the requester is the tenant (see [`TaskEnvelope::tenant`]).
+    /// [`decode_task`] fills it in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant_id: Option<String>,
+    /// The service or user that submitted the task.
+    #[serde(default)]
+    pub requester_id: String,
+    /// Scheduling priority.
+    #[serde(default)]
+    pub priority: Priority,
+    /// When the task was submitted (RFC 3339).
+    pub submitted_at: DateTime<Utc>,
+    /// 1-based attempt counter, incremented each time the task is re-published.
+    #[serde(default = "default_attempt")]
+    pub attempt_number: u32,
+    /// Task-specific input.
+    pub payload: TaskPayload,
+    /// Free string map: trace context, correlation ids.
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+}
+
+impl TaskEnvelope {
+    /// The tenant the task is accounted to: `tenantId`, else `requesterId`; `None` when both
+    /// are empty.
+    pub fn tenant(&self) -> Option<&str> {
+        match self.tenant_id.as_deref() {
+            Some(t) if !t.trim().is_empty() => Some(t),
+            _ if !self.requester_id.trim().is_empty() => Some(&self.requester_id),
+            _ => None,
+        }
+    }
+}
+
+/// The task-specific part of a [`TaskEnvelope`].
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TaskPayload {
+    /// The text to work on (the user message).
+    pub content: String,
+    /// `summarize`: the word budget of the summary.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_words: Option<u32>,
+    /// `classify`: the allowed labels.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<Vec<String>>,
+    /// `extract`: the JSON schema of the answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schema: Option<serde_json::Value>,
+    /// Caller's complexity hint in `0..=1`, used by the router.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub complexity: Option<f64>,
+    /// Explicit model request, overriding routing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Any other payload fields, kept so nothing is lost on re-publish.
+    #[serde(flatten)]
+    pub extra: BTreeMap<String, serde_json::Value>,
+}
+
+/// The routing decision recorded in a result.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Route {
+    /// The tier chosen (e.g. `small`, `large`, `fallback`).
+    pub tier: String,
+    /// Why (e.g. `complexity:0.82`, `explicit_model`, `budget_downgrade`).
+    pub reason: String,
+}
+
+/// A task outcome on `ai.results.completed` / `ai.results.failed` (keyed by task id).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TaskResult {
+    /// The task's idempotency key.
+    pub task_id: String,
+    /// The task's type.
+    pub task_type: String,
+    /// The tenant the task was accounted to.
+    pub tenant_id: String,
+    /// Whether `output` holds an answer.
+    pub success: bool,
+    /// When processing finished.
+    pub completed_at: DateTime<Utc>,
+    /// Wall time spent processing, in milliseconds.
+    pub processing_ms: u64,
+    /// The model that answered (or was last tried).
+    pub model: String,
+    /// The routing decision.
+    pub route: Route,
+    /// Prompt tokens billed.
+    pub input_tokens: u64,
+    /// Completion tokens billed.
+    pub output_tokens: u64,
+    /// Prompt tokens served from the provider's cache (a subset of `input_tokens`).
+    pub cached_tokens: u64,
+    /// Cost in micro-dollars.
+    pub cost_micros: i64,
+    /// Provider calls made for this task, across re-publishes.
+    pub attempts: u32,
+    /// Set when the task was answered as part of a micro-batch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_id: Option<String>,
+    /// The answer; `null` when failed.
+    #[serde(default)]
+    pub output: serde_json::Value,
+    /// Machine-readable failure code (e.g. `quota_exceeded`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_code: Option<String>,
+    /// Human-readable failure description (never the prompt).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_message: Option<String>,
+}
+
+/// Why a record went to the dead-letter topic (`dlq.category` header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DlqCategory {
+    /// Undecodable or invalid input.
+    Poison,
+    /// The provider rejected the request as malformed.
+    BadRequest,
+    /// The provider refused the content.
+    ContentPolicy,
+    /// The input exceeds the model's context.
+    TooLarge,
+    /// Transient failures outlasted every retry.
+    Exhausted,
+}
+
+impl DlqCategory {
+    /// Every category.
+    pub const ALL: [DlqCategory; 5] = [
+        DlqCategory::Poison,
+        DlqCategory::BadRequest,
+        DlqCategory::ContentPolicy,
+        DlqCategory::TooLarge,
+        DlqCategory::Exhausted,
+    ];
+
+    /// The header value and metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DlqCategory::Poison => "poison",
+            DlqCategory::BadRequest => "bad_request",
+            DlqCategory::ContentPolicy => "content_policy",
+            DlqCategory::TooLarge => "too_large",
+            DlqCategory::Exhausted => "exhausted",
+        }
+    }
+
+    /// Parses a header value.
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|c| c.as_str() == s)
+    }
+}
+
+impl std::fmt::Display for DlqCategory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Dead-letter header names (design §2). Values never contain prompt text or secrets.
+pub mod dlq_headers {
+    /// Short machine-readable reason, e.g. `missing_field:taskId`.
+    pub const REASON: &str = "dlq.reason";
+    /// One of [`super::DlqCategory`].
+    pub const CATEGORY: &str = "dlq.category";
+    /// Provider attempts made before dead-lettering.
+    pub const ATTEMPTS: &str = "dlq.attempts";
+    /// Topic the record was consumed from.
+    pub const ORIGINAL_TOPIC: &str = "dlq.original.topic";
+    /// Partition the record was consumed from.
+    pub const ORIGINAL_PARTITION: &str = "dlq.original.partition";
+    /// Offset of the record in its partition.
+    pub const ORIGINAL_OFFSET: &str = "dlq.original.offset";
+    /// RFC 3339 time the record was dead-lettered.
+    pub const SENT_AT: &str = "dlq.sent.at";
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn result_serializes_camel_case_and_skips_absent_batch() {
+        let r = TaskResult {
+            task_id: "t1".into(),
+            task_type: "summarize".into(),
+            tenant_id: "acme".into(),
+            success: false,
+            completed_at: "2024-05-01T10:00:00Z".parse().unwrap(),
+            processing_ms: 12,
+            model: "small".into(),
+            route: Route {
+                tier: "small".into(),
+                reason: "complexity:0.10".into(),
+            },
+            input_tokens: 10,
+            output_tokens: 0,
+            cached_tokens: 0,
+            cost_micros: 3,
+            attempts: 2,
+            batch_id: None,
+            output: serde_json::Value::Null,
+            error_code: Some("exhausted".into()),
+            error_message: None,
+        };
+        let v = serde_json::to_value(&r).unwrap();
+        assert_eq!(v["taskId"], "t1");
+        assert_eq!(v["costMicros"], 3);
+        assert_eq!(v["route"]["tier"], "small");
+        assert!(v["output"].is_null());
+        assert!(v.get("batchId").is_none());
+        assert_eq!(v["errorCode"], "exhausted");
+        let back: TaskResult = serde_json::from_value(v).unwrap();
+        assert_eq!(back, r);
+    }
+
+    #[test]
+    fn dlq_category_round_trips() {
+        for c in DlqCategory::ALL {
+            assert_eq!(DlqCategory::parse(c.as_str()), Some(c));
+            assert_eq!(serde_json::to_value(c).unwrap(), c.as_str());
+        }
+        assert_eq!(DlqCategory::parse("nope"), None);
+    }
+
+    #[test]
+    fn priority_wire_names() {
+        for p in Priority::ALL {
+            assert_eq!(serde_json::to_value(p).unwrap(), p.as_str());
+        }
+        assert_eq!(Priority::default(), Priority::Normal);
+    }
+}

@@ -1,0 +1,171 @@
+//! `sluice run`: the LLM task pipeline as a stream application, with its HTTP
+//! listener; and `sluice topics create`.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus::Registry;
+use sluice_topology::runtime::{EngineMetrics, IntakeControl, RunningApp, StreamsApp};
+
+use crate::config::{Config, ConfigError};
+use crate::http::{serve, HttpState};
+use crate::llm::{LlmClient, PromptBuilder};
+use crate::operator::{build_topology, Health, Operator, OperatorMetrics};
+
+/// How `sluice run` ended badly.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The configuration is invalid (exit code 2).
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// Anything else.
+    #[error(transparent)]
+    Other(#[from] anyhow::Error),
+}
+
+/// Loads the config and runs until SIGTERM/SIGINT or a fatal error.
+pub async fn run(config_path: &Path) -> Result<(), RunError> {
+    let config = Config::load(config_path)?;
+    run_with(config).await
+}
+
+/// Runs a loaded config.
+pub async fn run_with(config: Config) -> Result<(), RunError> {
+    let registry = Registry::new();
+    let engine_metrics = EngineMetrics::register(&registry).map_err(anyhow::Error::from)?;
+    let client = LlmClient::from_config(&config.llm, &registry).map_err(|e| ConfigError {
+        key: "llm".into(),
+        message: e.to_string(),
+    })?;
+    let intake = IntakeControl::default();
+    let health = Health::new(intake.clone());
+    let op = Arc::new(Operator {
+        client,
+        prompts: PromptBuilder::new(config.prompts.clone()),
+        prices: config.prices.clone(),
+        metrics: OperatorMetrics::register(&registry).map_err(anyhow::Error::from)?,
+        health: health.clone(),
+        config: config.clone(),
+    });
+    check_results_partitions(&config)?;
+    let topology = build_topology(op).map_err(anyhow::Error::from)?;
+    tracing::info!(topology = %topology.describe(&config.app.id), "starting");
+    let app = StreamsApp::new(topology, config.streams(), engine_metrics)
+        .with_runtime(tokio::runtime::Handle::current())
+        .with_intake(intake)
+        .start()
+        .map_err(|e| anyhow::anyhow!("cannot start: {e}"))?;
+    let addr = config.http.listen.parse().map_err(|_| ConfigError {
+        key: "http.listen".into(),
+        message: "not an address".into(),
+    })?;
+    let (local, http) = serve(
+        addr,
+        HttpState {
+            registry,
+            status: app.status(),
+            health,
+        },
+    )
+    .await?;
+    tracing::info!(%local, "http listening");
+    println!("LISTENING {local}");
+    let result = wait(&app).await;
+    app.shutdown();
+    let joined = tokio::task::spawn_blocking(move || app.join())
+        .await
+        .map_err(anyhow::Error::from)?;
+    http.abort();
+    result?;
+    joined.map_err(|e| anyhow::anyhow!("stream application failed: {e}"))?;
+    Ok(())
+}
+
+async fn wait(app: &RunningApp) -> Result<(), RunError> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(anyhow::Error::from)?;
+    loop {
+        tokio::select! {
+            _ = term.recv() => return Ok(()),
+            _ = tokio::signal::ctrl_c() => return Ok(()),
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {
+                if app.is_finished() { return Ok(()); }
+            }
+        }
+    }
+}
+
+/// Results go to the results partition that matches the task's input
+/// partition, so results topics need at least as many partitions as the task
+/// topics.
+fn check_results_partitions(config: &Config) -> Result<(), RunError> {
+    let t = &config.topics;
+    let mut names: Vec<String> = t.task_types.iter().map(|x| t.task_topic(x)).collect();
+    names.push(t.results_completed.clone());
+    names.push(t.results_failed.clone());
+    let counts = crate::kafka::partition_counts(&config.kafka.bootstrap_servers, &names)
+        .map_err(RunError::Other)?;
+    let tasks_max = t
+        .task_types
+        .iter()
+        .filter_map(|x| counts.get(&t.task_topic(x)))
+        .max()
+        .copied()
+        .unwrap_or(0);
+    for results in [&t.results_completed, &t.results_failed] {
+        match counts.get(results) {
+            None => {
+                return Err(ConfigError {
+                    key: "topics.results_completed".into(),
+                    message: format!("topic {results} does not exist (run `sluice topics create`)"),
+                }
+                .into())
+            }
+            Some(c) if *c < tasks_max => {
+                return Err(ConfigError {
+                    key: "topics.partitions".into(),
+                    message: format!(
+                        "{results} has {c} partitions, fewer than the task topics' {tasks_max}"
+                    ),
+                }
+                .into())
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Creates the task, dead-letter and results topics of a config.
+pub fn create_topics(config: &Config) -> anyhow::Result<Vec<String>> {
+    let t = &config.topics;
+    let results_retention = t.results_retention_ms.to_string();
+    let dlq_retention = t.dlq_retention_ms.to_string();
+    let mut defs: Vec<(String, Vec<(&str, &str)>)> = Vec::new();
+    for ty in &t.task_types {
+        defs.push((t.task_topic(ty), vec![]));
+        defs.push((
+            t.dlq_topic(ty),
+            vec![("retention.ms", dlq_retention.as_str())],
+        ));
+    }
+    defs.push((
+        t.results_completed.clone(),
+        vec![("retention.ms", results_retention.as_str())],
+    ));
+    defs.push((
+        t.results_failed.clone(),
+        vec![("retention.ms", results_retention.as_str())],
+    ));
+    let specs: Vec<crate::kafka::TopicDef<'_>> = defs
+        .iter()
+        .map(|(name, cfg)| (name.as_str(), t.partitions, cfg.as_slice()))
+        .collect();
+    crate::kafka::create_topics_rf(
+        &config.kafka.bootstrap_servers,
+        &specs,
+        t.replication_factor,
+    )?;
+    Ok(defs.into_iter().map(|(n, _)| n).collect())
+}

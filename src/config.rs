@@ -1,0 +1,573 @@
+//! The `sluice run` configuration: a TOML file plus `SLUICE_<SECTION>__<KEY>`
+//! environment overrides (e.g. `SLUICE_KAFKA__BOOTSTRAP_SERVERS`). Unknown keys
+//! are rejected and every problem names its key; the CLI exits with code 2.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use sluice_topology::runtime::{Guarantee, StreamsConfig};
+use sluice_topology::RocksSettings;
+
+use crate::llm::{LlmConfig, PromptConfig};
+
+/// A configuration problem, with the key it concerns.
+#[derive(Debug, thiserror::Error)]
+#[error("config error at {key}: {message}")]
+pub struct ConfigError {
+    /// Dotted path of the offending key (or the file).
+    pub key: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl ConfigError {
+    fn new(key: impl Into<String>, message: impl Into<String>) -> Self {
+        ConfigError {
+            key: key.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// The whole configuration.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Application identity, state and processing settings.
+    #[serde(default)]
+    pub app: AppSection,
+    /// Kafka connection and client settings.
+    pub kafka: KafkaSection,
+    /// Topic names, partitions and retention.
+    #[serde(default)]
+    pub topics: TopicsSection,
+    /// Task validation and delivery settings.
+    #[serde(default)]
+    pub tasks: TasksSection,
+    /// Providers, models, limiter, breaker and retry settings.
+    pub llm: LlmConfig,
+    /// Prompt templates per task type.
+    #[serde(default)]
+    pub prompts: PromptConfig,
+    /// Which model serves which task, and fallbacks.
+    #[serde(default)]
+    pub routing: RoutingSection,
+    /// Prices per model, in micro-dollars per million tokens.
+    #[serde(default)]
+    pub prices: BTreeMap<String, Price>,
+    /// The HTTP listener (metrics, health, queries).
+    #[serde(default)]
+    pub http: HttpSection,
+}
+
+/// `[app]`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AppSection {
+    /// Application id: consumer group, internal topic prefix, transactional id prefix.
+    pub id: String,
+    /// Directory for RocksDB state (a volume in Kubernetes).
+    pub state_dir: PathBuf,
+    /// `exactly_once` or `at_least_once`.
+    pub guarantee: Guarantee,
+    /// Commit interval in ms (default: 100 under exactly-once, 1000 under at-least-once).
+    pub commit_interval_ms: Option<u64>,
+    /// Tasks in flight per input partition before the partition is paused.
+    pub max_in_flight_per_partition: usize,
+    /// How long a rebalance waits for in-flight calls before abandoning them (ms).
+    pub drain_timeout_ms: u64,
+    /// RocksDB block cache shared by all tasks, MiB.
+    pub rocksdb_block_cache_mb: usize,
+    /// RocksDB memtable budget shared by all tasks, MiB.
+    pub rocksdb_write_buffer_mb: usize,
+}
+
+impl Default for AppSection {
+    fn default() -> Self {
+        AppSection {
+            id: "sluice".into(),
+            state_dir: PathBuf::from("/var/lib/sluice"),
+            guarantee: Guarantee::ExactlyOnce,
+            commit_interval_ms: None,
+            max_in_flight_per_partition: 1000,
+            drain_timeout_ms: 30_000,
+            rocksdb_block_cache_mb: 64,
+            rocksdb_write_buffer_mb: 32,
+        }
+    }
+}
+
+/// `[kafka]`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaSection {
+    /// Bootstrap servers, comma-separated.
+    pub bootstrap_servers: String,
+    /// Consumer group session timeout, ms.
+    #[serde(default = "default_session_timeout_ms")]
+    pub session_timeout_ms: u64,
+    /// Maximum time between polls, ms.
+    #[serde(default = "default_max_poll_interval_ms")]
+    pub max_poll_interval_ms: u64,
+    /// Transaction timeout, ms (exactly-once).
+    #[serde(default = "default_transaction_timeout_ms")]
+    pub transaction_timeout_ms: u64,
+    /// Extra librdkafka properties for every client (e.g. `security.protocol`).
+    #[serde(default)]
+    pub client: BTreeMap<String, String>,
+}
+
+fn default_session_timeout_ms() -> u64 {
+    10_000
+}
+fn default_max_poll_interval_ms() -> u64 {
+    300_000
+}
+fn default_transaction_timeout_ms() -> u64 {
+    60_000
+}
+
+/// `[topics]`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TopicsSection {
+    /// Task types accepted; each has a topic `<tasks_prefix><type>` and a
+    /// dead-letter topic `<tasks_prefix><type>.dlq`.
+    pub task_types: Vec<String>,
+    /// Prefix of task topics.
+    pub tasks_prefix: String,
+    /// Topic of successful results.
+    pub results_completed: String,
+    /// Topic of failed results.
+    pub results_failed: String,
+    /// Partitions of the topics `sluice topics create` makes. Task topics must
+    /// share one partition count; results topics need at least as many.
+    pub partitions: i32,
+    /// Replication factor of created topics.
+    pub replication_factor: i32,
+    /// Retention of results topics, ms (30 days).
+    pub results_retention_ms: i64,
+    /// Retention of dead-letter topics, ms (30 days).
+    pub dlq_retention_ms: i64,
+}
+
+impl Default for TopicsSection {
+    fn default() -> Self {
+        TopicsSection {
+            task_types: vec!["summarize".into(), "classify".into(), "extract".into()],
+            tasks_prefix: "ai.tasks.".into(),
+            results_completed: "ai.results.completed".into(),
+            results_failed: "ai.results.failed".into(),
+            partitions: 6,
+            replication_factor: 1,
+            results_retention_ms: 30 * 24 * 3600 * 1000,
+            dlq_retention_ms: 30 * 24 * 3600 * 1000,
+        }
+    }
+}
+
+impl TopicsSection {
+    /// The topic of a task type.
+    pub fn task_topic(&self, task_type: &str) -> String {
+        format!("{}{task_type}", self.tasks_prefix)
+    }
+
+    /// The dead-letter topic of a task type.
+    pub fn dlq_topic(&self, task_type: &str) -> String {
+        format!("{}{task_type}.dlq", self.tasks_prefix)
+    }
+}
+
+/// `[tasks]`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TasksSection {
+    /// Largest task record accepted, bytes; larger ones are dead-lettered.
+    pub max_bytes: usize,
+    /// Deliveries of a task (re-published with `attemptNumber + 1` after a
+    /// transient failure) before it is dead-lettered as `exhausted`.
+    pub max_attempts: u32,
+    /// How long completed task ids are remembered for idempotency, hours.
+    pub idempotency_ttl_hours: u64,
+    /// While intake is held (bad credentials, open breaker without fallback),
+    /// how often one held task probes the provider, ms.
+    pub probe_interval_ms: u64,
+}
+
+impl Default for TasksSection {
+    fn default() -> Self {
+        TasksSection {
+            max_bytes: 1024 * 1024,
+            max_attempts: 5,
+            idempotency_ttl_hours: 7 * 24,
+            probe_interval_ms: 2_000,
+        }
+    }
+}
+
+/// `[routing]`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RoutingSection {
+    /// Model for tasks no other rule covers (default: the first model).
+    pub default_model: Option<String>,
+    /// Model per task type.
+    pub by_task_type: BTreeMap<String, String>,
+    /// Fallback model per model, used while a model's breaker is open.
+    pub fallbacks: BTreeMap<String, String>,
+}
+
+/// Price of a model, micro-dollars per million tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Price {
+    /// Uncached input tokens.
+    pub input: u64,
+    /// Output tokens.
+    pub output: u64,
+    /// Cached input tokens.
+    pub cached: u64,
+}
+
+/// `[http]`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpSection {
+    /// Address of the metrics/health/query listener.
+    pub listen: String,
+}
+
+impl Default for HttpSection {
+    fn default() -> Self {
+        HttpSection {
+            listen: "0.0.0.0:8080".into(),
+        }
+    }
+}
+
+/// Environment variables with this prefix and a `__` override config keys.
+pub const ENV_PREFIX: &str = "SLUICE_";
+
+impl Config {
+    /// Loads a file, applies environment overrides, and validates.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            ConfigError::new(path.display().to_string(), format!("cannot read: {e}"))
+        })?;
+        Self::from_toml_with_env(&text, std::env::vars())
+    }
+
+    /// Parses TOML text, applies overrides from `env`, and validates.
+    pub fn from_toml_with_env(
+        text: &str,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, ConfigError> {
+        let mut value: toml::Table = toml::from_str(text).map_err(|e| {
+            let key = e
+                .span()
+                .map(|s| format!("byte {}", s.start))
+                .unwrap_or_else(|| "file".into());
+            ConfigError::new(key, e.message().to_string())
+        })?;
+        for (k, v) in env {
+            let Some(rest) = k.strip_prefix(ENV_PREFIX) else {
+                continue;
+            };
+            if !rest.contains("__") {
+                continue;
+            }
+            let path: Vec<String> = rest.split("__").map(str::to_lowercase).collect();
+            set_path(&mut value, &path, parse_env_value(&v))
+                .map_err(|m| ConfigError::new(format!("{k} ({})", path.join(".")), m))?;
+        }
+        let de = toml::Value::Table(value);
+        let cfg: Config = serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            ConfigError::new(
+                if path.is_empty() { "file".into() } else { path },
+                e.inner().to_string(),
+            )
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Semantic checks across keys.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.kafka.bootstrap_servers.trim().is_empty() {
+            return Err(ConfigError::new(
+                "kafka.bootstrap_servers",
+                "must not be empty",
+            ));
+        }
+        if self.app.id.is_empty()
+            || !self
+                .app
+                .id
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+        {
+            return Err(ConfigError::new(
+                "app.id",
+                "must be non-empty and use only [A-Za-z0-9._-]",
+            ));
+        }
+        if self.app.max_in_flight_per_partition == 0 {
+            return Err(ConfigError::new(
+                "app.max_in_flight_per_partition",
+                "must be at least 1",
+            ));
+        }
+        if self.kafka.session_timeout_ms >= self.kafka.max_poll_interval_ms {
+            return Err(ConfigError::new(
+                "kafka.session_timeout_ms",
+                "must be below kafka.max_poll_interval_ms",
+            ));
+        }
+        if self.topics.task_types.is_empty() {
+            return Err(ConfigError::new(
+                "topics.task_types",
+                "must list at least one task type",
+            ));
+        }
+        if self.topics.partitions < 1 {
+            return Err(ConfigError::new("topics.partitions", "must be at least 1"));
+        }
+        for t in &self.topics.task_types {
+            if !self.prompts.templates.contains_key(t) {
+                return Err(ConfigError::new(
+                    format!("prompts.templates.{t}"),
+                    "every task type in topics.task_types needs a prompt template",
+                ));
+            }
+        }
+        if self.tasks.max_attempts == 0 {
+            return Err(ConfigError::new("tasks.max_attempts", "must be at least 1"));
+        }
+        if self.llm.models.is_empty() {
+            return Err(ConfigError::new(
+                "llm.models",
+                "must define at least one model",
+            ));
+        }
+        let providers: Vec<&str> = self.llm.providers.iter().map(|p| p.name.as_str()).collect();
+        for (i, m) in self.llm.models.iter().enumerate() {
+            if !providers.contains(&m.provider.as_str()) {
+                return Err(ConfigError::new(
+                    format!("llm.models[{i}].provider"),
+                    format!("unknown provider {}", m.provider),
+                ));
+            }
+        }
+        let known = |m: &str| self.llm.models.iter().any(|x| x.name == m);
+        if let Some(m) = &self.routing.default_model {
+            if !known(m) {
+                return Err(ConfigError::new(
+                    "routing.default_model",
+                    format!("unknown model {m}"),
+                ));
+            }
+        }
+        for (t, m) in &self.routing.by_task_type {
+            if !known(m) {
+                return Err(ConfigError::new(
+                    format!("routing.by_task_type.{t}"),
+                    format!("unknown model {m}"),
+                ));
+            }
+        }
+        for (from, to) in &self.routing.fallbacks {
+            if !known(from) {
+                return Err(ConfigError::new(
+                    format!("routing.fallbacks.{from}"),
+                    format!("unknown model {from}"),
+                ));
+            }
+            if !known(to) {
+                return Err(ConfigError::new(
+                    format!("routing.fallbacks.{from}"),
+                    format!("unknown model {to}"),
+                ));
+            }
+        }
+        for m in self.prices.keys() {
+            if !known(m) {
+                return Err(ConfigError::new(
+                    format!("prices.{m}"),
+                    format!("unknown model {m}"),
+                ));
+            }
+        }
+        if self.http.listen.parse::<std::net::SocketAddr>().is_err() {
+            return Err(ConfigError::new(
+                "http.listen",
+                "must be an address like 0.0.0.0:8080",
+            ));
+        }
+        for (i, p) in self.llm.providers.iter().enumerate() {
+            p.resolve_api_key()
+                .map_err(|e| ConfigError::new(format!("llm.providers[{i}]"), e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    /// The engine configuration.
+    pub fn streams(&self) -> StreamsConfig {
+        let mut s = StreamsConfig::new(
+            &self.app.id,
+            &self.kafka.bootstrap_servers,
+            &self.app.state_dir,
+        );
+        s.guarantee = self.app.guarantee;
+        s.commit_interval = self.app.commit_interval_ms.map(Duration::from_millis);
+        s.max_in_flight_per_partition = self.app.max_in_flight_per_partition;
+        s.drain_timeout = Duration::from_millis(self.app.drain_timeout_ms);
+        s.session_timeout = Duration::from_millis(self.kafka.session_timeout_ms);
+        s.max_poll_interval = Duration::from_millis(self.kafka.max_poll_interval_ms);
+        s.transaction_timeout = Duration::from_millis(self.kafka.transaction_timeout_ms);
+        s.replication_factor = self.topics.replication_factor;
+        s.client_overrides = self.kafka.client.clone();
+        s.rocksdb = RocksSettings {
+            block_cache_bytes: self.app.rocksdb_block_cache_mb << 20,
+            write_buffer_manager_bytes: self.app.rocksdb_write_buffer_mb << 20,
+            ..RocksSettings::default()
+        };
+        s
+    }
+
+    /// The model serving a task type when nothing else decides.
+    pub fn model_for(&self, task_type: &str) -> &str {
+        self.routing
+            .by_task_type
+            .get(task_type)
+            .or(self.routing.default_model.as_ref())
+            .map(String::as_str)
+            .unwrap_or_else(|| self.llm.models[0].name.as_str())
+    }
+}
+
+fn parse_env_value(raw: &str) -> toml::Value {
+    toml::from_str::<toml::Table>(&format!("v = {raw}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.to_string()))
+}
+
+fn set_path(table: &mut toml::Table, path: &[String], value: toml::Value) -> Result<(), String> {
+    let (last, parents) = path.split_last().ok_or("empty key")?;
+    let mut cur = table;
+    for p in parents {
+        let entry = cur
+            .entry(p.clone())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        cur = entry
+            .as_table_mut()
+            .ok_or_else(|| format!("{p} is not a table"))?;
+    }
+    cur.insert(last.clone(), value);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+[kafka]
+bootstrap_servers = "localhost:9092"
+
+[[llm.providers]]
+name = "sim"
+base_url = "http://127.0.0.1:8089/v1"
+
+[[llm.models]]
+name = "small"
+provider = "sim"
+"#;
+
+    fn load(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        Config::from_toml_with_env(
+            text,
+            env.iter().map(|(k, v)| (k.to_string(), v.to_string())),
+        )
+    }
+
+    #[test]
+    fn minimal_config_has_defaults() {
+        let c = load(MINIMAL, &[]).unwrap();
+        assert_eq!(c.app.guarantee, Guarantee::ExactlyOnce);
+        assert_eq!(c.topics.task_topic("summarize"), "ai.tasks.summarize");
+        assert_eq!(c.topics.dlq_topic("summarize"), "ai.tasks.summarize.dlq");
+        assert_eq!(c.model_for("classify"), "small");
+        assert_eq!(c.streams().commit_interval(), Duration::from_millis(100));
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected_with_their_path() {
+        let err = load(&format!("{MINIMAL}\n[app]\nguarantees = \"x\"\n"), &[]).unwrap_err();
+        assert!(err.key.contains("app"), "{err}");
+        assert!(err.to_string().contains("guarantees"), "{err}");
+        let err = load(
+            &MINIMAL.replace("provider = \"sim\"", "provider = \"sim\"\ntimeout = 3"),
+            &[],
+        )
+        .unwrap_err();
+        assert!(err.key.starts_with("llm.models"), "{err}");
+    }
+
+    #[test]
+    fn wrong_types_and_bad_references_name_the_key() {
+        let err = load(
+            &format!("{MINIMAL}\n[app]\nmax_in_flight_per_partition = \"many\"\n"),
+            &[],
+        )
+        .unwrap_err();
+        assert_eq!(err.key, "app.max_in_flight_per_partition", "{err}");
+        let err = load(
+            &format!("{MINIMAL}\n[routing]\ndefault_model = \"huge\"\n"),
+            &[],
+        )
+        .unwrap_err();
+        assert_eq!(err.key, "routing.default_model");
+        let err = load(&format!("{MINIMAL}\n[prices.nope]\ninput = 1\n"), &[]).unwrap_err();
+        assert_eq!(err.key, "prices.nope");
+        let err = load(
+            &MINIMAL.replace("provider = \"sim\"", "provider = \"other\""),
+            &[],
+        )
+        .unwrap_err();
+        assert_eq!(err.key, "llm.models[0].provider");
+    }
+
+    #[test]
+    fn environment_overrides_apply_with_types() {
+        let c = load(
+            MINIMAL,
+            &[
+                ("SLUICE_KAFKA__BOOTSTRAP_SERVERS", "broker:9093"),
+                ("SLUICE_APP__MAX_IN_FLIGHT_PER_PARTITION", "7"),
+                ("SLUICE_APP__GUARANTEE", "at_least_once"),
+                ("SLUICE_LOG", "debug"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.kafka.bootstrap_servers, "broker:9093");
+        assert_eq!(c.app.max_in_flight_per_partition, 7);
+        assert_eq!(c.app.guarantee, Guarantee::AtLeastOnce);
+        let err = load(MINIMAL, &[("SLUICE_APP__NOPE", "1")]).unwrap_err();
+        assert!(err.to_string().contains("nope"), "{err}");
+    }
+
+    #[test]
+    fn missing_api_key_env_names_the_provider() {
+        let text = MINIMAL.replace(
+            "base_url = \"http://127.0.0.1:8089/v1\"",
+            "base_url = \"http://127.0.0.1:8089/v1\"\napi_key_env = \"SLUICE_TEST_NO_SUCH_KEY\"",
+        );
+        let err = load(&text, &[]).unwrap_err();
+        assert_eq!(err.key, "llm.providers[0]");
+        assert!(err.message.contains("SLUICE_TEST_NO_SUCH_KEY"));
+    }
+}

@@ -1,0 +1,432 @@
+//! Client tests: header and duration parsing, classification, and a real HTTP round trip
+//! against a tiny axum server with canned answers.
+
+use super::*;
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Json, Router};
+use parking_lot::Mutex;
+use serde_json::json;
+use std::sync::Arc;
+
+#[test]
+fn reset_durations_in_go_format() {
+    let ms = |m: u64| Some(Duration::from_millis(m));
+    assert_eq!(parse_reset_duration("1s"), ms(1000));
+    assert_eq!(parse_reset_duration("6m0s"), ms(360_000));
+    assert_eq!(parse_reset_duration("120ms"), ms(120));
+    assert_eq!(parse_reset_duration("0.5s"), ms(500));
+    assert_eq!(parse_reset_duration("1h2m3.5s"), ms(3_723_500));
+    assert_eq!(parse_reset_duration("2"), ms(2000));
+    assert_eq!(
+        parse_reset_duration("17.4ms").map(|d| d.as_micros()),
+        Some(17_400)
+    );
+    assert_eq!(parse_reset_duration(""), None);
+    assert_eq!(parse_reset_duration("soon"), None);
+    assert_eq!(parse_reset_duration("5x"), None);
+    assert_eq!(parse_reset_duration("-1s"), None);
+}
+
+fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    for (k, v) in pairs {
+        h.insert(*k, HeaderValue::from_str(v).unwrap());
+    }
+    h
+}
+
+#[test]
+fn rate_limit_headers_are_parsed() {
+    let info = RateLimitInfo::from_headers(&headers(&[
+        ("x-ratelimit-limit-requests", "3000"),
+        ("x-ratelimit-remaining-requests", "2999"),
+        ("x-ratelimit-reset-requests", "20ms"),
+        ("x-ratelimit-limit-tokens", "250000"),
+        ("x-ratelimit-remaining-tokens", "249900"),
+        ("x-ratelimit-reset-tokens", "6m0s"),
+        ("retry-after", "2"),
+    ]));
+    assert_eq!(
+        info,
+        RateLimitInfo {
+            limit_requests: Some(3000),
+            remaining_requests: Some(2999),
+            reset_requests: Some(Duration::from_millis(20)),
+            limit_tokens: Some(250_000),
+            remaining_tokens: Some(249_900),
+            reset_tokens: Some(Duration::from_secs(360)),
+            retry_after: Some(Duration::from_secs(2)),
+        }
+    );
+    // retry-after-ms wins over the coarse Retry-After.
+    let info =
+        RateLimitInfo::from_headers(&headers(&[("retry-after", "1"), ("retry-after-ms", "250")]));
+    assert_eq!(info.retry_after, Some(Duration::from_millis(250)));
+    // A whole-second Retry-After is refined by the reset of the exhausted budget...
+    let info = RateLimitInfo::from_headers(&headers(&[
+        ("retry-after", "1"),
+        ("x-ratelimit-remaining-requests", "0"),
+        ("x-ratelimit-reset-requests", "40ms"),
+    ]));
+    assert_eq!(info.retry_after, Some(Duration::from_millis(40)));
+    // ...within its rounding only.
+    let info = RateLimitInfo::from_headers(&headers(&[
+        ("retry-after", "30"),
+        ("x-ratelimit-remaining-tokens", "0"),
+        ("x-ratelimit-reset-tokens", "20ms"),
+    ]));
+    assert_eq!(info.retry_after, Some(Duration::from_secs(29)));
+    // A budget that is not exhausted says nothing about the wait.
+    let info = RateLimitInfo::from_headers(&headers(&[
+        ("retry-after", "1"),
+        ("x-ratelimit-remaining-requests", "3"),
+        ("x-ratelimit-reset-requests", "40ms"),
+    ]));
+    assert_eq!(info.retry_after, Some(Duration::from_secs(1)));
+    // HTTP date in the past: retry now.
+    let info = RateLimitInfo::from_headers(&headers(&[(
+        "retry-after",
+        "Wed, 21 Oct 2015 07:28:00 GMT",
+    )]));
+    assert_eq!(info.retry_after, Some(Duration::ZERO));
+    // Garbage is ignored, absent headers are empty.
+    let info = RateLimitInfo::from_headers(&headers(&[("x-ratelimit-remaining-requests", "many")]));
+    assert!(info.is_empty());
+}
+
+fn status_err(status: u16, code: Option<&str>, kind: Option<&str>) -> LlmError {
+    LlmError::Status {
+        status,
+        code: code.map(str::to_string),
+        kind: kind.map(str::to_string),
+        message: String::new(),
+        rate_limit: Box::default(),
+    }
+}
+
+#[test]
+fn classification_by_status_and_code() {
+    use ErrorClass::*;
+    use PermanentKind::*;
+    let cases = [
+        (
+            status_err(400, None, Some("invalid_request_error")),
+            Permanent(BadRequest),
+        ),
+        (status_err(422, None, None), Permanent(BadRequest)),
+        (
+            status_err(400, Some("content_policy_violation"), None),
+            Permanent(ContentPolicy),
+        ),
+        (
+            status_err(400, None, Some("content_filter")),
+            Permanent(ContentPolicy),
+        ),
+        (
+            status_err(400, Some("context_length_exceeded"), None),
+            Permanent(TooLarge),
+        ),
+        (status_err(413, None, None), Permanent(TooLarge)),
+        (status_err(401, Some("invalid_api_key"), None), Config),
+        (status_err(403, None, None), Config),
+        (status_err(404, Some("model_not_found"), None), Config),
+        (status_err(400, Some("model_not_found"), None), Config),
+        (status_err(429, Some("insufficient_quota"), None), Config),
+        (
+            status_err(429, None, None),
+            RateLimited { retry_after: None },
+        ),
+        (status_err(408, None, None), Transient),
+        (status_err(409, None, None), Transient),
+        (status_err(500, None, None), Transient),
+        (status_err(503, None, None), Transient),
+        (LlmError::Timeout(Duration::from_secs(1)), Transient),
+        (LlmError::Connect("refused".into()), Transient),
+        (LlmError::Malformed("x".into()), Malformed),
+        (LlmError::ContentFiltered, Permanent(ContentPolicy)),
+        (LlmError::CircuitOpen("m".into()), CircuitOpen),
+    ];
+    for (err, class) in cases {
+        assert_eq!(err.class(), class, "{err:?}");
+    }
+    assert_eq!(
+        status_err(400, Some("context_length_exceeded"), None).code(),
+        "too_large"
+    );
+    assert_eq!(LlmError::Timeout(Duration::ZERO).code(), "timeout");
+    assert_eq!(
+        PermanentKind::ContentPolicy.dlq_category(),
+        DlqCategory::ContentPolicy
+    );
+}
+
+#[test]
+fn error_display_never_contains_the_provider_message() {
+    let err = LlmError::Status {
+        status: 400,
+        code: Some("context_length_exceeded".into()),
+        kind: None,
+        message: "your prompt 'SECRET TEXT' is too long".into(),
+        rate_limit: Box::default(),
+    };
+    assert!(!err.to_string().contains("SECRET"));
+}
+
+// --- HTTP round trip --------------------------------------------------------------------
+
+#[derive(Default)]
+struct Seen {
+    auth: Vec<Option<String>>,
+    bodies: Vec<serde_json::Value>,
+}
+
+fn canned(model: &str) -> Response {
+    let err = |status: StatusCode, body: serde_json::Value| (status, Json(body)).into_response();
+    match model {
+        "ok" => {
+            let mut r = Json(json!({
+                "id": "chatcmpl-1",
+                "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"},
+                             "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 120, "completion_tokens": 8, "total_tokens": 128,
+                          "prompt_tokens_details": {"cached_tokens": 64}}
+            }))
+            .into_response();
+            let h = r.headers_mut();
+            h.insert("x-ratelimit-limit-requests", HeaderValue::from_static("50"));
+            h.insert(
+                "x-ratelimit-remaining-requests",
+                HeaderValue::from_static("49"),
+            );
+            h.insert(
+                "x-ratelimit-reset-requests",
+                HeaderValue::from_static("20ms"),
+            );
+            h.insert(
+                "x-ratelimit-remaining-tokens",
+                HeaderValue::from_static("9000"),
+            );
+            h.insert(
+                "x-ratelimit-reset-tokens",
+                HeaderValue::from_static("1m30s"),
+            );
+            r
+        }
+        "no-cache-details" => Json(json!({
+            "choices": [{"message": {"content": "hi"}, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 1}
+        }))
+        .into_response(),
+        "limited" => {
+            let mut r = err(
+                StatusCode::TOO_MANY_REQUESTS,
+                json!({"error": {"message": "Rate limit reached", "type": "requests",
+                                 "code": "rate_limit_exceeded"}}),
+            );
+            let h = r.headers_mut();
+            h.insert("retry-after", HeaderValue::from_static("1"));
+            h.insert("retry-after-ms", HeaderValue::from_static("340"));
+            h.insert(
+                "x-ratelimit-remaining-requests",
+                HeaderValue::from_static("0"),
+            );
+            h.insert(
+                "x-ratelimit-reset-requests",
+                HeaderValue::from_static("0.34s"),
+            );
+            r
+        }
+        "policy" => err(
+            StatusCode::BAD_REQUEST,
+            json!({"error": {"message": "Your request was rejected", "type":
+                             "invalid_request_error", "code": "content_policy_violation"}}),
+        ),
+        "huge" => err(
+            StatusCode::BAD_REQUEST,
+            json!({"error": {"message": "maximum context length is 8192 tokens",
+                             "type": "invalid_request_error", "code": "context_length_exceeded"}}),
+        ),
+        "vllm" => err(
+            StatusCode::BAD_REQUEST,
+            json!({"object": "error", "message": "bad temperature", "type": "BadRequestError",
+                   "code": 400}),
+        ),
+        "unauthorized" => err(
+            StatusCode::UNAUTHORIZED,
+            json!({"error": {"message": "Incorrect API key", "type": "invalid_request_error",
+                             "code": "invalid_api_key"}}),
+        ),
+        "gone" => err(
+            StatusCode::NOT_FOUND,
+            json!({"error": {"message": "model does not exist", "code": "model_not_found"}}),
+        ),
+        "unavailable" => (StatusCode::SERVICE_UNAVAILABLE, "upstream overloaded").into_response(),
+        "malformed" => (StatusCode::OK, "{\"choices\": [").into_response(),
+        "no-usage" => Json(json!({"choices": [{"message": {"content": "x"}}]})).into_response(),
+        "filtered" => Json(json!({
+            "choices": [{"message": {"content": null}, "finish_reason": "content_filter"}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 0}
+        }))
+        .into_response(),
+        _ => (StatusCode::IM_A_TEAPOT, "?").into_response(),
+    }
+}
+
+async fn serve() -> (String, Arc<Mutex<Seen>>) {
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let s = seen.clone();
+    let app = Router::new().route(
+        "/v1/chat/completions",
+        post(
+            move |headers: axum::http::HeaderMap, Json(body): Json<serde_json::Value>| {
+                let s = s.clone();
+                async move {
+                    let auth = headers
+                        .get("authorization")
+                        .and_then(|v| v.to_str().ok())
+                        .map(str::to_string);
+                    let model = body["model"].as_str().unwrap_or_default().to_string();
+                    let mut seen = s.lock();
+                    seen.auth.push(auth);
+                    seen.bodies.push(body);
+                    canned(&model)
+                }
+            },
+        ),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (format!("http://{addr}"), seen)
+}
+
+fn request(model: &str) -> ChatRequest {
+    ChatRequest {
+        model: model.into(),
+        messages: vec![Message::system("Task: summarize"), Message::user("text")],
+        max_tokens: Some(64),
+        temperature: Some(0.0),
+        response_format: Some(ResponseFormat::JsonObject),
+    }
+}
+
+fn provider(base: &str, key: Option<&str>) -> HttpProvider {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = ProviderConfig::new("test", base);
+    if let Some(k) = key {
+        let path = dir.path().join("key");
+        std::fs::write(&path, k).unwrap();
+        cfg.api_key_file = Some(path);
+    }
+    HttpProvider::new(&cfg).unwrap()
+}
+
+#[tokio::test]
+async fn success_parses_content_usage_cached_tokens_and_headers() {
+    let (base, seen) = serve().await;
+    let p = provider(&base, Some("sk-test"));
+    let r = p.chat(&request("ok")).await.unwrap();
+    assert_eq!(r.content, "hello");
+    assert_eq!(
+        r.usage,
+        Usage {
+            prompt_tokens: 120,
+            completion_tokens: 8,
+            cached_tokens: 64
+        }
+    );
+    assert_eq!(r.finish_reason.as_deref(), Some("stop"));
+    assert_eq!(r.rate_limit.limit_requests, Some(50));
+    assert_eq!(r.rate_limit.remaining_requests, Some(49));
+    assert_eq!(r.rate_limit.reset_requests, Some(Duration::from_millis(20)));
+    assert_eq!(r.rate_limit.remaining_tokens, Some(9000));
+    assert_eq!(r.rate_limit.reset_tokens, Some(Duration::from_secs(90)));
+    {
+        let seen = seen.lock();
+        assert_eq!(seen.auth[0].as_deref(), Some("Bearer sk-test"));
+        let body = &seen.bodies[0];
+        assert_eq!(body["model"], "ok");
+        assert_eq!(body["messages"][0]["role"], "system");
+        assert_eq!(body["messages"][1]["content"], "text");
+        assert_eq!(body["max_tokens"], 64);
+        assert_eq!(body["response_format"]["type"], "json_object");
+    }
+
+    // Without prompt_tokens_details, cached tokens are 0; base URL with /v1 works too.
+    let p = provider(&format!("{base}/v1/"), None);
+    let r = p.chat(&request("no-cache-details")).await.unwrap();
+    assert_eq!(r.usage.cached_tokens, 0);
+    assert_eq!(r.finish_reason.as_deref(), Some("length"));
+    assert!(r.rate_limit.is_empty());
+}
+
+#[tokio::test]
+async fn error_answers_are_classified() {
+    let (base, seen) = serve().await;
+    let p = provider(&base, None);
+
+    let err = p.chat(&request("limited")).await.unwrap_err();
+    assert_eq!(
+        err.class(),
+        ErrorClass::RateLimited {
+            retry_after: Some(Duration::from_millis(340))
+        }
+    );
+    let rl = err.rate_limit().unwrap();
+    assert_eq!(rl.remaining_requests, Some(0));
+    assert_eq!(rl.reset_requests, Some(Duration::from_millis(340)));
+
+    let expect = [
+        (
+            "policy",
+            ErrorClass::Permanent(PermanentKind::ContentPolicy),
+        ),
+        ("huge", ErrorClass::Permanent(PermanentKind::TooLarge)),
+        ("vllm", ErrorClass::Permanent(PermanentKind::BadRequest)),
+        ("unauthorized", ErrorClass::Config),
+        ("gone", ErrorClass::Config),
+        ("unavailable", ErrorClass::Transient),
+        ("malformed", ErrorClass::Malformed),
+        ("no-usage", ErrorClass::Malformed),
+        (
+            "filtered",
+            ErrorClass::Permanent(PermanentKind::ContentPolicy),
+        ),
+    ];
+    for (model, class) in expect {
+        let err = p.chat(&request(model)).await.unwrap_err();
+        assert_eq!(err.class(), class, "{model}: {err:?}");
+    }
+    let err = p.chat(&request("vllm")).await.unwrap_err();
+    match err {
+        LlmError::Status {
+            status,
+            code,
+            kind,
+            message,
+            ..
+        } => {
+            assert_eq!(status, 400);
+            assert_eq!(code.as_deref(), Some("400"));
+            assert_eq!(kind.as_deref(), Some("BadRequestError"));
+            assert_eq!(message, "bad temperature");
+        }
+        other => panic!("{other:?}"),
+    }
+    // No key configured: no Authorization header.
+    assert!(seen.lock().auth.iter().all(Option::is_none));
+}
+
+#[tokio::test]
+async fn connection_refused_is_transient() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    drop(listener);
+    let p = provider(&format!("http://{addr}"), None);
+    let err = p.chat(&request("ok")).await.unwrap_err();
+    assert!(matches!(err, LlmError::Connect(_)), "{err:?}");
+    assert_eq!(err.class(), ErrorClass::Transient);
+}

@@ -1,0 +1,199 @@
+//! Configuration of providers and models (the `[[llm.providers]]` / `[[llm.models]]` tables).
+//! Each field's doc comment is user documentation.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::breaker::BreakerConfig;
+use super::client::{LlmError, Secret};
+use super::limiter::LimiterConfig;
+use super::retry::RetryPolicy;
+
+fn default_connect_timeout_ms() -> u64 {
+    5_000
+}
+
+fn default_max_idle() -> usize {
+    64
+}
+
+/// One OpenAI-compatible endpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProviderConfig {
+    /// Name referred to by models; appears in logs.
+    pub name: String,
+    /// Base URL, with or without the trailing `/v1` (e.g. `https://api.openai.com/v1`,
+    /// `http://127.0.0.1:8000`).
+    pub base_url: String,
+    /// Environment variable holding the API key.
+    #[serde(default)]
+    pub api_key_env: Option<String>,
+    /// File holding the API key (e.g. a mounted Kubernetes Secret); surrounding whitespace is
+    /// ignored. Takes precedence over `api_key_env`.
+    #[serde(default)]
+    pub api_key_file: Option<PathBuf>,
+    /// TCP/TLS connect timeout in milliseconds.
+    #[serde(default = "default_connect_timeout_ms")]
+    pub connect_timeout_ms: u64,
+    /// Idle keep-alive connections kept per host.
+    #[serde(default = "default_max_idle")]
+    pub max_idle_connections: usize,
+}
+
+impl ProviderConfig {
+    /// A provider without an API key (vLLM, llama.cpp, Ollama, the simulator).
+    pub fn new(name: impl Into<String>, base_url: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            base_url: base_url.into(),
+            api_key_env: None,
+            api_key_file: None,
+            connect_timeout_ms: default_connect_timeout_ms(),
+            max_idle_connections: default_max_idle(),
+        }
+    }
+
+    /// Reads the API key from the file or env var; `None` when neither is configured.
+    /// Errors name the variable or path, never the value.
+    pub fn resolve_api_key(&self) -> Result<Option<Secret>, LlmError> {
+        if let Some(path) = &self.api_key_file {
+            let raw = std::fs::read_to_string(path).map_err(|e| {
+                LlmError::Config(format!(
+                    "provider {}: cannot read api_key_file {}: {}",
+                    self.name,
+                    path.display(),
+                    e.kind()
+                ))
+            })?;
+            return non_empty(raw.trim(), &self.name, "api_key_file").map(Some);
+        }
+        if let Some(var) = &self.api_key_env {
+            let raw = std::env::var(var).map_err(|_| {
+                LlmError::Config(format!(
+                    "provider {}: environment variable {var} is not set",
+                    self.name
+                ))
+            })?;
+            return non_empty(raw.trim(), &self.name, "api_key_env").map(Some);
+        }
+        Ok(None)
+    }
+}
+
+fn non_empty(key: &str, provider: &str, source: &str) -> Result<Secret, LlmError> {
+    if key.is_empty() {
+        Err(LlmError::Config(format!(
+            "provider {provider}: {source} is empty"
+        )))
+    } else {
+        Ok(Secret::new(key))
+    }
+}
+
+fn default_timeout_ms() -> u64 {
+    60_000
+}
+
+/// A model as Sluice routes to it: its provider, upstream id, timeout and traffic controls.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// Name used in routing tiers, results and the `model` metric label.
+    pub name: String,
+    /// The [`ProviderConfig::name`] serving it.
+    pub provider: String,
+    /// Model id sent upstream; defaults to `name`.
+    #[serde(default)]
+    pub upstream_model: Option<String>,
+    /// Per-call timeout in milliseconds (one attempt, not the retries).
+    #[serde(default = "default_timeout_ms")]
+    pub timeout_ms: u64,
+    /// Adaptive rate limiter of this model.
+    #[serde(default)]
+    pub limiter: LimiterConfig,
+    /// Circuit breaker of this model.
+    #[serde(default)]
+    pub breaker: BreakerConfig,
+}
+
+impl ModelConfig {
+    /// A model with default timeout, limiter and breaker.
+    pub fn new(name: impl Into<String>, provider: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            provider: provider.into(),
+            upstream_model: None,
+            timeout_ms: default_timeout_ms(),
+            limiter: LimiterConfig::default(),
+            breaker: BreakerConfig::default(),
+        }
+    }
+
+    /// The id sent upstream.
+    pub fn upstream(&self) -> &str {
+        self.upstream_model.as_deref().unwrap_or(&self.name)
+    }
+
+    /// The per-attempt timeout.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms)
+    }
+}
+
+/// The whole `[llm]` section.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LlmConfig {
+    /// Provider endpoints.
+    #[serde(default)]
+    pub providers: Vec<ProviderConfig>,
+    /// Models.
+    #[serde(default)]
+    pub models: Vec<ModelConfig>,
+    /// In-operator retry budget for transient failures.
+    #[serde(default)]
+    pub retry: RetryPolicy,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn api_key_from_file_is_trimmed_and_never_printed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("key");
+        std::fs::write(&path, "sk-very-secret\n").unwrap();
+        let mut cfg = ProviderConfig::new("openai", "https://api.openai.com/v1");
+        cfg.api_key_file = Some(path);
+        let key = cfg.resolve_api_key().unwrap().unwrap();
+        assert_eq!(key.expose(), "sk-very-secret");
+        assert_eq!(format!("{key:?} {key}"), "*** ***");
+        let provider = super::super::client::HttpProvider::new(&cfg).unwrap();
+        assert!(!format!("{provider:?}").contains("very-secret"));
+    }
+
+    #[test]
+    fn api_key_from_env_and_errors_name_the_source() {
+        let mut cfg = ProviderConfig::new("groq", "https://api.groq.com/openai/v1");
+        cfg.api_key_env = Some("SLUICE_TEST_SURELY_UNSET_KEY_VAR".into());
+        let err = cfg.resolve_api_key().unwrap_err();
+        assert!(err.to_string().contains("SLUICE_TEST_SURELY_UNSET_KEY_VAR"));
+        cfg.api_key_env = Some("PATH".into());
+        assert!(cfg.resolve_api_key().unwrap().is_some());
+        cfg.api_key_env = None;
+        assert!(cfg.resolve_api_key().unwrap().is_none());
+    }
+
+    #[test]
+    fn model_config_rejects_unknown_keys_and_defaults() {
+        let m: ModelConfig = toml::from_str("name = \"small\"\nprovider = \"sim\"").unwrap();
+        assert_eq!(m.upstream(), "small");
+        assert_eq!(m.timeout(), Duration::from_secs(60));
+        let err = toml::from_str::<ModelConfig>("name = \"a\"\nprovider = \"b\"\ntimeout = 1");
+        assert!(err.is_err());
+    }
+}

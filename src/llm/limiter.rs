@@ -1,0 +1,1235 @@
+//! The adaptive rate limiter of one (provider, model), shared by every task of an instance.
+//!
+//! Two paced dimensions — requests/s and tokens/s (reported as tokens/min) — each a GCRA
+//! pacer whose rate is steered by feedback from the provider:
+//!
+//! * **What the provider supplies.** The rate it accepted over the last second, counted by
+//!   *admission* time over calls already answered (free of latency smearing), else by answer
+//!   time. With `x-ratelimit-remaining-*` headers, `(admitted − refused + Δremaining) / Δt`
+//!   between two answers, which is exact for token buckets as long as the bucket was not
+//!   full in between.
+//! * **Congestion events.** A 429 cuts the rate to a fraction of the supplied rate (0.95
+//!   without headers, where 429s are the routine signal; 0.93 with them). With headers, an
+//!   answer showing the budget at or below half of its largest value and not lasting until
+//!   its reset (or through the answer's own age) is an *early warning*: a gentle cut (0.97 of
+//!   the supplied rate, never below 0.9 of the current one) before any 429, at most once a
+//!   second. Answers to requests admitted before a cut belong to the same event, so a burst
+//!   of 429s cuts once; a new loss within a second of the last cut compounds (×0.85 of the
+//!   current rate), which tracks a sudden quota drop while measurements still lag it. The
+//!   supplied rate becomes the remembered ceiling.
+//! * **Advertised limit.** When `x-ratelimit-limit-*` changes, rate and ceiling are rescaled
+//!   by the same ratio at once (units do not matter).
+//! * **Growth.** Only while the dimension holds callers back: fast far below the ceiling,
+//!   1.5 % of it per second just under it, then accelerating above it so a raised quota is
+//!   found again; brisk while headers show the budget untouched (the ceiling is stale).
+//!   Slow start doubles until the first event, or until headers show the budget draining.
+//!   Every growth is slowed when answers are slow: feedback arrives once per round trip.
+//! * **Pauses.** `Retry-After` / `retry-after-ms` stops all admissions until it passes.
+//! * **Fairness.** Waiters queue per priority and are admitted by weighted fair queueing
+//!   (default weights 8/4/1 for high/normal/batch): high goes first, batch still progresses.
+//!   Only the head waiter sleeps on a timer, the others on their own `Notify`: no spinning.
+//!
+//! Time is `tokio::time::Instant`, so tests drive it with paused time.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::client::RateLimitInfo;
+use crate::envelope::Priority;
+
+fn default_initial_rps() -> f64 {
+    10.0
+}
+fn default_min_rps() -> f64 {
+    0.2
+}
+fn default_max_rps() -> f64 {
+    10_000.0
+}
+fn default_min_tpm() -> f64 {
+    1_000.0
+}
+fn default_weights() -> [u32; 3] {
+    [8, 4, 1]
+}
+fn default_decrease() -> f64 {
+    0.95
+}
+fn default_informed_decrease() -> f64 {
+    0.93
+}
+fn default_early_decrease() -> f64 {
+    0.97
+}
+fn default_probe_growth() -> f64 {
+    0.015
+}
+fn default_window_ms() -> u64 {
+    1_000
+}
+fn default_max_pause_ms() -> u64 {
+    60_000
+}
+
+/// Tuning of an [`AimdLimiter`]. The defaults suit hosted APIs and local servers alike.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimiterConfig {
+    /// Requests/s before any feedback; slow-start doubles it each second until congestion.
+    #[serde(default = "default_initial_rps")]
+    pub initial_rps: f64,
+    /// Floor of the request rate.
+    #[serde(default = "default_min_rps")]
+    pub min_rps: f64,
+    /// Cap of the request rate (a known contractual limit, if any).
+    #[serde(default = "default_max_rps")]
+    pub max_rps: f64,
+    /// Tokens/min before any token feedback; unset means tokens are not paced until the
+    /// provider signals a token limit.
+    #[serde(default)]
+    pub initial_tpm: Option<f64>,
+    /// Floor of the token rate, per minute.
+    #[serde(default = "default_min_tpm")]
+    pub min_tpm: f64,
+    /// Cap on calls in flight; unset means no cap.
+    #[serde(default)]
+    pub max_concurrency: Option<usize>,
+    /// Fair-queueing weights of `high`, `normal`, `batch`.
+    #[serde(default = "default_weights")]
+    pub weights: [u32; 3],
+    /// On a 429, the new rate as a fraction of the recently supplied rate. Without
+    /// rate-limit headers 429s are the routine signal, so the cut is gentle.
+    #[serde(default = "default_decrease")]
+    pub decrease_factor: f64,
+    /// The same when the provider sends `x-ratelimit-remaining-*` headers: a 429 then means
+    /// the early warning came too late, so the cut is deeper.
+    #[serde(default = "default_informed_decrease")]
+    pub informed_decrease_factor: f64,
+    /// On an early warning from headers (budget nearly spent), the same fraction.
+    #[serde(default = "default_early_decrease")]
+    pub early_decrease_factor: f64,
+    /// Growth just under the ceiling, as a fraction of the ceiling per second.
+    #[serde(default = "default_probe_growth")]
+    pub probe_growth: f64,
+    /// Window over which the supplied rate is measured, in milliseconds.
+    #[serde(default = "default_window_ms")]
+    pub window_ms: u64,
+    /// Longest `Retry-After` honoured, in milliseconds.
+    #[serde(default = "default_max_pause_ms")]
+    pub max_pause_ms: u64,
+}
+
+impl LimiterConfig {
+    /// The measurement window, kept within 50 ms..=60 s.
+    fn window(&self) -> Duration {
+        Duration::from_millis(self.window_ms.clamp(50, 60_000))
+    }
+}
+
+impl Default for LimiterConfig {
+    fn default() -> Self {
+        Self {
+            initial_rps: default_initial_rps(),
+            min_rps: default_min_rps(),
+            max_rps: default_max_rps(),
+            initial_tpm: None,
+            min_tpm: default_min_tpm(),
+            max_concurrency: None,
+            weights: default_weights(),
+            decrease_factor: default_decrease(),
+            informed_decrease_factor: default_informed_decrease(),
+            early_decrease_factor: default_early_decrease(),
+            probe_growth: default_probe_growth(),
+            window_ms: default_window_ms(),
+            max_pause_ms: default_max_pause_ms(),
+        }
+    }
+}
+
+/// What became of a call admitted by a [`Permit`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The provider answered (any non-429 answer that consumed quota).
+    Success {
+        /// Headers of the answer.
+        rate_limit: RateLimitInfo,
+        /// Tokens actually used (prompt + completion).
+        tokens_used: u32,
+    },
+    /// HTTP 429.
+    RateLimited {
+        /// The pause the provider asked for.
+        retry_after: Option<Duration>,
+        /// Headers of the answer.
+        rate_limit: RateLimitInfo,
+    },
+    /// Failed without telling anything about the rate (timeout, 5xx, connection error).
+    Failure,
+}
+
+/// Below `(1 - NEAR_BAND) × ceiling` the rate climbs fast.
+const NEAR_BAND: f64 = 0.1;
+/// Fast climb far below the ceiling, as a fraction of it per second.
+const RECOVERY_GROWTH: f64 = 0.5;
+/// Growth while headers show an untouched budget, as a fraction of the rate per second...
+const UNDER_USED_GROWTH: f64 = 0.1;
+/// ...and at most this fraction per round trip.
+const UNDER_USED_PER_ROUND_TRIP: f64 = 0.03;
+/// A dimension grows only if it held back a waiter this recently.
+const BINDING_WINDOW: Duration = Duration::from_secs(1);
+/// Admissions unanswered for longer than this (hung calls) stop admission-time accounting.
+const RESOLVE_HORIZON: Duration = Duration::from_secs(5);
+/// At most one early-warning cut per this long.
+const EARLY_HOLDOFF: Duration = Duration::from_secs(1);
+/// The remembered largest `remaining` value decays with this time constant.
+const REMAINING_MAX_DECAY: Duration = Duration::from_secs(60);
+/// Headers seen this recently make a dimension "informed".
+const HEADERS_FRESH: Duration = Duration::from_secs(10);
+/// A loss within a window of the previous cut compounds to this fraction of the rate.
+const COMPOUND_DECREASE: f64 = 0.85;
+/// Deepest early-warning cut, as a fraction of the current rate.
+const EARLY_MAX_DECREASE: f64 = 0.9;
+/// Early-warning cut, as a fraction of the current rate, when levels are unreadable.
+const UNREADABLE_EARLY_DECREASE: f64 = 0.95;
+/// Smallest largest-remaining for which "full" can be read from `remaining`.
+const MIN_READABLE_LEVELS: f64 = 3.0;
+/// A budget at or below this share of the largest remaining seen is "nearly spent".
+const LOW_WATER: f64 = 0.5;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Requests,
+    Tokens,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Signal {
+    /// A 429.
+    Loss,
+    /// Headers say the budget is nearly spent.
+    Early,
+}
+
+/// One admission of a header observation, ordered by admission sequence.
+#[derive(Debug, Clone, Copy)]
+struct Obs {
+    seq: u64,
+    issued: Instant,
+    /// Units admitted up to and including this request (requests: `seq`; tokens: estimate).
+    cum_cost: f64,
+    remaining: f64,
+}
+
+/// One paced and adapted dimension.
+#[derive(Debug)]
+struct Dim {
+    /// Units per second; infinite when not (yet) paced.
+    rate: f64,
+    min: f64,
+    max: f64,
+    ceiling: Option<f64>,
+    above_since: Option<Instant>,
+    /// GCRA theoretical arrival time.
+    tat: Instant,
+    /// Requests admitted up to the last cut: their answers belong to that event.
+    cut_seq: u64,
+    last_cut: Option<Instant>,
+    last_binding: Option<Instant>,
+    obs: VecDeque<Obs>,
+    remaining_max: f64,
+    /// When an answer last showed the budget full (nothing of it used).
+    latest_full_at: Option<Instant>,
+    /// The provider's advertised limit (`x-ratelimit-limit-*`) and the admission it was
+    /// seen on.
+    limit: Option<(f64, u64)>,
+}
+
+impl Dim {
+    fn new(rate: f64, min: f64, max: f64, now: Instant) -> Self {
+        Self {
+            rate,
+            min,
+            max,
+            ceiling: None,
+            above_since: None,
+            tat: now,
+            cut_seq: 0,
+            last_cut: None,
+            last_binding: None,
+            obs: VecDeque::new(),
+            remaining_max: 0.0,
+            latest_full_at: None,
+            limit: None,
+        }
+    }
+
+    fn paced(&self) -> bool {
+        self.rate.is_finite()
+    }
+
+    /// Earliest next admission (GCRA with `tolerance` of slack); `None` when not paced.
+    fn ready_at(&self, tolerance: Duration) -> Option<Instant> {
+        self.paced()
+            .then(|| self.tat.checked_sub(tolerance).unwrap_or(self.tat))
+    }
+
+    fn admit(&mut self, cost: f64, now: Instant) {
+        if self.paced() {
+            self.tat = self.tat.max(now) + secs(cost / self.rate);
+        }
+    }
+
+    /// Grows the rate for `dt` seconds, if this dimension was the bottleneck.
+    fn grow(&mut self, now: Instant, dt: f64, g: &Growth) {
+        let binding = self
+            .last_binding
+            .is_some_and(|t| now.saturating_duration_since(t) <= BINDING_WINDOW);
+        if !self.paced() || !binding || dt <= 0.0 {
+            return;
+        }
+        let r = self.rate;
+        let under_used = self
+            .latest_full_at
+            .is_some_and(|t| now.saturating_duration_since(t) <= BINDING_WINDOW);
+        let next = match self.ceiling {
+            None => r * (g.slow_start * dt).exp(),
+            // Headers show an untouched budget below the ceiling: climb back briskly.
+            Some(c) if under_used && r < c => (r + g.under_used * r * dt).min(c),
+            Some(c) if r < c * (1.0 - NEAR_BAND) => {
+                (r + RECOVERY_GROWTH * c * dt).min(c * (1.0 - NEAR_BAND))
+            }
+            Some(c) if r < c => r + g.probe * c * dt,
+            Some(c) => {
+                if under_used {
+                    // The remembered ceiling is not the provider's limit.
+                    self.ceiling = Some(r);
+                }
+                let since = *self.above_since.get_or_insert(now);
+                let k = 1.0 + now.saturating_duration_since(since).as_secs_f64() / g.accel_period;
+                r + g.probe * c.max(r) * k * dt
+            }
+        };
+        if self.ceiling.is_some_and(|c| next < c) {
+            self.above_since = None;
+        }
+        self.rate = next.clamp(self.min, self.max);
+    }
+
+    fn cut(&mut self, to: f64, supplied: f64, seq: u64, now: Instant) {
+        let to = to.clamp(self.min, self.max);
+        self.rate = if self.paced() { to.min(self.rate) } else { to };
+        self.ceiling = Some(supplied.max(self.rate).clamp(self.min, self.max));
+        self.above_since = None;
+        self.cut_seq = seq;
+        self.last_cut = Some(now);
+        // No tolerance burst right after a cut: the next admission is one interval away.
+        if self.paced() {
+            self.tat = self.tat.max(now + secs(2.0 / self.rate));
+        }
+    }
+
+    /// Follows the provider's advertised limit. When it changes, the rate and ceiling are
+    /// rescaled by the same ratio at once (whatever its unit), and answers to requests
+    /// admitted before count as part of this adjustment.
+    fn follow_limit(&mut self, limit: f64, seq: u64, seq_now: u64, now: Instant) {
+        if limit <= 0.0 || self.limit.is_some_and(|(_, at)| seq < at) {
+            return;
+        }
+        let previous = self.limit.replace((limit, seq));
+        let Some((old, _)) = previous else { return };
+        if (limit - old).abs() < f64::EPSILON || !self.paced() {
+            return;
+        }
+        let ratio = limit / old;
+        self.rate = (self.rate * ratio).clamp(self.min, self.max);
+        self.ceiling = self.ceiling.map(|c| (c * ratio).clamp(self.min, self.max));
+        self.above_since = None;
+        self.cut_seq = seq_now;
+        self.last_cut = Some(now);
+        self.obs.clear();
+        self.latest_full_at = None;
+    }
+
+    /// Slow start ends, without a cut, once an answer shows the budget draining: the rate
+    /// at that admission is at least what the provider supplies, so the rate goes back to it
+    /// and becomes the ceiling. (One below full is not draining: the pacer may admit two at
+    /// once.)
+    fn end_slow_start_if_draining(&mut self, remaining: f64, rate_at_issue: f64) {
+        if self.ceiling.is_none()
+            && self.paced()
+            && self.levels_readable()
+            && remaining < self.remaining_max - 1.0
+        {
+            let at = rate_at_issue.clamp(self.min, self.max);
+            self.rate = self.rate.min(at);
+            self.ceiling = Some(at);
+        }
+    }
+
+    /// Whether `remaining` has enough resolution to tell a full budget from a used one (a
+    /// burst of 2 reads only 0 or 1).
+    fn levels_readable(&self) -> bool {
+        self.remaining_max >= MIN_READABLE_LEVELS
+    }
+
+    /// Records an observation of the provider's remaining budget at admission.
+    fn observe(&mut self, o: Obs, window: Duration, now: Instant) {
+        if let Some(last) = self.obs.back() {
+            let decay = (-(o
+                .issued
+                .saturating_duration_since(last.issued)
+                .as_secs_f64())
+                / REMAINING_MAX_DECAY.as_secs_f64())
+            .exp();
+            self.remaining_max = (self.remaining_max * decay).max(o.remaining);
+        } else {
+            self.remaining_max = o.remaining;
+        }
+        let at = self.obs.partition_point(|x| x.seq < o.seq);
+        if at == self.obs.len() {
+            let full = self.levels_readable() && o.remaining >= self.remaining_max;
+            self.latest_full_at = if full { Some(now) } else { None };
+        }
+        self.obs.insert(at, o);
+        let newest = self.obs.iter().map(|x| x.issued).max().unwrap_or(o.issued);
+        while self
+            .obs
+            .front()
+            .is_some_and(|x| newest.saturating_duration_since(x.issued) > window)
+        {
+            self.obs.pop_front();
+        }
+    }
+
+    /// The observations bounding the supply measurement: within the window and after the
+    /// last one that showed a full budget (refill into a full bucket is lost, so it would
+    /// bias the estimate low).
+    fn supply_bounds(&self, window: Duration) -> Option<(Obs, Obs)> {
+        let last = *self.obs.back()?;
+        let full_at = self.obs.iter().rposition(|o| {
+            self.levels_readable() && o.remaining >= self.remaining_max && o.seq != last.seq
+        });
+        let start = full_at.unwrap_or(0);
+        let first = self.obs[start];
+        let span = last.issued.saturating_duration_since(first.issued);
+        (self.obs.len() - start >= 3 && span >= window / 2).then_some((first, last))
+    }
+
+    /// The budget the provider replenished per second between two observations:
+    /// `(admitted between them − rejected + Δremaining) / Δt`.
+    fn header_supply(first: Obs, last: Obs, rejected: f64) -> f64 {
+        let span = last
+            .issued
+            .saturating_duration_since(first.issued)
+            .as_secs_f64()
+            .max(1e-3);
+        let admitted = (last.cum_cost - first.cum_cost - rejected).max(0.0);
+        ((admitted + last.remaining - first.remaining) / span).max(0.0)
+    }
+
+    /// Early-warning test: nearly spent, and at our rate it would not last until the reset
+    /// nor through the `age` of the observation (what we sent since may already have used it).
+    fn nearly_spent(
+        &self,
+        remaining: f64,
+        reset: Option<Duration>,
+        rate_at_issue: f64,
+        age: Duration,
+    ) -> bool {
+        let low = remaining <= (LOW_WATER * self.remaining_max).max(1.0)
+            && remaining < self.remaining_max;
+        let short = match reset {
+            Some(r) => remaining < rate_at_issue * r.max(age).as_secs_f64(),
+            None => remaining < 1.0,
+        };
+        low && short
+    }
+}
+
+/// Growth speeds, slowed when answers are slow: feedback arrives once per round trip, so
+/// the rate may only move so far per round trip without overshooting.
+struct Growth {
+    /// Growth just under the ceiling, fraction of it per second.
+    probe: f64,
+    /// Log-growth per second while no ceiling is known (doubling per period).
+    slow_start: f64,
+    /// Above the ceiling, growth accelerates by one `probe` step per this many seconds.
+    accel_period: f64,
+    /// Growth per second, as a fraction of the rate, while headers show the budget unused.
+    under_used: f64,
+}
+
+impl Growth {
+    fn new(probe: f64, latency: f64) -> Self {
+        let period = (2.0 * latency).max(1.0);
+        Self {
+            probe,
+            slow_start: std::f64::consts::LN_2 / period,
+            accel_period: period,
+            under_used: UNDER_USED_GROWTH.min(UNDER_USED_PER_ROUND_TRIP / latency.max(1e-3)),
+        }
+    }
+}
+
+/// Longest interval the limiter computes with (keeps `Instant` arithmetic in range).
+const MAX_INTERVAL: Duration = Duration::from_secs(86_400);
+
+fn secs(s: f64) -> Duration {
+    Duration::try_from_secs_f64(s.max(0.0))
+        .unwrap_or(MAX_INTERVAL)
+        .min(MAX_INTERVAL)
+}
+
+#[derive(Debug)]
+struct Waiter {
+    id: u64,
+    cost: u32,
+    notify: Arc<Notify>,
+}
+
+#[derive(Debug)]
+struct State {
+    started: Instant,
+    last_advance: Instant,
+    req: Dim,
+    tok: Dim,
+    pause_until: Option<Instant>,
+    /// Recent pauses (start, end), excluded from rate measurements.
+    pauses: VecDeque<(Instant, Instant)>,
+    in_flight: usize,
+    /// Admissions so far; the last admitted request has this number.
+    seq: u64,
+    /// Estimated tokens admitted so far.
+    cum_tokens: f64,
+    queues: [VecDeque<Waiter>; 3],
+    /// Fair-queueing virtual finish time per priority.
+    vtime: [f64; 3],
+    vclock: f64,
+    next_waiter: u64,
+    served: [u64; 3],
+    rate_limited: u64,
+    /// Answer time and tokens of recent successes.
+    accepted: VecDeque<(Instant, u32)>,
+    /// Smoothed time from admission to answer, seconds.
+    latency: Option<f64>,
+    /// Admission time of each call not yet recorded, by sequence number.
+    outstanding: BTreeMap<u64, Instant>,
+    /// Admission time, tokens and acceptance of recently answered calls.
+    resolved: VecDeque<(Instant, u32, bool)>,
+    /// Sequence numbers of recent 429s (admitted by us, refused by the provider).
+    refused: VecDeque<(u64, f64)>,
+}
+
+/// What the head waiter should do.
+enum Step {
+    Granted(Grant, Option<Arc<Notify>>),
+    Sleep(Instant),
+    Park,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Grant {
+    seq: u64,
+    issued: Instant,
+    req_rate: f64,
+    tok_rate: f64,
+    cum_tokens: f64,
+}
+
+#[derive(Debug)]
+struct Shared {
+    config: LimiterConfig,
+    state: Mutex<State>,
+}
+
+/// An adaptive limiter on requests/s and tokens/min; cheap to clone, clones share state.
+#[derive(Debug, Clone)]
+pub struct AimdLimiter {
+    shared: Arc<Shared>,
+}
+
+/// Admission of one call; report what happened with [`Permit::record`]. Dropping it
+/// unreported counts as [`Outcome::Failure`].
+#[must_use = "record the call's outcome"]
+#[derive(Debug)]
+pub struct Permit {
+    shared: Arc<Shared>,
+    priority: Priority,
+    est_tokens: u32,
+    grant: Grant,
+    done: bool,
+}
+
+impl Permit {
+    /// The priority the permit was granted to.
+    pub fn priority(&self) -> Priority {
+        self.priority
+    }
+
+    /// Reports the call's outcome, steering the shared rates.
+    pub fn record(mut self, outcome: Outcome) {
+        self.finish(outcome);
+    }
+
+    fn finish(&mut self, outcome: Outcome) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        let head = {
+            let mut st = self.shared.state.lock();
+            st.on_outcome(&self.shared.config, self, outcome, Instant::now())
+        };
+        if let Some(n) = head {
+            n.notify_one();
+        }
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.finish(Outcome::Failure);
+    }
+}
+
+impl AimdLimiter {
+    /// A limiter starting at `initial_rps` (and `initial_tpm` if set).
+    pub fn new(config: LimiterConfig) -> Self {
+        let now = Instant::now();
+        let min_rps = config.min_rps.max(1e-3);
+        let req = Dim::new(
+            config
+                .initial_rps
+                .clamp(min_rps, config.max_rps.max(min_rps)),
+            min_rps,
+            config.max_rps.max(min_rps),
+            now,
+        );
+        let min_tps = config.min_tpm.max(1.0) / 60.0;
+        let tok = Dim::new(
+            config
+                .initial_tpm
+                .map_or(f64::INFINITY, |t| (t / 60.0).max(min_tps)),
+            min_tps,
+            f64::INFINITY,
+            now,
+        );
+        let state = State {
+            started: now,
+            last_advance: now,
+            req,
+            tok,
+            pause_until: None,
+            pauses: VecDeque::new(),
+            in_flight: 0,
+            seq: 0,
+            cum_tokens: 0.0,
+            queues: Default::default(),
+            vtime: [0.0; 3],
+            vclock: 0.0,
+            next_waiter: 0,
+            served: [0; 3],
+            rate_limited: 0,
+            accepted: VecDeque::new(),
+            latency: None,
+            outstanding: BTreeMap::new(),
+            resolved: VecDeque::new(),
+            refused: VecDeque::new(),
+        };
+        Self {
+            shared: Arc::new(Shared {
+                config,
+                state: Mutex::new(state),
+            }),
+        }
+    }
+
+    /// Waits for admission of one call of about `est_tokens` tokens. Cancel-safe: dropping
+    /// the future leaves the queue.
+    pub async fn acquire(&self, priority: Priority, est_tokens: u32) -> Permit {
+        let notify = Arc::new(Notify::new());
+        let id = {
+            let mut st = self.shared.state.lock();
+            st.enqueue(priority, est_tokens, notify.clone())
+        };
+        let mut guard = QueueGuard {
+            shared: &self.shared,
+            id,
+            priority,
+            queued: true,
+        };
+        loop {
+            let step = {
+                let mut st = self.shared.state.lock();
+                st.poll(&self.shared.config, id, priority, Instant::now())
+            };
+            match step {
+                Step::Granted(grant, next) => {
+                    guard.queued = false;
+                    if let Some(n) = next {
+                        n.notify_one();
+                    }
+                    return Permit {
+                        shared: self.shared.clone(),
+                        priority,
+                        est_tokens,
+                        grant,
+                        done: false,
+                    };
+                }
+                Step::Sleep(deadline) => {
+                    tokio::select! {
+                        _ = notify.notified() => {}
+                        _ = tokio::time::sleep_until(deadline) => {}
+                    }
+                }
+                Step::Park => notify.notified().await,
+            }
+        }
+    }
+
+    /// Current request rate target, per second.
+    pub fn current_rps(&self) -> f64 {
+        self.shared.state.lock().req.rate
+    }
+
+    /// Current token rate target, per minute; `None` while tokens are not paced.
+    pub fn current_tpm(&self) -> Option<f64> {
+        let st = self.shared.state.lock();
+        st.tok.paced().then(|| st.tok.rate * 60.0)
+    }
+
+    /// Permits granted so far to `priority` (its achieved share when compared).
+    pub fn served(&self, priority: Priority) -> u64 {
+        self.shared.state.lock().served[priority.index()]
+    }
+
+    /// 429 answers recorded so far.
+    pub fn rate_limited_total(&self) -> u64 {
+        self.shared.state.lock().rate_limited
+    }
+
+    /// Callers waiting for admission.
+    pub fn waiting(&self) -> usize {
+        self.shared
+            .state
+            .lock()
+            .queues
+            .iter()
+            .map(VecDeque::len)
+            .sum()
+    }
+
+    /// Calls admitted and not yet recorded.
+    pub fn in_flight(&self) -> usize {
+        self.shared.state.lock().in_flight
+    }
+}
+
+/// Removes a cancelled waiter and hands the head position on.
+struct QueueGuard<'a> {
+    shared: &'a Shared,
+    id: u64,
+    priority: Priority,
+    queued: bool,
+}
+
+impl Drop for QueueGuard<'_> {
+    fn drop(&mut self) {
+        if !self.queued {
+            return;
+        }
+        let next = {
+            let mut st = self.shared.state.lock();
+            let q = &mut st.queues[self.priority.index()];
+            q.retain(|w| w.id != self.id);
+            st.head_notify_with(&self.shared.config.weights)
+        };
+        if let Some(n) = next {
+            n.notify_one();
+        }
+    }
+}
+
+impl State {
+    fn enqueue(&mut self, priority: Priority, cost: u32, notify: Arc<Notify>) -> u64 {
+        let i = priority.index();
+        if self.queues[i].is_empty() {
+            self.vtime[i] = self.vtime[i].max(self.vclock);
+        }
+        let id = self.next_waiter;
+        self.next_waiter += 1;
+        self.queues[i].push_back(Waiter { id, cost, notify });
+        id
+    }
+
+    /// The priority class served next: smallest virtual finish time, ties to the higher.
+    fn head_class(&self, weights: &[u32; 3]) -> Option<usize> {
+        (0..3)
+            .filter(|&i| !self.queues[i].is_empty())
+            .min_by(|&a, &b| {
+                let fa = self.vtime[a] + 1.0 / f64::from(weights[a].max(1));
+                let fb = self.vtime[b] + 1.0 / f64::from(weights[b].max(1));
+                fa.total_cmp(&fb).then(a.cmp(&b))
+            })
+    }
+
+    fn head_notify_with(&self, weights: &[u32; 3]) -> Option<Arc<Notify>> {
+        self.head_class(weights)
+            .and_then(|c| self.queues[c].front())
+            .map(|w| w.notify.clone())
+    }
+
+    /// Applies growth for the time since the last call.
+    fn advance(&mut self, config: &LimiterConfig, now: Instant) {
+        let dt = now
+            .saturating_duration_since(self.last_advance)
+            .as_secs_f64();
+        self.last_advance = now;
+        let g = Growth::new(config.probe_growth, self.latency.unwrap_or(0.0));
+        self.req.grow(now, dt, &g);
+        self.tok.grow(now, dt, &g);
+    }
+
+    fn poll(&mut self, config: &LimiterConfig, id: u64, priority: Priority, now: Instant) -> Step {
+        self.advance(config, now);
+        let Some(class) = self.head_class(&config.weights) else {
+            return Step::Park;
+        };
+        let i = priority.index();
+        let is_head = class == i && self.queues[i].front().is_some_and(|w| w.id == id);
+        if !is_head {
+            return Step::Park;
+        }
+        if config.max_concurrency.is_some_and(|m| self.in_flight >= m) {
+            return Step::Park;
+        }
+        let cost = self.queues[i].front().map_or(0, |w| w.cost);
+        let req_tol = secs(1.0 / self.req.rate);
+        let req_ready = self.req.ready_at(req_tol);
+        let tok_ready = self.tok.ready_at(Duration::from_secs(1));
+        let pause = self.pause_until.filter(|p| *p > now);
+        let ready = [req_ready, tok_ready, pause]
+            .into_iter()
+            .flatten()
+            .max()
+            .filter(|t| *t > now);
+        if let Some(at) = ready {
+            // Whichever pacer holds the head back is the bottleneck and may grow.
+            if pause.is_none_or(|p| p < at) {
+                match (req_ready, tok_ready) {
+                    (Some(r), Some(t)) if t > r => self.tok.last_binding = Some(now),
+                    _ => self.req.last_binding = Some(now),
+                }
+            }
+            return Step::Sleep(at);
+        }
+        // Admit the head.
+        self.queues[i].pop_front();
+        let weight = f64::from(config.weights[i].max(1));
+        self.vclock = self.vtime[i];
+        self.vtime[i] += 1.0 / weight;
+        self.req.admit(1.0, now);
+        self.tok.admit(f64::from(cost), now);
+        self.seq += 1;
+        self.cum_tokens += f64::from(cost);
+        self.in_flight += 1;
+        self.outstanding.insert(self.seq, now);
+        self.served[i] += 1;
+        let grant = Grant {
+            seq: self.seq,
+            issued: now,
+            req_rate: self.req.rate,
+            tok_rate: self.tok.rate,
+            cum_tokens: self.cum_tokens,
+        };
+        Step::Granted(grant, self.head_notify_with(&config.weights))
+    }
+
+    fn prune(&mut self, now: Instant, window: Duration) {
+        let keep = RESOLVE_HORIZON + window * 2;
+        while self
+            .resolved
+            .front()
+            .is_some_and(|(t, _, _)| now.saturating_duration_since(*t) > keep)
+        {
+            self.resolved.pop_front();
+        }
+        while self
+            .accepted
+            .front()
+            .is_some_and(|(t, _)| now.saturating_duration_since(*t) > window)
+        {
+            self.accepted.pop_front();
+        }
+        let oldest = self
+            .req
+            .obs
+            .front()
+            .map_or(u64::MAX, |o| o.seq)
+            .min(self.tok.obs.front().map_or(u64::MAX, |o| o.seq));
+        while self.refused.front().is_some_and(|(s, _)| *s < oldest) {
+            self.refused.pop_front();
+        }
+        if self.refused.len() > 4096 {
+            self.refused.pop_front();
+        }
+    }
+
+    /// Accepted (requests/s, tokens/s): by admission time over the last window of fully
+    /// answered admissions (exact: no smearing by latency), else by answer time over the
+    /// last window. `None` when there is too little history or a pause distorts it.
+    fn accepted_rate(&self, now: Instant, window: Duration) -> Option<(f64, f64)> {
+        self.accepted_by_admission(now, window)
+            .or_else(|| self.accepted_by_answer(now, window))
+    }
+
+    fn accepted_by_admission(&self, now: Instant, window: Duration) -> Option<(f64, f64)> {
+        // Up to the oldest unanswered admission everything is known. Past a typical latency,
+        // stragglers (a heavy latency tail) are extrapolated from their neighbours instead
+        // of holding the window back.
+        let settled = self
+            .outstanding
+            .first_key_value()
+            .map_or(now, |(_, t)| *t)
+            .min(now);
+        let typical = now.checked_sub(secs(self.latency?).min(RESOLVE_HORIZON))?;
+        let end = settled.max(typical);
+        let start = end.checked_sub(window)?;
+        if start < self.started {
+            return None;
+        }
+        let paused: Duration = self
+            .pauses
+            .iter()
+            .map(|(a, b)| (*b).min(end).saturating_duration_since((*a).max(start)))
+            .sum();
+        let span = window.saturating_sub(paused);
+        if span < window / 2 {
+            return None;
+        }
+        let inside = |t: &Instant| *t > start && *t <= end;
+        let (mut accepted, mut refused, mut tokens) = (0.0, 0.0, 0.0);
+        for (t, tok, ok) in &self.resolved {
+            if inside(t) {
+                if *ok {
+                    accepted += 1.0;
+                    tokens += f64::from(*tok);
+                } else {
+                    refused += 1.0;
+                }
+            }
+        }
+        if accepted + refused < 1.0 {
+            return None;
+        }
+        let pending = self.outstanding.values().filter(|t| inside(t)).count() as f64;
+        let scale = 1.0 + pending / (accepted + refused);
+        let span = span.as_secs_f64();
+        Some((accepted * scale / span, tokens * scale / span))
+    }
+
+    fn accepted_by_answer(&self, now: Instant, window: Duration) -> Option<(f64, f64)> {
+        // Answers trail admissions by the latency: until a window plus a latency has passed
+        // since the start, the count says more about latency than about the provider.
+        let warm = window + secs(self.latency.unwrap_or(f64::INFINITY));
+        if now.saturating_duration_since(self.started) < warm
+            || self.last_pause_end(now, window).is_some()
+        {
+            return None;
+        }
+        let span = window.as_secs_f64();
+        let n = self.accepted.len() as f64;
+        let tokens: f64 = self.accepted.iter().map(|(_, t)| f64::from(*t)).sum();
+        Some((n / span, tokens / span))
+    }
+
+    /// End of the latest pause, if it ended within the window.
+    fn last_pause_end(&self, now: Instant, window: Duration) -> Option<Instant> {
+        self.pauses
+            .back()
+            .map(|(_, end)| *end)
+            .filter(|end| now.saturating_duration_since(*end) < window)
+    }
+
+    fn refused_between(&self, dim: Kind, from: u64, to: u64) -> f64 {
+        self.refused
+            .iter()
+            .filter(|(s, _)| *s > from && *s <= to)
+            .map(|(_, cost)| if dim == Kind::Requests { 1.0 } else { *cost })
+            .sum()
+    }
+
+    fn on_outcome(
+        &mut self,
+        config: &LimiterConfig,
+        permit: &Permit,
+        outcome: Outcome,
+        now: Instant,
+    ) -> Option<Arc<Notify>> {
+        self.in_flight = self.in_flight.saturating_sub(1);
+        self.advance(config, now);
+        let window = config.window();
+        let g = permit.grant;
+        self.outstanding.remove(&g.seq);
+        match outcome {
+            Outcome::Success { tokens_used, .. } => {
+                self.resolved.push_back((g.issued, tokens_used, true));
+                let sample = now.saturating_duration_since(g.issued).as_secs_f64();
+                self.latency = Some(self.latency.map_or(sample, |l| 0.9 * l + 0.1 * sample));
+            }
+            Outcome::RateLimited { .. } => self.resolved.push_back((g.issued, 0, false)),
+            Outcome::Failure => {}
+        }
+        match outcome {
+            Outcome::Success {
+                rate_limit,
+                tokens_used,
+            } => {
+                self.accepted.push_back((now, tokens_used));
+                // Settle the token pacer to the real usage.
+                if self.tok.paced() {
+                    let diff = f64::from(tokens_used) - f64::from(permit.est_tokens);
+                    let shift = diff / self.tok.rate;
+                    self.tok.tat = if shift >= 0.0 {
+                        self.tok.tat + secs(shift)
+                    } else {
+                        self.tok
+                            .tat
+                            .checked_sub(secs(-shift))
+                            .unwrap_or(self.tok.tat)
+                            .max(now)
+                    };
+                }
+                self.prune(now, window);
+                self.observe_headers(config, permit, &rate_limit, false, now, window);
+            }
+            Outcome::RateLimited {
+                retry_after,
+                rate_limit,
+            } => {
+                self.rate_limited += 1;
+                self.refused
+                    .push_back((g.seq, f64::from(permit.est_tokens)));
+                self.prune(now, window);
+                self.observe_headers(config, permit, &rate_limit, true, now, window);
+                if let Some(ra) = retry_after.or(rate_limit.retry_after) {
+                    self.pause(
+                        now,
+                        ra.min(Duration::from_millis(config.max_pause_ms)),
+                        window,
+                    );
+                }
+                let kind = self.attribute(&rate_limit, permit.est_tokens);
+                self.signal(config, kind, Signal::Loss, g, now, window);
+            }
+            Outcome::Failure => {}
+        }
+        self.head_notify_with(&config.weights)
+    }
+
+    /// Stops admissions for `length` from `now`.
+    fn pause(&mut self, now: Instant, length: Duration, window: Duration) {
+        let until = now + length.min(MAX_INTERVAL);
+        self.pause_until = Some(self.pause_until.map_or(until, |p| p.max(until)));
+        self.req.tat = self.req.tat.max(until);
+        match self.pauses.back_mut() {
+            Some((_, end)) if *end >= now => *end = (*end).max(until),
+            _ => self.pauses.push_back((now, until)),
+        }
+        while self
+            .pauses
+            .front()
+            .is_some_and(|(_, end)| now.saturating_duration_since(*end) > window * 2)
+        {
+            self.pauses.pop_front();
+        }
+    }
+
+    /// Which dimension a 429 is about.
+    fn attribute(&self, rl: &RateLimitInfo, est_tokens: u32) -> Kind {
+        match (rl.remaining_requests, rl.remaining_tokens) {
+            (Some(0), _) => Kind::Requests,
+            (_, Some(t)) if t < u64::from(est_tokens.max(1)) => Kind::Tokens,
+            (Some(_), _) => Kind::Requests,
+            _ => match (self.req.last_binding, self.tok.last_binding) {
+                (r, Some(t)) if self.tok.paced() && r.is_none_or(|r| t > r) => Kind::Tokens,
+                _ => Kind::Requests,
+            },
+        }
+    }
+
+    /// Learns from rate-limit headers of an answer (`refused`: it was a 429).
+    fn observe_headers(
+        &mut self,
+        config: &LimiterConfig,
+        permit: &Permit,
+        rl: &RateLimitInfo,
+        refused: bool,
+        now: Instant,
+        window: Duration,
+    ) {
+        let g = permit.grant;
+        let age = now.saturating_duration_since(g.issued);
+        if let Some(limit) = rl.limit_requests {
+            self.req.follow_limit(limit as f64, g.seq, self.seq, now);
+        }
+        if let Some(limit) = rl.limit_tokens {
+            self.tok.follow_limit(limit as f64, g.seq, self.seq, now);
+        }
+        if let Some(remaining) = rl.remaining_requests {
+            let remaining = remaining as f64;
+            let obs = Obs {
+                seq: g.seq,
+                issued: g.issued,
+                cum_cost: g.seq as f64,
+                remaining,
+            };
+            self.req.observe(obs, window, now);
+            self.req.end_slow_start_if_draining(remaining, g.req_rate);
+            if !refused
+                && self
+                    .req
+                    .nearly_spent(remaining, rl.reset_requests, g.req_rate, age)
+            {
+                self.signal(config, Kind::Requests, Signal::Early, g, now, window);
+            }
+        }
+        if let Some(remaining) = rl.remaining_tokens {
+            let remaining = remaining as f64;
+            let obs = Obs {
+                seq: g.seq,
+                issued: g.issued,
+                cum_cost: g.cum_tokens,
+                remaining,
+            };
+            self.tok.observe(obs, window, now);
+            let rate = if g.tok_rate.is_finite() {
+                g.tok_rate
+            } else {
+                self.accepted_rate(now, window).map_or(0.0, |a| a.1)
+            };
+            let spent = remaining < f64::from(permit.est_tokens)
+                || self.tok.nearly_spent(remaining, rl.reset_tokens, rate, age);
+            if !refused && spent {
+                self.signal(config, Kind::Tokens, Signal::Early, g, now, window);
+            }
+        }
+    }
+
+    /// A congestion event on one dimension: cut once per event.
+    fn signal(
+        &mut self,
+        config: &LimiterConfig,
+        kind: Kind,
+        signal: Signal,
+        g: Grant,
+        now: Instant,
+        window: Duration,
+    ) {
+        let accepted = self.accepted_rate(now, window);
+        let dim = match kind {
+            Kind::Requests => &self.req,
+            Kind::Tokens => &self.tok,
+        };
+        if g.seq <= dim.cut_seq && dim.last_cut.is_some() {
+            return;
+        }
+        if signal == Signal::Early
+            && dim
+                .last_cut
+                .is_some_and(|t| now.saturating_duration_since(t) < EARLY_HOLDOFF)
+        {
+            return;
+        }
+        // A tiny budget reads 0 even below the provider's rate (two close admissions drain
+        // it): during slow start that is no evidence of the limit.
+        if signal == Signal::Early && dim.ceiling.is_none() && !dim.levels_readable() {
+            return;
+        }
+        let bounds = dim.supply_bounds(window);
+        let from_headers = bounds.map(|(first, last)| {
+            let rejected = self.refused_between(kind, first.seq, last.seq);
+            Dim::header_supply(first, last, rejected)
+        });
+        let accepted = accepted.map(|(r, t)| match kind {
+            Kind::Requests => r,
+            Kind::Tokens => t,
+        });
+        let dim = match kind {
+            Kind::Requests => &mut self.req,
+            Kind::Tokens => &mut self.tok,
+        };
+        let informed = dim
+            .obs
+            .back()
+            .is_some_and(|o| now.saturating_duration_since(o.issued) < HEADERS_FRESH);
+        let early = config.early_decrease_factor;
+        let loss = if informed {
+            config.informed_decrease_factor
+        } else {
+            config.decrease_factor
+        };
+        let (to, supplied) = match signal {
+            Signal::Early => {
+                let Some(s) = from_headers.or(accepted) else {
+                    return;
+                };
+                // An early warning never cuts deeply: other instances sharing the quota see
+                // it at the same moment, and a tiny budget overflows unseen, so the supply
+                // reads low.
+                let gentlest = if dim.levels_readable() {
+                    EARLY_MAX_DECREASE
+                } else {
+                    UNREADABLE_EARLY_DECREASE
+                };
+                let mut floor = 0.5 * accepted.unwrap_or(0.0);
+                if dim.paced() {
+                    floor = floor.max(gentlest * dim.rate);
+                }
+                ((early * s).max(floor), s.max(floor))
+            }
+            Signal::Loss => match from_headers.or(accepted) {
+                Some(s) => (loss * s, s),
+                // Nothing measurable: plain multiplicative decrease.
+                None if dim.paced() => (loss * dim.rate, dim.rate),
+                None => return,
+            },
+        };
+        // A loss soon after the previous cut means that cut did not reach the provider's
+        // rate yet (measurements lag a change): keep decreasing multiplicatively.
+        let recent_loss = signal == Signal::Loss
+            && dim
+                .last_cut
+                .is_some_and(|t| now.saturating_duration_since(t) < window);
+        let to = if recent_loss && dim.paced() {
+            to.min(COMPOUND_DECREASE * dim.rate)
+        } else {
+            to
+        };
+        // One event never more than halves the rate.
+        let to = if dim.paced() {
+            to.max(0.5 * dim.rate)
+        } else {
+            to
+        };
+        tracing::debug!(
+            kind = ?kind,
+            signal = ?signal,
+            from = dim.rate,
+            to,
+            supplied,
+            "limiter decrease"
+        );
+        dim.cut(to, supplied, self.seq, now);
+    }
+}
+
+#[cfg(test)]
+mod tests;

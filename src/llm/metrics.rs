@@ -1,0 +1,161 @@
+//! Metrics of the LLM client: names and labels as constants, registered into a registry the
+//! caller passes in. Label values are bounded: configured model names, fixed status codes,
+//! `rps|tpm`, and the three priorities.
+
+use prometheus::{
+    GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry,
+};
+
+use super::breaker::BreakerState;
+use super::limiter::AimdLimiter;
+use crate::envelope::Priority;
+
+/// Metric names.
+pub mod names {
+    /// Provider calls by model and status (`ok` or [`crate::llm::LlmError::code`]).
+    pub const LLM_REQUESTS_TOTAL: &str = "sluice_llm_requests_total";
+    /// Latency of one provider call attempt, by model.
+    pub const LLM_LATENCY_SECONDS: &str = "sluice_llm_latency_seconds";
+    /// Current limiter rate by model and kind (`rps`, `tpm`).
+    pub const LIMITER_RATE: &str = "sluice_limiter_rate";
+    /// Breaker state by model: 0 closed, 1 half-open, 2 open.
+    pub const BREAKER_STATE: &str = "sluice_breaker_state";
+    /// In-operator retries by model.
+    pub const RETRIES_TOTAL: &str = "sluice_retries_total";
+    /// Limiter admissions by priority.
+    pub const PRIORITY_SERVED_TOTAL: &str = "sluice_priority_served_total";
+}
+
+/// Label names.
+pub mod labels {
+    /// Configured model name.
+    pub const MODEL: &str = "model";
+    /// `ok` or an error code.
+    pub const STATUS: &str = "status";
+    /// `rps` or `tpm`.
+    pub const KIND: &str = "kind";
+    /// `high`, `normal`, `batch`.
+    pub const PRIORITY: &str = "priority";
+}
+
+/// `status` label of a successful call.
+pub const STATUS_OK: &str = "ok";
+/// `kind` label of the request rate.
+pub const KIND_RPS: &str = "rps";
+/// `kind` label of the token rate.
+pub const KIND_TPM: &str = "tpm";
+
+/// Latency buckets, seconds: LLM calls range from tens of milliseconds to minutes.
+const LATENCY_BUCKETS: [f64; 14] = [
+    0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0,
+];
+
+/// The client's metric handles.
+#[derive(Debug, Clone)]
+pub struct LlmMetrics {
+    requests: IntCounterVec,
+    latency: HistogramVec,
+    limiter_rate: GaugeVec,
+    breaker_state: IntGaugeVec,
+    retries: IntCounterVec,
+    priority_served: IntCounterVec,
+}
+
+impl LlmMetrics {
+    /// Creates the metrics and registers them into `registry`.
+    pub fn register(registry: &Registry) -> prometheus::Result<Self> {
+        let m = Self::unregistered()?;
+        registry.register(Box::new(m.requests.clone()))?;
+        registry.register(Box::new(m.latency.clone()))?;
+        registry.register(Box::new(m.limiter_rate.clone()))?;
+        registry.register(Box::new(m.breaker_state.clone()))?;
+        registry.register(Box::new(m.retries.clone()))?;
+        registry.register(Box::new(m.priority_served.clone()))?;
+        Ok(m)
+    }
+
+    /// Creates the metrics without registering them (tests, tools).
+    pub fn unregistered() -> prometheus::Result<Self> {
+        use labels::*;
+        Ok(Self {
+            requests: IntCounterVec::new(
+                Opts::new(
+                    names::LLM_REQUESTS_TOTAL,
+                    "Provider calls by model and status.",
+                ),
+                &[MODEL, STATUS],
+            )?,
+            latency: HistogramVec::new(
+                HistogramOpts::new(
+                    names::LLM_LATENCY_SECONDS,
+                    "Latency of one provider call attempt.",
+                )
+                .buckets(LATENCY_BUCKETS.to_vec()),
+                &[MODEL],
+            )?,
+            limiter_rate: GaugeVec::new(
+                Opts::new(names::LIMITER_RATE, "Adaptive limiter rate (rps or tpm)."),
+                &[MODEL, KIND],
+            )?,
+            breaker_state: IntGaugeVec::new(
+                Opts::new(
+                    names::BREAKER_STATE,
+                    "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
+                ),
+                &[MODEL],
+            )?,
+            retries: IntCounterVec::new(
+                Opts::new(
+                    names::RETRIES_TOTAL,
+                    "In-operator retries of provider calls.",
+                ),
+                &[MODEL],
+            )?,
+            priority_served: IntCounterVec::new(
+                Opts::new(
+                    names::PRIORITY_SERVED_TOTAL,
+                    "Limiter admissions by task priority.",
+                ),
+                &[PRIORITY],
+            )?,
+        })
+    }
+
+    /// Counts one call attempt and its latency.
+    pub fn observe_call(&self, model: &str, status: &str, seconds: f64) {
+        self.requests.with_label_values(&[model, status]).inc();
+        self.latency.with_label_values(&[model]).observe(seconds);
+    }
+
+    /// Counts a call refused by an open breaker (no latency: no call was made).
+    pub fn observe_refused(&self, model: &str, status: &str) {
+        self.requests.with_label_values(&[model, status]).inc();
+    }
+
+    /// Counts one retry.
+    pub fn observe_retry(&self, model: &str) {
+        self.retries.with_label_values(&[model]).inc();
+    }
+
+    /// Counts one admission.
+    pub fn observe_admission(&self, priority: Priority) {
+        self.priority_served
+            .with_label_values(&[priority.as_str()])
+            .inc();
+    }
+
+    /// Publishes the limiter's and breaker's current state.
+    pub fn publish_state(&self, model: &str, limiter: &AimdLimiter, breaker: BreakerState) {
+        self.limiter_rate
+            .with_label_values(&[model, KIND_RPS])
+            .set(limiter.current_rps());
+        if let Some(tpm) = limiter.current_tpm() {
+            self.limiter_rate
+                .with_label_values(&[model, KIND_TPM])
+                .set(tpm);
+        }
+        self.breaker_state
+            .with_label_values(&[model])
+            .set(breaker.as_gauge());
+    }
+}

@@ -1,0 +1,83 @@
+//! Metrics of the LLM task operator (prefix `sluice_`, bounded labels: model,
+//! status, token kind).
+
+use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+
+/// Metric names.
+pub mod names {
+    /// Results emitted, by status (`completed`, `failed`).
+    pub const RESULTS: &str = "sluice_results_total";
+    /// Redelivered tasks answered from the idempotency store.
+    pub const DUPLICATES: &str = "sluice_duplicates_skipped_total";
+    /// Tasks re-published for another attempt after transient failures.
+    pub const REPUBLISHED: &str = "sluice_tasks_republished_total";
+    /// Tasks held while intake is stopped (bad credentials, open breaker).
+    pub const PARKED: &str = "sluice_tasks_parked";
+    /// Tokens by model and kind (`input`, `output`, `cached`).
+    pub const TOKENS: &str = "sluice_tokens_total";
+    /// Cost by model, micro-dollars.
+    pub const COST: &str = "sluice_cost_micros_total";
+    /// Tasks routed to a fallback model.
+    pub const FALLBACKS: &str = "sluice_fallback_routed_total";
+    /// Results found in the results topics when a task was taken over.
+    pub const RECOVERED: &str = "sluice_results_recovered_total";
+}
+
+/// The operator's metric handles.
+#[derive(Clone)]
+pub struct OperatorMetrics {
+    pub(crate) results: IntCounterVec,
+    pub(crate) duplicates: IntCounter,
+    pub(crate) republished: IntCounter,
+    pub(crate) parked: IntGauge,
+    pub(crate) tokens: IntCounterVec,
+    pub(crate) cost: IntCounterVec,
+    pub(crate) fallbacks: IntCounterVec,
+    pub(crate) recovered: IntCounter,
+}
+
+impl OperatorMetrics {
+    /// Creates and registers the metrics.
+    pub fn register(registry: &Registry) -> prometheus::Result<Self> {
+        let m = OperatorMetrics {
+            results: IntCounterVec::new(
+                Opts::new(names::RESULTS, "Results emitted by status"),
+                &["status"],
+            )?,
+            duplicates: IntCounter::new(
+                names::DUPLICATES,
+                "Redelivered tasks answered from the idempotency store",
+            )?,
+            republished: IntCounter::new(
+                names::REPUBLISHED,
+                "Tasks re-published after transient failures",
+            )?,
+            parked: IntGauge::new(names::PARKED, "Tasks held while intake is stopped")?,
+            tokens: IntCounterVec::new(
+                Opts::new(names::TOKENS, "Tokens by model and kind"),
+                &["model", "kind"],
+            )?,
+            cost: IntCounterVec::new(
+                Opts::new(names::COST, "Cost by model, micro-dollars"),
+                &["model"],
+            )?,
+            fallbacks: IntCounterVec::new(
+                Opts::new(names::FALLBACKS, "Tasks routed to a fallback model"),
+                &["model"],
+            )?,
+            recovered: IntCounter::new(
+                names::RECOVERED,
+                "Results recovered from the results topics on takeover",
+            )?,
+        };
+        registry.register(Box::new(m.results.clone()))?;
+        registry.register(Box::new(m.duplicates.clone()))?;
+        registry.register(Box::new(m.republished.clone()))?;
+        registry.register(Box::new(m.parked.clone()))?;
+        registry.register(Box::new(m.tokens.clone()))?;
+        registry.register(Box::new(m.cost.clone()))?;
+        registry.register(Box::new(m.fallbacks.clone()))?;
+        registry.register(Box::new(m.recovered.clone()))?;
+        Ok(m)
+    }
+}

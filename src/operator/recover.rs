@@ -1,0 +1,143 @@
+//! Taking over a partition under exactly-once: find the results the previous
+//! owner wrote that the restored state does not know about.
+//!
+//! A correct broker aborts the transaction an owner was killed in; the test
+//! broker instead exposes its records when the new owner fences it (design §8).
+//! Either way the results topics are the truth about what was emitted. Each
+//! task writes its results to its own partition of the results topics with the
+//! input position in headers, and remembers (in its meta store, one commit
+//! behind) where its committed results end. On takeover it reads its results
+//! partitions from there to the end and records every result it finds in the
+//! idempotency store, stamped with that input position — so replayed input
+//! whose result is already visible is neither called nor emitted again.
+
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use sluice_topology::ProcessError;
+
+use super::{
+    result_position, Ctx, LlmTaskProcessor, StoredOutcome, COMPLETED_STORE, EXPIRY_STORE, MINUTE_MS,
+};
+use crate::envelope::TaskResult;
+
+const SCAN_TIMEOUT: Duration = Duration::from_secs(60);
+
+pub(super) fn recover_results(
+    p: &mut LlmTaskProcessor,
+    ctx: &mut Ctx<'_>,
+) -> Result<(), ProcessError> {
+    let cfg = &p.op.config;
+    let partition = ctx.task_id().partition;
+    let fatal = |e: &dyn std::fmt::Display| {
+        ProcessError::Fatal(format!("recovering results of partition {partition}: {e}"))
+    };
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", &cfg.kafka.bootstrap_servers)
+        .set("group.id", format!("{}-recover", cfg.app.id))
+        .set("enable.auto.commit", "false")
+        .set("isolation.level", "read_committed");
+    for (k, v) in &cfg.kafka.client {
+        c.set(k, v);
+    }
+    let consumer: BaseConsumer = c.create().map_err(|e| fatal(&e))?;
+    let topics = [
+        cfg.topics.results_completed.clone(),
+        cfg.topics.results_failed.clone(),
+    ];
+    let mut recovered = 0u64;
+    for topic in &topics {
+        let from = p.meta.results_end.get(topic).copied().unwrap_or(0);
+        let (_, high) = consumer
+            .fetch_watermarks(topic, partition, Duration::from_secs(10))
+            .map_err(|e| fatal(&e))?;
+        if from >= high {
+            continue;
+        }
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(topic, partition, Offset::Offset(from))
+            .map_err(|e| fatal(&e))?;
+        consumer.assign(&tpl).map_err(|e| fatal(&e))?;
+        let deadline = Instant::now() + SCAN_TIMEOUT;
+        // Read to the high watermark, then whatever the last fetch still holds
+        // (a broker may report the watermark short of its last batch).
+        let mut reached = false;
+        loop {
+            if Instant::now() > deadline {
+                return Err(fatal(&format!(
+                    "reading {topic} did not reach offset {high}"
+                )));
+            }
+            let timeout = if reached {
+                Duration::from_millis(200)
+            } else {
+                Duration::from_millis(500)
+            };
+            let Some(msg) = consumer.poll(timeout) else {
+                if reached {
+                    break;
+                }
+                continue;
+            };
+            let msg = msg.map_err(|e| fatal(&e))?;
+            if msg.offset() + 1 >= high {
+                reached = true;
+            }
+            let headers = sluice_topology_headers(&msg);
+            let Some(position) = result_position(&headers) else {
+                continue;
+            };
+            let Some(bytes) = msg.payload() else { continue };
+            let Ok(result) = serde_json::from_slice::<TaskResult>(bytes) else {
+                continue;
+            };
+            let mut completed = ctx.kv::<String, StoredOutcome>(COMPLETED_STORE)?;
+            if completed.get(&result.task_id)?.is_some() {
+                continue;
+            }
+            let bucket = chrono::Utc::now().timestamp_millis() / MINUTE_MS
+                + cfg.tasks.idempotency_ttl_hours as i64 * 60;
+            completed.put_at(
+                &result.task_id,
+                &StoredOutcome {
+                    result_json: bytes.to_vec(),
+                    success: result.success,
+                    bucket,
+                },
+                Some(position),
+            );
+            ctx.kv::<(i64, String), ()>(EXPIRY_STORE)?.put_at(
+                &(bucket, result.task_id.clone()),
+                &(),
+                None,
+            );
+            recovered += 1;
+        }
+    }
+    if recovered > 0 {
+        tracing::info!(
+            partition,
+            recovered,
+            "recovered results an interrupted transaction left visible"
+        );
+        p.op.metrics.recovered.inc_by(recovered);
+    }
+    Ok(())
+}
+
+fn sluice_topology_headers(msg: &impl Message) -> sluice_topology::Headers {
+    use rdkafka::message::Headers as _;
+    msg.headers()
+        .map(|h| {
+            h.iter()
+                .map(|h| {
+                    (
+                        h.key.to_string(),
+                        h.value.map(<[u8]>::to_vec).unwrap_or_default(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}

@@ -1,0 +1,1005 @@
+//! The HTTP side of the simulator: the OpenAI-compatible routes, the chat completion pipeline
+//! (checks, limits, injected faults, deterministic answer) and the admin API.
+//!
+//! Pipeline order for `POST /v1/chat/completions`: `status_override` → API key → request
+//! validation → model → context length → content policy → `burst_429` → rate limits → hang →
+//! latency → `error_rate` → `malformed_rate` → answer.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Query, State};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use parking_lot::{Mutex, RwLock};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::watch;
+
+use super::config::{ConfigError, Latency, LimitScope, SimConfig};
+use super::limits::{format_reset, Admission, LimitSnapshot, RateLimiter};
+use super::prompt::{
+    batch_answer, fnv1a64, fnv1a64_parts, malformed_batch_answer, output_text, parse_batch_items,
+    parse_spec, task_output, tokens_for_message, tokens_for_text, truncate_to_tokens,
+    unit_fraction,
+};
+use super::stats::{CallIndex, PromptCache, SimStats};
+
+/// Largest request body accepted (micro-batches can be large).
+const MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
+
+/// `system_fingerprint` of every answer.
+const SYSTEM_FINGERPRINT: &str = "sluice-sim";
+
+/// OpenAI error `type` values.
+mod error_type {
+    pub const INVALID_REQUEST: &str = "invalid_request_error";
+    pub const RATE_LIMIT: &str = "rate_limit_error";
+    pub const SERVER: &str = "server_error";
+}
+
+/// OpenAI error `code` values.
+mod error_code {
+    pub const INVALID_API_KEY: &str = "invalid_api_key";
+    pub const MODEL_NOT_FOUND: &str = "model_not_found";
+    pub const RATE_LIMIT_EXCEEDED: &str = "rate_limit_exceeded";
+    pub const CONTENT_POLICY: &str = "content_policy_violation";
+    pub const CONTEXT_LENGTH: &str = "context_length_exceeded";
+    pub const INVALID_CONFIG: &str = "invalid_config";
+    pub const UNKNOWN_URL: &str = "unknown_url";
+}
+
+/// Names of the rate-limit headers.
+mod header {
+    pub const LIMIT_REQUESTS: &str = "x-ratelimit-limit-requests";
+    pub const REMAINING_REQUESTS: &str = "x-ratelimit-remaining-requests";
+    pub const RESET_REQUESTS: &str = "x-ratelimit-reset-requests";
+    pub const LIMIT_TOKENS: &str = "x-ratelimit-limit-tokens";
+    pub const REMAINING_TOKENS: &str = "x-ratelimit-remaining-tokens";
+    pub const RESET_TOKENS: &str = "x-ratelimit-reset-tokens";
+    pub const RETRY_AFTER: &str = "retry-after";
+    pub const RETRY_AFTER_MS: &str = "retry-after-ms";
+    pub const REQUEST_ID: &str = "x-request-id";
+}
+
+/// Error-diffusion counters that pick which requests get a rate-based fault: over `n`
+/// requests at rate `r`, exactly `floor(n * r)` are picked, evenly spread.
+#[derive(Debug, Default)]
+struct FaultClock {
+    error: f64,
+    hang: f64,
+    malformed: f64,
+    errors_sent: u64,
+    malformed_sent: u64,
+}
+
+fn fire(acc: &mut f64, rate: f64) -> bool {
+    if rate <= 0.0 {
+        return false;
+    }
+    *acc += rate;
+    if *acc >= 1.0 - 1e-9 {
+        *acc = (*acc - 1.0).max(0.0);
+        true
+    } else {
+        false
+    }
+}
+
+/// Everything the request handlers share.
+pub(crate) struct SimState {
+    config: RwLock<Arc<SimConfig>>,
+    /// When the current `burst_429` setting was applied; storms are timed from it.
+    burst_epoch: Mutex<Instant>,
+    limiter: Mutex<RateLimiter>,
+    stats: Mutex<SimStats>,
+    calls: Mutex<CallIndex>,
+    prompt_cache: Mutex<PromptCache>,
+    faults: Mutex<FaultClock>,
+    rng: Mutex<StdRng>,
+    seq: AtomicU64,
+    shutdown: watch::Receiver<bool>,
+}
+
+impl SimState {
+    /// State for a validated `config`; `shutdown` turns true when the server stops.
+    pub(crate) fn new(config: SimConfig, shutdown: watch::Receiver<bool>) -> Self {
+        Self {
+            rng: Mutex::new(StdRng::seed_from_u64(config.seed)),
+            config: RwLock::new(Arc::new(config)),
+            burst_epoch: Mutex::new(Instant::now()),
+            limiter: Mutex::new(RateLimiter::default()),
+            stats: Mutex::new(SimStats::default()),
+            calls: Mutex::new(CallIndex::default()),
+            prompt_cache: Mutex::new(PromptCache::default()),
+            faults: Mutex::new(FaultClock::default()),
+            seq: AtomicU64::new(0),
+            shutdown,
+        }
+    }
+
+    /// The configuration in force.
+    pub(crate) fn config(&self) -> Arc<SimConfig> {
+        self.config.read().clone()
+    }
+
+    /// Replaces the configuration; applies to the next request.
+    pub(crate) fn set_config(&self, new: SimConfig) -> Result<(), ConfigError> {
+        new.validate()?;
+        let mut guard = self.config.write();
+        if guard.burst_429 != new.burst_429 {
+            *self.burst_epoch.lock() = Instant::now();
+        }
+        if guard.seed != new.seed {
+            *self.rng.lock() = StdRng::seed_from_u64(new.seed);
+        }
+        *guard = Arc::new(new);
+        Ok(())
+    }
+
+    /// A snapshot of the counters.
+    pub(crate) fn stats(&self) -> SimStats {
+        let mut stats = self.stats.lock().clone();
+        stats.distinct_user_contents = self.calls.lock().len() as u64;
+        stats
+    }
+
+    /// Zeroes the counters, the call index, the prompt cache and the fault counters. Rate
+    /// limit buckets and the configuration are kept.
+    pub(crate) fn reset(&self) {
+        *self.stats.lock() = SimStats::default();
+        *self.calls.lock() = CallIndex::default();
+        *self.prompt_cache.lock() = PromptCache::default();
+        *self.faults.lock() = FaultClock::default();
+    }
+
+    /// `(calls, distinct contents)` of successful calls whose user content contains `needle`.
+    pub(crate) fn calls_containing(&self, needle: &str) -> (u64, u64) {
+        self.calls.lock().count_containing(needle)
+    }
+
+    /// Waits `duration` (forever when `None`) unless the server shuts down first; returns
+    /// false on shutdown.
+    async fn hold(&self, duration: Option<Duration>) -> bool {
+        let mut shutdown = self.shutdown.clone();
+        let stopping = async move {
+            let _ = shutdown.wait_for(|stop| *stop).await;
+        };
+        match duration {
+            Some(d) if d.is_zero() => true,
+            Some(d) => tokio::select! {
+                _ = tokio::time::sleep(d) => true,
+                _ = stopping => false,
+            },
+            None => {
+                stopping.await;
+                false
+            }
+        }
+    }
+
+    fn sample_latency(&self, latency: Latency) -> Duration {
+        let ms = match latency {
+            Latency::Fixed { ms } => ms as f64,
+            Latency::Uniform { min_ms, max_ms } => {
+                self.rng.lock().random_range(min_ms..=max_ms) as f64
+            }
+            Latency::Lognormal { median_ms, p99_ms } => {
+                // Box-Muller; sigma chosen so that the 99th percentile lands on p99_ms.
+                const Z99: f64 = 2.326_347_874;
+                let mu = (median_ms as f64).ln();
+                let sigma = ((p99_ms as f64).ln() - mu) / Z99;
+                let (u1, u2): (f64, f64) = {
+                    let mut rng = self.rng.lock();
+                    (1.0 - rng.random::<f64>(), rng.random::<f64>())
+                };
+                let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
+                (mu + sigma * z).exp().min(10.0 * p99_ms as f64)
+            }
+        };
+        Duration::from_secs_f64(ms.max(0.0) / 1000.0)
+    }
+}
+
+/// The router serving the OpenAI-compatible and admin endpoints.
+pub(crate) fn router(state: Arc<SimState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(list_models))
+        .route("/admin/stats", get(admin_stats))
+        .route("/admin/config", get(admin_get_config).put(admin_put_config))
+        .route("/admin/reset", post(admin_reset))
+        .route("/admin/calls", get(admin_calls))
+        .route("/healthz", get(healthz))
+        .fallback(unknown_url)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+/// An OpenAI-style error answer: `{"error":{"message","type","param","code"}}`.
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    message: String,
+    kind: &'static str,
+    code: Option<&'static str>,
+    param: Option<&'static str>,
+}
+
+impl ApiError {
+    fn new(
+        status: StatusCode,
+        message: impl Into<String>,
+        kind: &'static str,
+        code: Option<&'static str>,
+        param: Option<&'static str>,
+    ) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            kind,
+            code,
+            param,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        });
+        (self.status, Json(body)).into_response()
+    }
+}
+
+/// An OpenAI-style error answer as a response.
+fn error_response(
+    status: StatusCode,
+    message: impl Into<String>,
+    kind: &'static str,
+    code: Option<&'static str>,
+    param: Option<&'static str>,
+) -> Response {
+    ApiError::new(status, message, kind, code, param).into_response()
+}
+
+/// A 400 `invalid_request_error`.
+fn invalid_request(message: impl Into<String>, param: Option<&'static str>) -> ApiError {
+    ApiError::new(
+        StatusCode::BAD_REQUEST,
+        message,
+        error_type::INVALID_REQUEST,
+        None,
+        param,
+    )
+}
+
+/// The answer forced by `status_override`.
+fn overridden_response(status: u16) -> Response {
+    let code = StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+    let (message, kind, code_str) = match status {
+        401 => (
+            "Incorrect API key provided (simulated).",
+            error_type::INVALID_REQUEST,
+            Some(error_code::INVALID_API_KEY),
+        ),
+        403 => (
+            "You are not allowed to use this model (simulated).",
+            error_type::INVALID_REQUEST,
+            Some("permission_denied"),
+        ),
+        404 => (
+            "The model does not exist or you do not have access to it (simulated).",
+            error_type::INVALID_REQUEST,
+            Some(error_code::MODEL_NOT_FOUND),
+        ),
+        429 => (
+            "Rate limit reached (simulated).",
+            error_type::RATE_LIMIT,
+            Some(error_code::RATE_LIMIT_EXCEEDED),
+        ),
+        500..=599 => (
+            "The server had an error while processing your request (simulated).",
+            error_type::SERVER,
+            None,
+        ),
+        _ => (
+            "Invalid request (simulated).",
+            error_type::INVALID_REQUEST,
+            None,
+        ),
+    };
+    error_response(code, message, kind, code_str, None)
+}
+
+fn set_header(headers: &mut HeaderMap, name: &'static str, value: String) {
+    if let Ok(value) = HeaderValue::from_str(&value) {
+        headers.insert(HeaderName::from_static(name), value);
+    }
+}
+
+/// Adds the `x-ratelimit-*` headers (limits that are not configured are left out).
+fn add_limit_headers(headers: &mut HeaderMap, snapshot: &LimitSnapshot) {
+    if let Some(r) = snapshot.requests {
+        set_header(headers, header::LIMIT_REQUESTS, r.limit.to_string());
+        set_header(headers, header::REMAINING_REQUESTS, r.remaining.to_string());
+        set_header(headers, header::RESET_REQUESTS, format_reset(r.reset));
+    }
+    if let Some(t) = snapshot.tokens {
+        set_header(headers, header::LIMIT_TOKENS, t.limit.to_string());
+        set_header(headers, header::REMAINING_TOKENS, t.remaining.to_string());
+        set_header(headers, header::RESET_TOKENS, format_reset(t.reset));
+    }
+}
+
+/// Adds `Retry-After` (whole seconds, rounded up, at least 1) and `retry-after-ms`.
+fn add_retry_after(headers: &mut HeaderMap, wait: Duration) {
+    let ms = wait.as_nanos().div_ceil(1_000_000).max(1);
+    let secs = ms.div_ceil(1000).max(1);
+    set_header(headers, header::RETRY_AFTER, secs.to_string());
+    set_header(headers, header::RETRY_AFTER_MS, ms.to_string());
+}
+
+/// Checks `Authorization: Bearer <key>` against the configured keys.
+fn check_api_key(headers: &HeaderMap, config: &SimConfig) -> Result<(), ApiError> {
+    let unauthorized = |message: &str| {
+        ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            message,
+            error_type::INVALID_REQUEST,
+            Some(error_code::INVALID_API_KEY),
+            None,
+        )
+    };
+    let key = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            let (scheme, key) = v.trim().split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then_some(key.trim())
+        })
+        .filter(|key| !key.is_empty());
+    let Some(key) = key else {
+        return Err(unauthorized(
+            "You didn't provide an API key. You need to provide your API key in an \
+             Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).",
+        ));
+    };
+    if !config.api_keys.is_empty() && !config.api_keys.iter().any(|k| k == key) {
+        return Err(unauthorized("Incorrect API key provided."));
+    }
+    Ok(())
+}
+
+/// The subset of an OpenAI chat completion request the simulator reads; other fields are
+/// accepted and ignored.
+#[derive(Debug, Deserialize)]
+struct ChatRequest {
+    model: Option<String>,
+    messages: Option<Vec<ChatMessage>>,
+    max_tokens: Option<u64>,
+    max_completion_tokens: Option<u64>,
+    temperature: Option<f64>,
+    stream: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatMessage {
+    role: String,
+    #[serde(default)]
+    content: Option<Value>,
+}
+
+/// A validated request.
+struct Prompt {
+    model: String,
+    system: String,
+    user: String,
+    prompt_tokens: u64,
+    system_tokens: u64,
+    max_tokens: Option<u64>,
+}
+
+fn message_text(content: Option<&Value>, index: usize) -> Result<String, ApiError> {
+    match content {
+        None => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let texts: Vec<&str> = parts
+                .iter()
+                .filter_map(|part| match part {
+                    Value::String(s) => Some(s.as_str()),
+                    Value::Object(map) => map.get("text").and_then(Value::as_str),
+                    _ => None,
+                })
+                .collect();
+            Ok(texts.join("\n"))
+        }
+        Some(_) => Err(invalid_request(
+            format!("messages[{index}].content: expected a string or an array of content parts"),
+            Some("messages"),
+        )),
+    }
+}
+
+fn parse_request(body: &[u8]) -> Result<Prompt, ApiError> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let request: ChatRequest = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let message = if path == "." {
+            format!(
+                "We could not parse the JSON body of your request: {}",
+                e.inner()
+            )
+        } else {
+            format!("Invalid value for '{path}': {}", e.inner())
+        };
+        invalid_request(message, None)
+    })?;
+    if de.end().is_err() {
+        return Err(invalid_request(
+            "We could not parse the JSON body of your request: trailing characters",
+            None,
+        ));
+    }
+    let model = match request.model {
+        Some(m) if !m.trim().is_empty() => m,
+        _ => {
+            return Err(invalid_request(
+                "you must provide a model parameter",
+                Some("model"),
+            ))
+        }
+    };
+    let messages = match request.messages {
+        Some(m) if !m.is_empty() => m,
+        _ => {
+            return Err(invalid_request(
+                "'messages' must contain at least one message",
+                Some("messages"),
+            ))
+        }
+    };
+    if request.stream == Some(true) {
+        return Err(invalid_request(
+            "stream=true is not supported by the simulated provider",
+            Some("stream"),
+        ));
+    }
+    if let Some(t) = request.temperature {
+        if !(0.0..=2.0).contains(&t) {
+            return Err(invalid_request(
+                format!("{t} is greater than the maximum of 2 - 'temperature'"),
+                Some("temperature"),
+            ));
+        }
+    }
+    let max_tokens = request.max_completion_tokens.or(request.max_tokens);
+    if max_tokens == Some(0) {
+        return Err(invalid_request(
+            "max_tokens must be at least 1",
+            Some("max_tokens"),
+        ));
+    }
+    let mut system = Vec::new();
+    let mut user = Vec::new();
+    let mut prompt_tokens = 0;
+    let mut system_tokens = 0;
+    for (index, message) in messages.iter().enumerate() {
+        let text = message_text(message.content.as_ref(), index)?;
+        let tokens = tokens_for_message(&text);
+        prompt_tokens += tokens;
+        match message.role.as_str() {
+            "system" | "developer" => {
+                system_tokens += tokens;
+                system.push(text);
+            }
+            "user" => user.push(text),
+            "assistant" | "tool" | "function" => {}
+            other => {
+                return Err(invalid_request(
+                    format!("Invalid value for 'messages[{index}].role': '{other}'"),
+                    Some("messages"),
+                ))
+            }
+        }
+    }
+    Ok(Prompt {
+        model,
+        system: system.join("\n"),
+        user: user.join("\n"),
+        prompt_tokens,
+        system_tokens,
+        max_tokens,
+    })
+}
+
+/// The deterministic answer to a prompt.
+struct Answer {
+    content: String,
+    finish_reason: &'static str,
+    completion_tokens: u64,
+    /// Items in the request when it is a micro-batch.
+    batch_items: Option<usize>,
+    batch_malformed: bool,
+}
+
+fn compose_answer(prompt: &Prompt, config: &SimConfig) -> Answer {
+    let spec = parse_spec(&prompt.system);
+    let mut batch_items = None;
+    let mut batch_malformed = false;
+    let content = if spec.batch {
+        let items = parse_batch_items(&prompt.user);
+        batch_items = Some(items.len());
+        let hash = fnv1a64_parts(&[prompt.system.as_str(), prompt.user.as_str(), "batch"]);
+        if unit_fraction(hash) < config.batch_malformed_rate {
+            batch_malformed = true;
+            malformed_batch_answer(&spec.kind, &items, hash)
+        } else {
+            batch_answer(&spec.kind, &items)
+        }
+    } else {
+        output_text(&task_output(&spec.kind, &prompt.user))
+    };
+    let full_tokens = tokens_for_text(&content).max(1);
+    match prompt.max_tokens {
+        Some(max) if full_tokens > max => Answer {
+            content: truncate_to_tokens(&content, max),
+            finish_reason: "length",
+            completion_tokens: max,
+            batch_items,
+            batch_malformed,
+        },
+        _ => Answer {
+            content,
+            finish_reason: "stop",
+            completion_tokens: full_tokens,
+            batch_items,
+            batch_malformed,
+        },
+    }
+}
+
+async fn chat_completions(
+    State(state): State<Arc<SimState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    state.stats.lock().requests_total += 1;
+    let response = chat_pipeline(&state, &headers, &body).await;
+    *state
+        .stats
+        .lock()
+        .by_status
+        .entry(response.status().as_u16())
+        .or_default() += 1;
+    response
+}
+
+async fn chat_pipeline(state: &SimState, headers: &HeaderMap, body: &[u8]) -> Response {
+    let config = state.config();
+    let seq = state.seq.fetch_add(1, Ordering::Relaxed);
+
+    if let Some(status) = config.status_override {
+        state.stats.lock().injected.status_override += 1;
+        let mut response = overridden_response(status);
+        if status == 429 && config.rate_limit_headers {
+            add_retry_after(response.headers_mut(), Duration::from_secs(1));
+        }
+        return response;
+    }
+    if let Err(error) = check_api_key(headers, &config) {
+        return error.into_response();
+    }
+    let prompt = match parse_request(body) {
+        Ok(p) => p,
+        Err(error) => return error.into_response(),
+    };
+    if let Some(status) = config
+        .model_overrides
+        .get(&prompt.model)
+        .and_then(|o| o.status_override)
+    {
+        state.stats.lock().injected.status_override += 1;
+        return overridden_response(status);
+    }
+    if let Some(models) = &config.models {
+        if !models.contains(&prompt.model) {
+            return error_response(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "The model `{}` does not exist or you do not have access to it.",
+                    prompt.model
+                ),
+                error_type::INVALID_REQUEST,
+                Some(error_code::MODEL_NOT_FOUND),
+                Some("model"),
+            );
+        }
+    }
+    if let Some(limit) = config.context_length {
+        if prompt.prompt_tokens > u64::from(limit) {
+            state.stats.lock().injected.context_length += 1;
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "This model's maximum context length is {limit} tokens. However, your \
+                     messages resulted in {} tokens. Please reduce the length of the messages.",
+                    prompt.prompt_tokens
+                ),
+                error_type::INVALID_REQUEST,
+                Some(error_code::CONTEXT_LENGTH),
+                Some("messages"),
+            );
+        }
+    }
+    let marked = config
+        .content_policy_marker
+        .as_deref()
+        .is_some_and(|m| !m.is_empty() && prompt.user.contains(m));
+    let by_rate = config.content_policy_rate > 0.0
+        && unit_fraction(fnv1a64_parts(&[prompt.user.as_str(), "content-policy"]))
+            < config.content_policy_rate;
+    if marked || by_rate {
+        state.stats.lock().injected.content_policy += 1;
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "Your request was rejected as a result of our safety system (simulated).",
+            error_type::INVALID_REQUEST,
+            Some(error_code::CONTENT_POLICY),
+            None,
+        );
+    }
+
+    let answer = compose_answer(&prompt, &config);
+    let limit_key = match config.limit_scope {
+        LimitScope::Global => "",
+        LimitScope::PerModel => prompt.model.as_str(),
+    };
+    let limits = config.limits_for(&prompt.model);
+    let headers_on = config.rate_limit_headers;
+
+    if let Some(storm) = config.burst_429 {
+        let elapsed = state.burst_epoch.lock().elapsed().as_secs_f64();
+        let phase = elapsed % storm.every_s;
+        if phase < storm.duration_s {
+            state.stats.lock().injected.burst_429 += 1;
+            let wait = Duration::from_secs_f64(storm.duration_s - phase);
+            let mut response = error_response(
+                StatusCode::TOO_MANY_REQUESTS,
+                "Rate limit reached: the provider is overloaded (simulated storm).",
+                error_type::RATE_LIMIT,
+                Some(error_code::RATE_LIMIT_EXCEEDED),
+                None,
+            );
+            if headers_on {
+                let mut snapshot = state
+                    .limiter
+                    .lock()
+                    .peek(limit_key, &limits, Instant::now());
+                if let Some(r) = snapshot.requests.as_mut() {
+                    r.remaining = 0;
+                    r.reset = r.reset.max(wait);
+                }
+                add_limit_headers(response.headers_mut(), &snapshot);
+                add_retry_after(response.headers_mut(), wait);
+            }
+            return response;
+        }
+    }
+
+    let token_cost = prompt.prompt_tokens + prompt.max_tokens.unwrap_or(answer.completion_tokens);
+    let admission = state
+        .limiter
+        .lock()
+        .admit(limit_key, &limits, token_cost, Instant::now());
+    let snapshot = match admission {
+        Admission::Allowed(snapshot) => snapshot,
+        Admission::Limited {
+            kind,
+            limit,
+            retry_after,
+            snapshot,
+        } => {
+            state.stats.lock().injected.rate_limited += 1;
+            let mut response = error_response(
+                StatusCode::TOO_MANY_REQUESTS,
+                format!(
+                    "Rate limit reached for {} in organization sim on {}: Limit {limit}. \
+                     Please try again in {}.",
+                    prompt.model,
+                    kind.describe(),
+                    format_reset(retry_after)
+                ),
+                error_type::RATE_LIMIT,
+                Some(error_code::RATE_LIMIT_EXCEEDED),
+                None,
+            );
+            if headers_on {
+                add_limit_headers(response.headers_mut(), &snapshot);
+                add_retry_after(response.headers_mut(), retry_after);
+            }
+            return response;
+        }
+    };
+
+    let hang = fire(&mut state.faults.lock().hang, config.hang_rate);
+    if hang {
+        state.stats.lock().injected.hangs += 1;
+        let duration = (config.hang_ms > 0).then(|| Duration::from_millis(config.hang_ms));
+        if !state.hold(duration).await {
+            return shutting_down();
+        }
+    }
+    let latency = state.sample_latency(config.latency_for(&prompt.model));
+    if !state.hold(Some(latency)).await {
+        return shutting_down();
+    }
+
+    let mut response_headers = HeaderMap::new();
+    if headers_on {
+        add_limit_headers(&mut response_headers, &snapshot);
+    }
+    set_header(
+        &mut response_headers,
+        header::REQUEST_ID,
+        format!("req_sim_{seq}"),
+    );
+
+    let server_error = {
+        let mut faults = state.faults.lock();
+        if fire(&mut faults.error, config.error_rate) {
+            faults.errors_sent += 1;
+            Some(faults.errors_sent)
+        } else {
+            None
+        }
+    };
+    if let Some(n) = server_error {
+        state.stats.lock().injected.server_errors += 1;
+        let status = match n % 3 {
+            1 => StatusCode::INTERNAL_SERVER_ERROR,
+            2 => StatusCode::BAD_GATEWAY,
+            _ => StatusCode::SERVICE_UNAVAILABLE,
+        };
+        let mut response = error_response(
+            status,
+            "The server had an error while processing your request (simulated).",
+            error_type::SERVER,
+            None,
+            None,
+        );
+        response.headers_mut().extend(response_headers);
+        return response;
+    }
+
+    let malformed = {
+        let mut faults = state.faults.lock();
+        if fire(&mut faults.malformed, config.malformed_rate) {
+            faults.malformed_sent += 1;
+            Some(faults.malformed_sent)
+        } else {
+            None
+        }
+    };
+    if let Some(n) = malformed {
+        record_success(state, &prompt, None);
+        state.stats.lock().injected.malformed += 1;
+        let body = if n % 2 == 1 {
+            format!(
+                "{{\"id\":\"chatcmpl-sim-{seq}\",\"object\":\"chat.completion\",\"choices\":[{{\"index\":0,"
+            )
+        } else {
+            json!({
+                "id": format!("chatcmpl-sim-{seq}"),
+                "object": "chat.completion",
+                "model": prompt.model,
+            })
+            .to_string()
+        };
+        response_headers.insert(
+            axum::http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        return (StatusCode::OK, response_headers, body).into_response();
+    }
+
+    let cached_tokens = if prompt.system.is_empty() {
+        0
+    } else {
+        let seen = state.prompt_cache.lock().check_and_insert(
+            fnv1a64(prompt.system.as_bytes()),
+            config.prompt_cache_entries,
+        );
+        if seen {
+            prompt.system_tokens
+        } else {
+            0
+        }
+    };
+    record_success(state, &prompt, Some((&answer, cached_tokens)));
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let request_hash = fnv1a64_parts(&[
+        prompt.model.as_str(),
+        prompt.system.as_str(),
+        prompt.user.as_str(),
+    ]);
+    let body = json!({
+        "id": format!("chatcmpl-sim-{request_hash:016x}-{seq}"),
+        "object": "chat.completion",
+        "created": created,
+        "model": prompt.model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "choices": [{
+            "index": 0,
+            "message": { "role": "assistant", "content": answer.content },
+            "logprobs": null,
+            "finish_reason": answer.finish_reason,
+        }],
+        "usage": {
+            "prompt_tokens": prompt.prompt_tokens,
+            "completion_tokens": answer.completion_tokens,
+            "total_tokens": prompt.prompt_tokens + answer.completion_tokens,
+            "prompt_tokens_details": { "cached_tokens": cached_tokens },
+            "completion_tokens_details": { "reasoning_tokens": 0 },
+        },
+    });
+    (StatusCode::OK, response_headers, Json(body)).into_response()
+}
+
+/// Counts a 200 answer; `usage` is absent for malformed bodies (which report none).
+fn record_success(state: &SimState, prompt: &Prompt, usage: Option<(&Answer, u64)>) {
+    state.calls.lock().record(&prompt.user);
+    let mut stats = state.stats.lock();
+    stats.served_ok += 1;
+    stats.count_model(&prompt.model);
+    if let Some((answer, cached)) = usage {
+        stats.prompt_tokens += prompt.prompt_tokens;
+        stats.completion_tokens += answer.completion_tokens;
+        stats.cached_tokens += cached;
+        if let Some(items) = answer.batch_items {
+            stats.batch_requests += 1;
+            stats.batch_items += items as u64;
+            if answer.batch_malformed {
+                stats.injected.batch_malformed += 1;
+            }
+        }
+    }
+}
+
+fn shutting_down() -> Response {
+    error_response(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "The simulated provider is shutting down.",
+        error_type::SERVER,
+        None,
+        None,
+    )
+}
+
+async fn list_models(State(state): State<Arc<SimState>>, headers: HeaderMap) -> Response {
+    let config = state.config();
+    if let Some(status) = config.status_override {
+        return overridden_response(status);
+    }
+    if let Err(error) = check_api_key(&headers, &config) {
+        return error.into_response();
+    }
+    let names: Vec<String> = match &config.models {
+        Some(models) => models.clone(),
+        None => {
+            let mut names: Vec<String> = config.model_overrides.keys().cloned().collect();
+            for model in state.stats.lock().by_model.keys() {
+                if !names.contains(model) {
+                    names.push(model.clone());
+                }
+            }
+            names
+        }
+    };
+    let data: Vec<Value> = names
+        .iter()
+        .map(|id| json!({ "id": id, "object": "model", "created": 0, "owned_by": "sluice-sim" }))
+        .collect();
+    Json(json!({ "object": "list", "data": data })).into_response()
+}
+
+async fn admin_stats(State(state): State<Arc<SimState>>) -> Json<SimStats> {
+    Json(state.stats())
+}
+
+async fn admin_get_config(State(state): State<Arc<SimState>>) -> Json<SimConfig> {
+    Json((*state.config()).clone())
+}
+
+/// Query of `PUT /admin/config`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct PutConfigQuery {
+    /// Replace the whole configuration instead of merging the given top-level fields.
+    replace: bool,
+}
+
+async fn admin_put_config(
+    State(state): State<Arc<SimState>>,
+    Query(query): Query<PutConfigQuery>,
+    body: Bytes,
+) -> Response {
+    let invalid = |message: String| {
+        error_response(
+            StatusCode::BAD_REQUEST,
+            message,
+            error_type::INVALID_REQUEST,
+            Some(error_code::INVALID_CONFIG),
+            None,
+        )
+    };
+    let patch: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return invalid(format!("config body is not JSON: {e}")),
+    };
+    let new = if query.replace {
+        SimConfig::from_json_value(patch)
+    } else {
+        state.config().merged_with(patch)
+    };
+    let applied = new.and_then(|config| {
+        state.set_config(config.clone())?;
+        Ok(config)
+    });
+    match applied {
+        Ok(config) => Json(config).into_response(),
+        Err(e) => invalid(e.to_string()),
+    }
+}
+
+async fn admin_reset(State(state): State<Arc<SimState>>) -> StatusCode {
+    state.reset();
+    StatusCode::NO_CONTENT
+}
+
+/// Query of `GET /admin/calls`.
+#[derive(Debug, Deserialize)]
+struct CallsQuery {
+    contains: Option<String>,
+}
+
+async fn admin_calls(
+    State(state): State<Arc<SimState>>,
+    Query(query): Query<CallsQuery>,
+) -> Response {
+    let Some(needle) = query.contains else {
+        return invalid_request("missing query parameter 'contains'", Some("contains"))
+            .into_response();
+    };
+    let (calls, matched) = state.calls_containing(&needle);
+    Json(json!({ "contains": needle, "calls": calls, "matched_contents": matched })).into_response()
+}
+
+async fn healthz() -> &'static str {
+    "ok"
+}
+
+async fn unknown_url(method: Method, uri: Uri) -> Response {
+    error_response(
+        StatusCode::NOT_FOUND,
+        format!("Unknown request URL: {method} {}", uri.path()),
+        error_type::INVALID_REQUEST,
+        Some(error_code::UNKNOWN_URL),
+        None,
+    )
+}
