@@ -16,4 +16,4 @@ trap '"$root/scripts/broker.sh" stop "$name"' EXIT
 echo "test: broker at $bootstrap"
 export SLUICE_TEST_BOOTSTRAP="$bootstrap"
 export RUST_BACKTRACE=1
-cargo test --release --workspace --all-targets -- --test-threads="${SLUICE_TEST_THREADS:-3}" "$@"
+cargo test --release --workspace --lib --bins --tests -- --test-threads="${SLUICE_TEST_THREADS:-3}" "$@"

@@ -60,30 +60,31 @@ pub(super) fn recover_results(
             .map_err(|e| fatal(&e))?;
         consumer.assign(&tpl).map_err(|e| fatal(&e))?;
         let deadline = Instant::now() + SCAN_TIMEOUT;
-        // Read to the high watermark, then whatever the last fetch still holds
-        // (a broker may report the watermark short of its last batch).
-        let mut reached = false;
+        // Read to the high watermark. Transaction markers take the last offsets
+        // and are never delivered, so the end is also reached when the
+        // consumer's position passes the watermark, or when nothing more comes:
+        // after fencing, nobody else writes this task's results partition.
+        let mut idle_since = Instant::now();
         loop {
             if Instant::now() > deadline {
                 return Err(fatal(&format!(
                     "reading {topic} did not reach offset {high}"
                 )));
             }
-            let timeout = if reached {
-                Duration::from_millis(200)
-            } else {
-                Duration::from_millis(500)
-            };
-            let Some(msg) = consumer.poll(timeout) else {
-                if reached {
+            let Some(msg) = consumer.poll(Duration::from_millis(100)) else {
+                let position = consumer.position().ok().and_then(|tpl| {
+                    tpl.find_partition(topic, partition)
+                        .and_then(|e| e.offset().to_raw())
+                });
+                if position.is_some_and(|p| p >= high)
+                    || idle_since.elapsed() > Duration::from_secs(1)
+                {
                     break;
                 }
                 continue;
             };
+            idle_since = Instant::now();
             let msg = msg.map_err(|e| fatal(&e))?;
-            if msg.offset() + 1 >= high {
-                reached = true;
-            }
             let headers = sluice_topology_headers(&msg);
             let Some(position) = result_position(&headers) else {
                 continue;

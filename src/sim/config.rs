@@ -26,8 +26,8 @@ pub struct SimConfig {
     /// `model_not_found`. `None` accepts every model name.
     pub models: Option<Vec<String>>,
 
-    /// Accepted API keys (sent as `Authorization: Bearer <key>`). Empty accepts any key, but
-    /// the header is always required.
+    /// Accepted API keys (sent as `Authorization: Bearer <key>`). Empty accepts every
+    /// request, with or without a key (like vLLM, llama.cpp or Ollama).
     pub api_keys: Vec<String>,
 
     /// Seed of the random generator used for latency sampling (the only randomness).

@@ -933,6 +933,7 @@ fn commit_eos(
     // Outputs first: a changelog record visible to a reader implies the
     // outputs that preceded it are visible too.
     flush(&task.producer, &task.delivery, FLUSH_TIMEOUT).map_err(RuntimeError::Other)?;
+    failpoint("eos_after_output_flush");
     send_changelog(task, app, dirty)?;
     flush(&task.producer, &task.delivery, FLUSH_TIMEOUT).map_err(RuntimeError::Other)?;
     failpoint("eos_after_changelog_flush");

@@ -1,0 +1,296 @@
+//! `make bench-llm`, in one run against the simulated provider:
+//!
+//! - quota utilisation: the simulator enforces 50 requests/s (token bucket,
+//!   burst 5) for 60 s, halved to 25 at 30 s; a backlog of callers goes through
+//!   the client's adaptive limiter, once with the simulator sending
+//!   `x-ratelimit-*`/`Retry-After` headers and once sending none. `util` is the
+//!   lower of the two halves' steady-state rate over the limit.
+//! - overhead: a zero-latency provider; tasks/s through the whole operator
+//!   (Kafka in, HTTP call, Kafka out) against the rate a plain async HTTP
+//!   client reaches on the same simulator at the same concurrency.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdkafka::Message as _;
+use sluice::envelope::{Priority, TaskResult};
+use sluice::kafka::{produce, read_topics, OutRecord};
+use sluice::llm::{
+    ChatRequest, LimiterConfig, LlmClient, LlmConfig, Message, ModelConfig, ProviderConfig,
+};
+use sluice::sim::{SimConfig, SimHandle};
+
+const HALF: Duration = Duration::from_secs(30);
+/// Seconds after the start and after the change not counted as steady state.
+const SETTLE: u64 = 10;
+
+struct QuotaRun {
+    util: f64,
+    rate_429: f64,
+    reconverge_s: f64,
+}
+
+fn request(i: u64) -> ChatRequest {
+    ChatRequest {
+        model: String::new(),
+        messages: vec![
+            Message::system("Task: classify\nLabels: a, b, c"),
+            Message::user(&format!("item {i}: the quick brown fox")),
+        ],
+        max_tokens: Some(8),
+        temperature: None,
+        response_format: None,
+    }
+}
+
+async fn quota_run(headers: bool) -> QuotaRun {
+    let sim = sluice::sim::start(
+        SimConfig::from_json_value(serde_json::json!({
+            "rps": 50.0, "burst": 5, "rate_limit_headers": headers,
+        }))
+        .unwrap(),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap();
+    let mut model = ModelConfig::new("m", "sim");
+    model.limiter = LimiterConfig {
+        initial_rps: 20.0,
+        ..LimiterConfig::default()
+    };
+    let cfg = LlmConfig {
+        providers: vec![ProviderConfig::new("sim", sim.base_url())],
+        models: vec![model],
+        ..LlmConfig::default()
+    };
+    let client = LlmClient::from_config(&cfg, &prometheus::Registry::new()).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let start = Instant::now();
+    let total = 2 * HALF.as_secs() as usize;
+    let per_second: Arc<Vec<AtomicU64>> =
+        Arc::new((0..total + 2).map(|_| AtomicU64::new(0)).collect());
+    let mut workers = Vec::new();
+    for w in 0..300u64 {
+        let (client, stop, per_second) = (client.clone(), stop.clone(), per_second.clone());
+        workers.push(tokio::spawn(async move {
+            let mut i = w;
+            while !stop.load(Ordering::Relaxed) {
+                if client.call("m", request(i), Priority::Normal).await.is_ok() {
+                    let s = start.elapsed().as_secs() as usize;
+                    if let Some(c) = per_second.get(s) {
+                        c.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                i += 300;
+            }
+        }));
+    }
+    tokio::time::sleep(HALF).await;
+    sim.update(|c| c.rps = Some(25.0)).unwrap();
+    tokio::time::sleep(HALF).await;
+    stop.store(true, Ordering::Relaxed);
+    let stats = sim.stats();
+    for w in workers {
+        w.abort();
+    }
+    let rates: Vec<f64> = per_second
+        .iter()
+        .map(|c| c.load(Ordering::Relaxed) as f64)
+        .collect();
+    let half = HALF.as_secs() as usize;
+    let avg = |from: usize, to: usize| rates[from..to].iter().sum::<f64>() / (to - from) as f64;
+    let first = avg(SETTLE as usize, half) / 50.0;
+    let second = avg(half + SETTLE as usize, total) / 25.0;
+    // Re-converged: first second after the change from which every 1 s window
+    // stays within 10 % of the new limit (rolling 2 s average).
+    let mut reconverge = SETTLE as f64;
+    for s in half..total - 1 {
+        let ok = (s..total - 1).all(|t| {
+            let r = (rates[t] + rates[t + 1]) / 2.0;
+            (r - 25.0).abs() <= 2.5
+        });
+        if ok {
+            reconverge = (s - half) as f64;
+            break;
+        }
+    }
+    let calls = stats.requests_total.max(1) as f64;
+    let rate_429 = stats.status(429) as f64 / calls;
+    eprintln!(
+        "quota headers={headers}: first half {:.3}, second half {:.3}, 429s {} of {} ({:.2}%), re-converged after {reconverge}s",
+        first,
+        second,
+        stats.status(429),
+        stats.requests_total,
+        rate_429 * 100.0
+    );
+    QuotaRun {
+        util: first.min(second),
+        rate_429,
+        reconverge_s: reconverge,
+    }
+}
+
+/// Tasks/s through `sluice run` (zero-latency provider).
+fn operator_rate(bootstrap: &str, sim: &SimHandle, n: usize, concurrency: usize) -> f64 {
+    let prefix = format!(
+        "bench-llm-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("sluice.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+[app]
+id = "{prefix}-app"
+state_dir = "{state}"
+
+[kafka]
+bootstrap_servers = "{bootstrap}"
+session_timeout_ms = 6000
+
+[topics]
+task_types = ["classify"]
+tasks_prefix = "{prefix}.tasks."
+results_completed = "{prefix}.results.completed"
+results_failed = "{prefix}.results.failed"
+partitions = 2
+
+[[llm.providers]]
+name = "sim"
+base_url = "{url}"
+
+[[llm.models]]
+name = "m"
+provider = "sim"
+limiter = {{ initial_rps = 100000, max_concurrency = {concurrency} }}
+
+[http]
+listen = "127.0.0.1:0"
+"#,
+            state = dir.path().join("state").display(),
+            url = sim.base_url(),
+        ),
+    )
+    .unwrap();
+    let bin = env!("CARGO_BIN_EXE_sluice");
+    let status = std::process::Command::new(bin)
+        .args([
+            "topics",
+            "create",
+            "--config",
+            &config.display().to_string(),
+        ])
+        .output()
+        .unwrap();
+    assert!(status.status.success());
+    let topic = format!("{prefix}.tasks.classify");
+    let tasks = (0..n).map(|i| OutRecord {
+        key: Some(format!("tenant-{}", i % 8).into_bytes()),
+        value: Some(
+            serde_json::to_vec(&serde_json::json!({
+                "taskId": format!("t{i}"), "taskType": "classify", "tenantId": format!("tenant-{}", i % 8),
+                "submittedAt": chrono::Utc::now().to_rfc3339(),
+                "payload": { "content": format!("item {i}: the quick brown fox"), "labels": ["a", "b", "c"] },
+            }))
+            .unwrap(),
+        ),
+        ..Default::default()
+    });
+    produce(bootstrap, &topic, tasks).unwrap();
+    let mut child = std::process::Command::new(bin)
+        .args(["run", "--config", &config.display().to_string()])
+        .env("SLUICE_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let completed = format!("{prefix}.results.completed");
+    let msgs = read_topics(
+        bootstrap,
+        &[&completed],
+        true,
+        Duration::from_secs(600),
+        |m| m.len() >= n,
+    )
+    .unwrap();
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let _ = child.wait();
+    let times: Vec<i64> = msgs
+        .iter()
+        .filter_map(|m| serde_json::from_slice::<TaskResult>(m.payload()?).ok())
+        .map(|r| r.completed_at.timestamp_millis())
+        .collect();
+    let (lo, hi) = (times.iter().min().unwrap(), times.iter().max().unwrap());
+    let secs = ((hi - lo) as f64 / 1000.0).max(0.001);
+    eprintln!("operator: {} results over {secs:.2}s", times.len());
+    times.len() as f64 / secs
+}
+
+/// Requests/s of a plain reqwest client at `concurrency` against the simulator.
+async fn plain_rate(sim: &SimHandle, n: usize, concurrency: usize) -> f64 {
+    let client = reqwest::Client::new();
+    let url = format!("{}/chat/completions", sim.base_url());
+    let next = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let mut workers = Vec::new();
+    for _ in 0..concurrency {
+        let (client, url, next) = (client.clone(), url.clone(), next.clone());
+        workers.push(tokio::spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= n as u64 {
+                    break;
+                }
+                let mut req = request(i);
+                req.model = "m".into();
+                let r = client.post(&url).json(&req).send().await.unwrap();
+                let _ = r.bytes().await.unwrap();
+            }
+        }));
+    }
+    for w in workers {
+        w.await.unwrap();
+    }
+    let secs = start.elapsed().as_secs_f64();
+    eprintln!("plain client: {n} requests in {secs:.2}s");
+    n as f64 / secs
+}
+
+fn main() {
+    let bootstrap = std::env::var("SLUICE_BENCH_BOOTSTRAP").expect("run through `make bench-llm`");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let hdr = rt.block_on(quota_run(true));
+    let nohdr = rt.block_on(quota_run(false));
+    let sim = rt
+        .block_on(sluice::sim::start(
+            SimConfig::default(),
+            "127.0.0.1:0".parse().unwrap(),
+        ))
+        .unwrap();
+    let n: usize = std::env::var("SLUICE_BENCH_TASKS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20_000);
+    let concurrency = 64;
+    let plain = rt.block_on(plain_rate(&sim, n, concurrency));
+    let op = operator_rate(&bootstrap, &sim, n, concurrency);
+    let plain2 = rt.block_on(plain_rate(&sim, n, concurrency));
+    let plain = (plain + plain2) / 2.0;
+    println!(
+        "RESULT util_hdr={:.3} rate_429_hdr={:.4} util_nohdr={:.3} rate_429_nohdr={:.4} reconverge_s={:.0} overhead_ratio={:.2}",
+        hdr.util,
+        hdr.rate_429,
+        nohdr.util,
+        nohdr.rate_429,
+        hdr.reconverge_s.max(nohdr.reconverge_s),
+        op / plain
+    );
+}

@@ -1,0 +1,747 @@
+//! The LLM pipeline (`sluice run`) against the broker and the simulated
+//! provider over real sockets: faults, poison input, credentials, idempotency,
+//! slow calls, priority, circuit breaking and crashes.
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use common::{bootstrap, eventually, temp_dir, unique, Proc};
+use rdkafka::message::{Headers, OwnedMessage};
+use rdkafka::Message;
+use sluice::envelope::TaskResult;
+use sluice::kafka::{produce, read_topics, OutRecord};
+use sluice::sim::{SimConfig, SimHandle};
+
+/// A simulator, a config and the topics of one test.
+struct Pipeline {
+    rt: tokio::runtime::Runtime,
+    sim: SimHandle,
+    prefix: String,
+    config: PathBuf,
+    _dir: tempfile::TempDir,
+    state: tempfile::TempDir,
+}
+
+impl Pipeline {
+    fn new(sim_config: SimConfig, extra_toml: &str) -> Pipeline {
+        Self::with(sim_config, "exactly_once", extra_toml)
+    }
+
+    fn with(sim_config: SimConfig, guarantee: &str, extra_toml: &str) -> Pipeline {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let sim = rt
+            .block_on(sluice::sim::start(
+                sim_config,
+                "127.0.0.1:0".parse().unwrap(),
+            ))
+            .unwrap();
+        let prefix = unique("llm");
+        let dir = temp_dir();
+        let state = temp_dir();
+        let config = dir.path().join("sluice.toml");
+        let toml = format!(
+            r#"
+[app]
+id = "{prefix}-app"
+state_dir = "{state}"
+guarantee = "{guarantee}"
+max_in_flight_per_partition = 2000
+
+[kafka]
+bootstrap_servers = "{bootstrap}"
+session_timeout_ms = 6000
+
+[topics]
+tasks_prefix = "{prefix}.tasks."
+results_completed = "{prefix}.results.completed"
+results_failed = "{prefix}.results.failed"
+partitions = 2
+
+[tasks]
+max_bytes = 4096
+probe_interval_ms = 500
+
+[[llm.providers]]
+name = "sim"
+base_url = "{url}"
+
+[[llm.models]]
+name = "small"
+provider = "sim"
+timeout_ms = 30000
+limiter = {{ initial_rps = 400 }}
+breaker = {{ open_ms = 2000 }}
+
+[[llm.models]]
+name = "large"
+provider = "sim"
+timeout_ms = 30000
+limiter = {{ initial_rps = 400 }}
+
+[routing]
+default_model = "small"
+
+[prices.small]
+input = 150000
+output = 600000
+cached = 75000
+
+[http]
+listen = "127.0.0.1:0"
+{extra_toml}
+"#,
+            state = state.path().display(),
+            bootstrap = bootstrap(),
+            url = sim.base_url(),
+        );
+        std::fs::write(&config, toml).unwrap();
+        let p = Pipeline {
+            rt,
+            sim,
+            prefix,
+            config,
+            _dir: dir,
+            state,
+        };
+        let out = std::process::Command::new(common::sluice_bin())
+            .args([
+                "topics",
+                "create",
+                "--config",
+                &p.config.display().to_string(),
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "topics create: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        p
+    }
+
+    fn topic(&self, task_type: &str) -> String {
+        format!("{}.tasks.{task_type}", self.prefix)
+    }
+
+    fn dlq(&self, task_type: &str) -> String {
+        format!("{}.tasks.{task_type}.dlq", self.prefix)
+    }
+
+    fn completed(&self) -> String {
+        format!("{}.results.completed", self.prefix)
+    }
+
+    fn failed(&self) -> String {
+        format!("{}.results.failed", self.prefix)
+    }
+
+    /// Starts `sluice run` and waits until it is ready.
+    fn start(&self, name: &str) -> App {
+        self.start_env(name, &[])
+    }
+
+    /// Starts `sluice run` with extra environment and waits until it listens
+    /// (and, without extra environment, until it is ready).
+    fn start_env(&self, name: &str, env: &[(&str, &str)]) -> App {
+        let args = [
+            "run".into(),
+            "--config".into(),
+            self.config.display().to_string(),
+        ];
+        let proc = Proc::spawn_env(name, &args, env);
+        let line = proc
+            .wait_line(Duration::from_secs(60), |l| l.starts_with("LISTENING "))
+            .expect("sluice run listens");
+        let addr: SocketAddr = line["LISTENING ".len()..].trim().parse().unwrap();
+        let app = App { proc, addr };
+        if env.is_empty() {
+            eventually(Duration::from_secs(90), "ready", || {
+                (self.http(&app, "/readyz").0 == 200).then_some(())
+            });
+        }
+        app
+    }
+
+    fn http(&self, app: &App, path: &str) -> (u16, String) {
+        let url = format!("http://{}{path}", app.addr);
+        self.rt.block_on(async {
+            match reqwest::get(&url).await {
+                Ok(r) => (r.status().as_u16(), r.text().await.unwrap_or_default()),
+                Err(_) => (0, String::new()),
+            }
+        })
+    }
+
+    fn metric(&self, app: &App, name: &str) -> f64 {
+        let (_, text) = self.http(app, "/metrics");
+        text.lines()
+            .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    fn produce(&self, tasks: &[Task]) {
+        let mut by_topic: BTreeMap<String, Vec<OutRecord>> = BTreeMap::new();
+        for t in tasks {
+            by_topic
+                .entry(self.topic(&t.task_type))
+                .or_default()
+                .push(t.record());
+        }
+        for (topic, recs) in by_topic {
+            produce(&bootstrap(), &topic, recs).unwrap();
+        }
+    }
+
+    /// Results (completed and failed) read committed until `n` distinct task
+    /// ids have one, then a little longer to catch duplicates.
+    fn results(&self, n: usize, timeout: Duration) -> Vec<(TaskResult, OwnedMessage)> {
+        let topics = [self.completed(), self.failed()];
+        let t: Vec<&str> = topics.iter().map(String::as_str).collect();
+        let distinct = |m: &[OwnedMessage]| {
+            m.iter()
+                .filter_map(|m| m.key())
+                .collect::<std::collections::HashSet<_>>()
+                .len()
+        };
+        read_topics(&bootstrap(), &t, true, timeout, |m| distinct(m) >= n).unwrap();
+        std::thread::sleep(Duration::from_secs(2));
+        read_topics(&bootstrap(), &t, true, Duration::from_secs(5), |_| false)
+            .unwrap()
+            .into_iter()
+            .map(|m| {
+                (
+                    serde_json::from_slice::<TaskResult>(m.payload().unwrap()).unwrap(),
+                    m,
+                )
+            })
+            .collect()
+    }
+
+    fn dead_letters(&self, task_type: &str) -> Vec<OwnedMessage> {
+        read_topics(
+            &bootstrap(),
+            &[&self.dlq(task_type)],
+            true,
+            Duration::from_secs(3),
+            |_| false,
+        )
+        .unwrap()
+    }
+}
+
+struct App {
+    proc: Proc,
+    addr: SocketAddr,
+}
+
+#[derive(Clone)]
+struct Task {
+    id: String,
+    task_type: String,
+    tenant: String,
+    priority: &'static str,
+    content: String,
+}
+
+impl Task {
+    fn new(i: usize, task_type: &str, tenant: &str, priority: &'static str) -> Task {
+        Task {
+            id: format!("task-{i}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]),
+            task_type: task_type.into(),
+            tenant: tenant.into(),
+            priority,
+            content: format!("Document {i} about {task_type} for {tenant}: the quick brown fox jumps over the lazy dog."),
+        }
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let mut payload = serde_json::json!({ "content": self.content });
+        match self.task_type.as_str() {
+            "summarize" => payload["maxWords"] = 8.into(),
+            "classify" => payload["labels"] = serde_json::json!(["news", "sports", "tech"]),
+            "extract" => {
+                payload["schema"] = serde_json::json!({"type": "object", "properties": {"topic": {"type": "string"}}})
+            }
+            _ => {}
+        }
+        serde_json::json!({
+            "taskId": self.id,
+            "taskType": self.task_type,
+            "tenantId": self.tenant,
+            "requesterId": "svc",
+            "priority": self.priority,
+            "submittedAt": chrono::Utc::now().to_rfc3339(),
+            "attemptNumber": 1,
+            "payload": payload,
+            "metadata": {},
+        })
+    }
+
+    fn record(&self) -> OutRecord {
+        OutRecord {
+            key: Some(self.tenant.clone().into_bytes()),
+            value: Some(serde_json::to_vec(&self.json()).unwrap()),
+            headers: vec![(
+                "traceparent".into(),
+                format!("00-{}-00f067aa0ba902b7-01", uuid::Uuid::new_v4().simple()).into_bytes(),
+            )],
+            ..Default::default()
+        }
+    }
+}
+
+fn mixed_tasks(n: usize) -> Vec<Task> {
+    let types = ["summarize", "classify", "extract"];
+    let tenants = ["acme", "globex", "initech", "umbrella"];
+    (0..n)
+        .map(|i| {
+            Task::new(
+                i,
+                types[i % 3],
+                tenants[(i / 3) % 4],
+                ["high", "normal", "batch"][i % 3],
+            )
+        })
+        .collect()
+}
+
+fn header(m: &OwnedMessage, name: &str) -> Option<String> {
+    m.headers()?
+        .iter()
+        .find(|h| h.key == name)
+        .and_then(|h| h.value.map(|v| String::from_utf8_lossy(v).into_owned()))
+}
+
+fn count_by_task(results: &[(TaskResult, OwnedMessage)]) -> HashMap<String, usize> {
+    let mut n = HashMap::new();
+    for (r, _) in results {
+        *n.entry(r.task_id.clone()).or_insert(0) += 1;
+    }
+    n
+}
+
+#[test]
+fn every_task_gets_exactly_one_result_despite_provider_faults() {
+    let sim = SimConfig::from_json_value(serde_json::json!({
+        "error_rate": 0.10,
+        "content_policy_rate": 0.02,
+        "burst_429": { "every_s": 4, "duration_s": 1 },
+        "latency": { "kind": "uniform", "min_ms": 5, "max_ms": 60 },
+    }))
+    .unwrap();
+    let p = Pipeline::new(sim, "");
+    let mut app = p.start("faults");
+    let tasks = mixed_tasks(5_000);
+    p.produce(&tasks);
+    let results = p.results(tasks.len(), Duration::from_secs(300));
+    let counts = count_by_task(&results);
+    let missing: Vec<&Task> = tasks
+        .iter()
+        .filter(|t| !counts.contains_key(&t.id))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "{} tasks without a result",
+        missing.len()
+    );
+    let twice: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(
+        twice.is_empty(),
+        "{} tasks with more than one result: {:?}",
+        twice.len(),
+        &twice[..twice.len().min(5)]
+    );
+    // Only permanent failures are dead-lettered, each with a failed result.
+    let failed: Vec<&TaskResult> = results
+        .iter()
+        .map(|(r, _)| r)
+        .filter(|r| !r.success)
+        .collect();
+    let dead: Vec<OwnedMessage> = ["summarize", "classify", "extract"]
+        .iter()
+        .flat_map(|t| p.dead_letters(t))
+        .collect();
+    assert!(!failed.is_empty(), "the simulator refused some content");
+    assert_eq!(dead.len(), failed.len());
+    for m in &dead {
+        assert_eq!(header(m, "dlq.category").as_deref(), Some("content_policy"));
+    }
+    for r in &failed {
+        assert_eq!(r.error_code.as_deref(), Some("content_policy"));
+    }
+    // Successful results carry usage, cost and the trace context.
+    let (ok, msg) = results
+        .iter()
+        .find(|(r, _)| r.success && r.model == "small")
+        .unwrap();
+    assert!(
+        ok.input_tokens > 0 && ok.output_tokens > 0 && ok.cost_micros > 0,
+        "{ok:?}"
+    );
+    assert!(header(msg, "traceparent").is_some());
+    app.proc.stop();
+}
+
+#[test]
+fn at_least_once_gives_every_task_a_result() {
+    let sim = SimConfig::from_json_value(serde_json::json!({ "error_rate": 0.10 })).unwrap();
+    let p = Pipeline::with(sim, "at_least_once", "");
+    let mut app = p.start("alos");
+    let tasks = mixed_tasks(600);
+    p.produce(&tasks);
+    let counts = count_by_task(&p.results(tasks.len(), Duration::from_secs(120)));
+    assert!(tasks.iter().all(|t| counts.contains_key(&t.id)));
+    app.proc.stop();
+}
+
+#[test]
+fn poison_records_go_to_their_dead_letter_topics() {
+    let p = Pipeline::new(SimConfig::default(), "");
+    let mut app = p.start("poison");
+    let good: Vec<Task> = (0..3)
+        .map(|i| Task::new(i, "summarize", "acme", "normal"))
+        .collect();
+    let mut unknown = good[0].json();
+    unknown["taskType"] = "translate".into();
+    unknown["taskId"] = "poison-unknown-type".into();
+    let mut no_tenant = good[0].json();
+    no_tenant["taskId"] = "poison-no-tenant".into();
+    no_tenant.as_object_mut().unwrap().remove("tenantId");
+    no_tenant["requesterId"] = "".into();
+    let mut huge = good[0].json();
+    huge["taskId"] = "poison-huge".into();
+    huge["payload"]["content"] = "x".repeat(10_000).into();
+    let raw = |v: Vec<u8>| OutRecord {
+        key: Some(b"acme".to_vec()),
+        value: Some(v),
+        ..Default::default()
+    };
+    let summarize = vec![
+        good[0].record(),
+        raw(b"{not json".to_vec()),
+        good[1].record(),
+        raw(serde_json::to_vec(&unknown).unwrap()),
+        raw(serde_json::to_vec(&no_tenant).unwrap()),
+        raw(vec![0xff, 0xfe, 0xfd]),
+        good[2].record(),
+    ];
+    produce(&bootstrap(), &p.topic("summarize"), summarize).unwrap();
+    produce(
+        &bootstrap(),
+        &p.topic("classify"),
+        vec![raw(serde_json::to_vec(&huge).unwrap())],
+    )
+    .unwrap();
+    let results = p.results(3, Duration::from_secs(60));
+    let counts = count_by_task(&results);
+    assert!(
+        good.iter().all(|t| counts.get(&t.id) == Some(&1)),
+        "{counts:?}"
+    );
+    let reasons: Vec<String> = p
+        .dead_letters("summarize")
+        .iter()
+        .map(|m| {
+            assert_eq!(header(m, "dlq.category").as_deref(), Some("poison"));
+            assert_eq!(header(m, "dlq.original.topic"), Some(p.topic("summarize")));
+            header(m, "dlq.reason").unwrap()
+        })
+        .collect();
+    assert_eq!(reasons.len(), 4, "{reasons:?}");
+    assert!(reasons.iter().any(|r| r == "malformed_json"));
+    assert!(reasons.iter().any(|r| r.starts_with("unknown_task_type")));
+    assert!(reasons.iter().any(|r| r == "missing_tenant"));
+    assert!(reasons.iter().any(|r| r == "invalid_utf8"));
+    let big = p.dead_letters("classify");
+    assert_eq!(big.len(), 1);
+    assert_eq!(header(&big[0], "dlq.reason").as_deref(), Some("too_large"));
+    // Dead letters keep the original bytes; no result is emitted for poison.
+    assert!(!results
+        .iter()
+        .any(|(r, _)| r.task_id.starts_with("poison-")));
+    app.proc.stop();
+}
+
+#[test]
+fn rejected_credentials_hold_intake_until_the_provider_recovers() {
+    let sim = SimConfig::from_json_value(serde_json::json!({ "status_override": 401 })).unwrap();
+    let p = Pipeline::new(sim, "");
+    let mut app = p.start("auth");
+    let tasks: Vec<Task> = (0..20)
+        .map(|i| Task::new(i, "classify", "acme", "normal"))
+        .collect();
+    p.produce(&tasks);
+    eventually(Duration::from_secs(30), "readiness fails", || {
+        let (code, body) = p.http(&app, "/readyz");
+        (code == 503 && body.contains("provider:small")).then_some(())
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    let none = read_topics(
+        &bootstrap(),
+        &[&p.completed(), &p.failed()],
+        true,
+        Duration::from_secs(2),
+        |_| false,
+    )
+    .unwrap();
+    assert!(none.is_empty(), "no result while the key is rejected");
+    assert!(
+        p.dead_letters("classify").is_empty(),
+        "nothing is dead-lettered for a bad key"
+    );
+    p.sim.update(|c| c.status_override = None).unwrap();
+    let counts = count_by_task(&p.results(tasks.len(), Duration::from_secs(60)));
+    assert!(
+        tasks.iter().all(|t| counts.get(&t.id) == Some(&1)),
+        "{counts:?}"
+    );
+    eventually(Duration::from_secs(20), "ready again", || {
+        (p.http(&app, "/readyz").0 == 200).then_some(())
+    });
+    assert!(p.dead_letters("classify").is_empty());
+    app.proc.stop();
+}
+
+#[test]
+fn a_redelivered_completed_task_is_answered_without_a_second_call() {
+    let p = Pipeline::new(SimConfig::default(), "");
+    let mut app = p.start("idem");
+    let task = Task::new(1, "summarize", "acme", "normal");
+    p.produce(std::slice::from_ref(&task));
+    let first = p.results(1, Duration::from_secs(60));
+    assert_eq!(first.len(), 1);
+    p.produce(std::slice::from_ref(&task));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let both = loop {
+        let r = p.results(1, Duration::from_secs(5));
+        if r.len() >= 2 || Instant::now() > deadline {
+            break r;
+        }
+    };
+    assert_eq!(both.len(), 2, "the stored result is re-emitted");
+    assert_eq!(both[0].0.output, both[1].0.output);
+    assert_eq!(
+        both[0].0.completed_at, both[1].0.completed_at,
+        "the same stored result"
+    );
+    assert_eq!(
+        p.sim.calls_containing(&task.content),
+        1,
+        "one provider call"
+    );
+    assert!(p.metric(&app, "sluice_duplicates_skipped_total") >= 1.0);
+    app.proc.stop();
+}
+
+#[test]
+fn twenty_second_calls_cause_no_rebalance_and_no_duplicate_call() {
+    let sim = SimConfig::from_json_value(
+        serde_json::json!({ "latency": { "kind": "fixed", "ms": 20000 } }),
+    )
+    .unwrap();
+    let p = Pipeline::new(sim, "");
+    // max.poll.interval at 10 s (session timeout must stay below it).
+    let text = std::fs::read_to_string(&p.config).unwrap().replace(
+        "session_timeout_ms = 6000",
+        "session_timeout_ms = 6000\nmax_poll_interval_ms = 10000",
+    );
+    std::fs::write(&p.config, text).unwrap();
+    let mut app = p.start("slow");
+    let tasks: Vec<Task> = (0..4)
+        .map(|i| Task::new(i, "classify", "acme", "normal"))
+        .collect();
+    p.produce(&tasks);
+    let counts = count_by_task(&p.results(tasks.len(), Duration::from_secs(90)));
+    assert!(
+        tasks.iter().all(|t| counts.get(&t.id) == Some(&1)),
+        "{counts:?}"
+    );
+    assert_eq!(p.sim.stats().served_ok, 4, "no duplicate call");
+    assert_eq!(p.metric(&app, "sluice_rebalances_total"), 0.0);
+    app.proc.stop();
+}
+
+#[test]
+fn high_priority_tasks_finish_first_when_the_limiter_is_the_bottleneck() {
+    let sim = SimConfig::from_json_value(serde_json::json!({ "rps": 8.0, "burst": 2 })).unwrap();
+    let p = Pipeline::new(sim, "");
+    let text = std::fs::read_to_string(&p.config)
+        .unwrap()
+        .replace("initial_rps = 400", "initial_rps = 8");
+    std::fs::write(&p.config, text).unwrap();
+    let mut app = p.start("prio");
+    let tasks: Vec<Task> = (0..90)
+        .map(|i| Task::new(i, "classify", "acme", ["batch", "normal", "high"][i % 3]))
+        .collect();
+    let started = Instant::now();
+    p.produce(&tasks);
+    let results = p.results(tasks.len(), Duration::from_secs(120));
+    let _ = started;
+    let by_id: HashMap<&str, &Task> = tasks.iter().map(|t| (t.id.as_str(), t)).collect();
+    let mut done: HashMap<&str, Vec<i64>> = HashMap::new();
+    for (r, _) in &results {
+        let t = by_id[r.task_id.as_str()];
+        done.entry(t.priority)
+            .or_default()
+            .push(r.completed_at.timestamp_millis());
+    }
+    let median = |p: &str| {
+        let mut v = done[p].clone();
+        v.sort();
+        v[v.len() / 2]
+    };
+    assert_eq!(done["batch"].len(), 30, "batch tasks complete too");
+    assert!(
+        median("high") < median("batch"),
+        "high {} batch {}",
+        median("high"),
+        median("batch")
+    );
+    assert!(median("high") <= median("normal"));
+    app.proc.stop();
+}
+
+#[test]
+fn a_failure_storm_opens_the_breaker_routes_to_the_fallback_and_recovers() {
+    let sim = SimConfig::from_json_value(serde_json::json!({
+        "model_overrides": { "small": { "status_override": 503 } }
+    }))
+    .unwrap();
+    let p = Pipeline::new(sim, "[routing.fallbacks]\nsmall = \"large\"\n");
+    let mut app = p.start("breaker");
+    let storm: Vec<Task> = (0..40)
+        .map(|i| Task::new(i, "summarize", "acme", "normal"))
+        .collect();
+    p.produce(&storm);
+    let results = p.results(storm.len(), Duration::from_secs(90));
+    assert!(
+        results.iter().all(|(r, _)| r.success),
+        "every task completed"
+    );
+    let fallback: Vec<&TaskResult> = results
+        .iter()
+        .map(|(r, _)| r)
+        .filter(|r| r.model == "large" && r.route.reason.contains("fallback"))
+        .collect();
+    assert!(!fallback.is_empty(), "traffic moved to the fallback model");
+    assert!(p.metric(&app, "sluice_breaker_state{model=\"small\"}") >= 1.0 || !fallback.is_empty());
+    // Recovery: after the cool-down the breaker probes, closes, and the
+    // primary model serves again.
+    p.sim.update(|c| c.model_overrides.clear()).unwrap();
+    let later: Vec<Task> = (100..140)
+        .map(|i| Task::new(i, "summarize", "acme", "normal"))
+        .collect();
+    std::thread::sleep(Duration::from_secs(3));
+    p.produce(&later);
+    let all = p.results(storm.len() + later.len(), Duration::from_secs(90));
+    let ids: std::collections::HashSet<&str> = later.iter().map(|t| t.id.as_str()).collect();
+    let small_again = all
+        .iter()
+        .filter(|(r, _)| ids.contains(r.task_id.as_str()) && r.model == "small")
+        .count();
+    assert!(small_again > 0, "the primary model serves again");
+    eventually(Duration::from_secs(30), "breaker closed", || {
+        (p.metric(&app, "sluice_breaker_state{model=\"small\"}") == 0.0).then_some(())
+    });
+    app.proc.stop();
+}
+
+#[test]
+fn sigkill_under_load_loses_nothing_and_never_answers_twice() {
+    let sim = SimConfig::from_json_value(serde_json::json!({
+        "latency": { "kind": "uniform", "min_ms": 20, "max_ms": 400 },
+        "error_rate": 0.05,
+    }))
+    .unwrap();
+    let p = Pipeline::new(sim, "");
+    let mut app = p.start("kill-1");
+    let tasks = mixed_tasks(2_000);
+    p.produce(&tasks);
+    // Kill once roughly a third of the results are out.
+    eventually(Duration::from_secs(120), "a third of the results", || {
+        let n = read_topics(
+            &bootstrap(),
+            &[&p.completed(), &p.failed()],
+            false,
+            Duration::from_secs(1),
+            |_| false,
+        )
+        .unwrap()
+        .len();
+        (n > tasks.len() / 3).then_some(())
+    });
+    app.proc.kill9();
+    let mut app = p.start("kill-2");
+    let results = p.results(tasks.len(), Duration::from_secs(240));
+    let counts = count_by_task(&results);
+    let missing = tasks.iter().filter(|t| !counts.contains_key(&t.id)).count();
+    let twice: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
+    assert_eq!(missing, 0, "no task lost");
+    assert!(
+        twice.is_empty(),
+        "{} tasks answered twice: {:?}",
+        twice.len(),
+        &twice[..twice.len().min(5)]
+    );
+    let _ = &p.state;
+    app.proc.stop();
+}
+
+/// A crash inside a commit, after the results (or also the idempotency
+/// records) reached the broker: the test broker exposes that interrupted
+/// transaction to `read_committed` readers. The restarted instance must
+/// neither lose a task nor answer one twice.
+fn crash_inside_a_commit(failpoint: &str) {
+    let sim = SimConfig::from_json_value(serde_json::json!({
+        "latency": { "kind": "uniform", "min_ms": 5, "max_ms": 50 },
+    }))
+    .unwrap();
+    let p = Pipeline::new(sim, "");
+    let mut first = p.start_env("crash-1", &[("SLUICE_FAILPOINT", failpoint)]);
+    let tasks = mixed_tasks(600);
+    p.produce(&tasks);
+    let status = eventually(
+        Duration::from_secs(120),
+        "the failpoint aborts the process",
+        || first.proc.child.try_wait().unwrap(),
+    );
+    assert!(!status.success());
+    let calls_before = p.sim.stats().served_ok;
+    let mut app = p.start("crash-2");
+    let results = p.results(tasks.len(), Duration::from_secs(180));
+    let counts = count_by_task(&results);
+    let missing = tasks.iter().filter(|t| !counts.contains_key(&t.id)).count();
+    let twice: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
+    assert_eq!(missing, 0, "no task lost");
+    assert!(
+        twice.is_empty(),
+        "{} tasks answered twice: {:?}",
+        twice.len(),
+        &twice[..twice.len().min(5)]
+    );
+    assert!(
+        calls_before > 0,
+        "the first instance answered tasks before it crashed"
+    );
+    app.proc.stop();
+}
+
+#[test]
+fn a_crash_after_results_were_written_answers_no_task_twice() {
+    crash_inside_a_commit("eos_after_output_flush:3");
+}
+
+#[test]
+fn a_crash_after_idempotency_records_were_written_answers_no_task_twice() {
+    crash_inside_a_commit("eos_after_changelog_flush:3");
+}
