@@ -36,7 +36,7 @@ fn request(i: u64) -> ChatRequest {
         model: String::new(),
         messages: vec![
             Message::system("Task: classify\nLabels: a, b, c"),
-            Message::user(&format!("item {i}: the quick brown fox")),
+            Message::user(format!("item {i}: the quick brown fox")),
         ],
         max_tokens: Some(8),
         temperature: None,
