@@ -30,8 +30,16 @@ pub async fn run(config_path: &Path) -> Result<(), RunError> {
     run_with(config).await
 }
 
-/// Runs a loaded config.
+/// Runs a loaded config until SIGTERM/SIGINT.
 pub async fn run_with(config: Config) -> Result<(), RunError> {
+    run_until(config, signals()).await
+}
+
+/// Runs a loaded config until `shutdown` resolves (or a fatal error).
+pub async fn run_until(
+    config: Config,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), RunError> {
     let registry = Registry::new();
     let engine_metrics = EngineMetrics::register(&registry).map_err(anyhow::Error::from)?;
     let client = LlmClient::from_config(&config.llm, &registry).map_err(|e| ConfigError {
@@ -71,7 +79,7 @@ pub async fn run_with(config: Config) -> Result<(), RunError> {
     .await?;
     tracing::info!(%local, "http listening");
     println!("LISTENING {local}");
-    let result = wait(&app).await;
+    let result = wait(&app, shutdown).await;
     app.shutdown();
     let joined = tokio::task::spawn_blocking(move || app.join())
         .await
@@ -82,13 +90,28 @@ pub async fn run_with(config: Config) -> Result<(), RunError> {
     Ok(())
 }
 
-async fn wait(app: &RunningApp) -> Result<(), RunError> {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .map_err(anyhow::Error::from)?;
+async fn signals() {
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
+async fn wait(
+    app: &RunningApp,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), RunError> {
+    tokio::pin!(shutdown);
     loop {
         tokio::select! {
-            _ = term.recv() => return Ok(()),
-            _ = tokio::signal::ctrl_c() => return Ok(()),
+            _ = &mut shutdown => return Ok(()),
             _ = tokio::time::sleep(Duration::from_millis(200)) => {
                 if app.is_finished() { return Ok(()); }
             }
