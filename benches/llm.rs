@@ -166,7 +166,7 @@ base_url = "{url}"
 [[llm.models]]
 name = "m"
 provider = "sim"
-limiter = {{ initial_rps = 100000, max_concurrency = {concurrency} }}
+limiter = {{ initial_rps = 1000000, max_rps = 1000000, max_concurrency = {concurrency} }}
 
 [http]
 listen = "127.0.0.1:0"

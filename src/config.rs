@@ -78,6 +78,11 @@ pub struct AppSection {
     pub max_in_flight_per_partition: usize,
     /// How long a rebalance waits for in-flight calls before abandoning them (ms).
     pub drain_timeout_ms: u64,
+    /// Commit the tasks' transactions in parallel (exactly-once). Safe here
+    /// because every write of a task goes to its own partition number (results,
+    /// dead letters, re-published tasks, changelogs), so no two tasks'
+    /// transactions touch the same partition.
+    pub parallel_commits: bool,
     /// RocksDB block cache shared by all tasks, MiB.
     pub rocksdb_block_cache_mb: usize,
     /// RocksDB memtable budget shared by all tasks, MiB.
@@ -93,6 +98,7 @@ impl Default for AppSection {
             commit_interval_ms: None,
             max_in_flight_per_partition: 1000,
             drain_timeout_ms: 30_000,
+            parallel_commits: true,
             rocksdb_block_cache_mb: 64,
             rocksdb_write_buffer_mb: 32,
         }
@@ -424,6 +430,7 @@ impl Config {
         s.commit_interval = self.app.commit_interval_ms.map(Duration::from_millis);
         s.max_in_flight_per_partition = self.app.max_in_flight_per_partition;
         s.drain_timeout = Duration::from_millis(self.app.drain_timeout_ms);
+        s.parallel_commits = self.app.parallel_commits;
         s.session_timeout = Duration::from_millis(self.kafka.session_timeout_ms);
         s.max_poll_interval = Duration::from_millis(self.kafka.max_poll_interval_ms);
         s.transaction_timeout = Duration::from_millis(self.kafka.transaction_timeout_ms);

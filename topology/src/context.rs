@@ -127,8 +127,8 @@ pub struct TaskCtx {
     pub(crate) spawner: Spawner,
     pub(crate) counters: TaskCounters,
     pub(crate) commit_requested: bool,
-    /// Input topic → its dead-letter topic, if any.
-    pub(crate) dead_letter_topics: HashMap<String, Option<String>>,
+    /// Input topic → its dead-letter topic and that topic's partition count.
+    pub(crate) dead_letter_topics: HashMap<String, Option<(String, Option<i32>)>>,
     /// Next offset after this task's committed outputs, per topic partition.
     pub(crate) output_ends: HashMap<(String, i32), i64>,
 }

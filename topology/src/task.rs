@@ -102,6 +102,7 @@ impl TaskCore {
         state: Option<TaskState>,
         runtime: tokio::runtime::Handle,
         completions: Sender<CompletionMsg>,
+        dlq_partitions: &HashMap<String, i32>,
     ) -> Result<TaskCore, TopologyError> {
         let id = TaskId {
             subtopology: sub.id as u32,
@@ -130,7 +131,13 @@ impl TaskCore {
         let mut ctx = ctx;
         ctx.dead_letter_topics = slots
             .iter()
-            .map(|s| (s.topic.clone(), s.dead_letter.clone()))
+            .map(|s| {
+                let dlq = s.dead_letter.clone().map(|d| {
+                    let n = dlq_partitions.get(&d).copied();
+                    (d, n)
+                });
+                (s.topic.clone(), dlq)
+            })
             .collect();
         let mut task = TaskCore {
             id,
@@ -358,7 +365,7 @@ impl TaskCtx {
                 "its source has no dead-letter topic".into(),
             ));
         };
-        let topic = self
+        let (topic, partitions) = self
             .dead_letter_topics
             .get(&raw.topic)
             .cloned()
@@ -381,9 +388,12 @@ impl TaskCtx {
             .dead_lettered
             .entry(category.to_string())
             .or_default() += 1;
+        // The same partition number as the original (modulo the dead-letter
+        // topic's partitions): a task's writes stay in its own partitions.
+        let partition = partitions.filter(|n| *n > 0).map(|n| raw.partition % n);
         self.out.push(OutputRecord {
             topic,
-            partition: None,
+            partition,
             key: raw.key.clone(),
             value: raw.value.clone(),
             timestamp: raw.timestamp,

@@ -68,6 +68,7 @@ impl TopologyTestDriver {
                 state,
                 runtime.handle().clone(),
                 tx.clone(),
+                &HashMap::new(),
             )?);
         }
         Ok(TopologyTestDriver {

@@ -41,19 +41,32 @@ struct TopicSpec {
 }
 
 /// Checks sources and creates internal topics.
+/// Partition counts of the dead-letter topics, by name.
+pub(crate) type DeadLetterPartitions = HashMap<String, i32>;
+
 pub(crate) fn prepare_topics(
     cfg: &StreamsConfig,
     topology: &Topology,
-) -> Result<(), TopologyError> {
+) -> Result<DeadLetterPartitions, TopologyError> {
     let app = &cfg.application_id;
     let mut all: Vec<String> = Vec::new();
+    let mut dead_letters: Vec<String> = Vec::new();
     for st in topology.subtopologies() {
         all.extend(st.source_topics(app));
         for s in st.stores() {
             all.push(Topology::changelog_topic(app, &s.name));
         }
+        dead_letters.extend(st.sources.iter().filter_map(|s| s.dead_letter.clone()));
     }
+    all.extend(dead_letters.iter().cloned());
     let existing = partition_counts(cfg, &all)?;
+    let mut dlq_partitions = DeadLetterPartitions::new();
+    for d in dead_letters {
+        let c = *existing
+            .get(&d)
+            .ok_or_else(|| TopologyError::MissingTopic(format!("{d} (dead-letter topic)")))?;
+        dlq_partitions.insert(d, c);
+    }
     let n = topology.subtopologies().len();
     let mut parts: Vec<Option<i32>> = vec![None; n];
     // External sources first; then repartition-fed sub-topologies in order
@@ -144,7 +157,8 @@ pub(crate) fn prepare_topics(
             check_or_plan(&existing, &name, p, configs, &mut to_create)?;
         }
     }
-    create_topics(cfg, &to_create)
+    create_topics(cfg, &to_create)?;
+    Ok(dlq_partitions)
 }
 
 fn check_or_plan(

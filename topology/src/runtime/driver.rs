@@ -70,6 +70,7 @@ struct Engine {
     topology: Arc<Topology>,
     cfg: Arc<StreamsConfig>,
     metrics: EngineMetrics,
+    dlq_partitions: super::admin::DeadLetterPartitions,
     env: RocksEnv,
     runtime: tokio::runtime::Handle,
     completions_tx: Sender<CompletionMsg>,
@@ -146,6 +147,7 @@ impl Driver {
         topology: Arc<Topology>,
         cfg: Arc<StreamsConfig>,
         metrics: EngineMetrics,
+        dlq_partitions: super::admin::DeadLetterPartitions,
         runtime: tokio::runtime::Handle,
         status: Arc<AppStatus>,
         intake: IntakeControl,
@@ -169,6 +171,7 @@ impl Driver {
             topology,
             cfg: cfg.clone(),
             metrics: metrics.clone(),
+            dlq_partitions,
             env,
             runtime,
             completions_tx,
@@ -408,8 +411,12 @@ impl Engine {
 
     /// Commits every task.
     fn commit_all(&mut self, consumer: &DriverConsumer) -> Result<(), RuntimeError> {
+        let started = Instant::now();
         let ids: Vec<TaskId> = self.tasks.keys().copied().collect();
         self.commit_tasks(consumer, &ids)?;
+        self.metrics
+            .commit_seconds
+            .observe(started.elapsed().as_secs_f64());
         // The interval runs from the end of a commit, so slow commits still
         // leave a full interval of processing between them.
         self.last_commit = Instant::now();
@@ -823,6 +830,7 @@ impl Engine {
                 restored.state,
                 self.runtime.clone(),
                 self.completions_tx.clone(),
+                &self.dlq_partitions,
             )?;
             let mut task = ActiveTask {
                 core,
@@ -929,20 +937,32 @@ fn commit_eos(
         task.producer.begin_transaction()?;
         task.txn_open = true;
     }
+    let t0 = Instant::now();
     produce_outputs(task, metrics, outputs)?;
     // Outputs first: a changelog record visible to a reader implies the
     // outputs that preceded it are visible too.
     flush(&task.producer, &task.delivery, FLUSH_TIMEOUT).map_err(RuntimeError::Other)?;
+    let t1 = Instant::now();
     failpoint("eos_after_output_flush");
     send_changelog(task, app, dirty)?;
     flush(&task.producer, &task.delivery, FLUSH_TIMEOUT).map_err(RuntimeError::Other)?;
     failpoint("eos_after_changelog_flush");
+    let t2 = Instant::now();
     if !offsets.is_empty() {
         let tpl = offsets_tpl(&task.core, &offsets)?;
         task.producer
             .send_offsets_to_transaction(&tpl, meta, TXN_TIMEOUT)?;
     }
+    let t3 = Instant::now();
     task.producer.commit_transaction(TXN_TIMEOUT)?;
+    tracing::trace!(
+        task = %id,
+        outputs_ms = (t1 - t0).as_millis() as u64,
+        changelog_ms = (t2 - t1).as_millis() as u64,
+        offsets_ms = (t3 - t2).as_millis() as u64,
+        end_ms = t3.elapsed().as_millis() as u64,
+        "transaction committed"
+    );
     task.txn_open = false;
     let next = task.delivery.take_changelog_next(id);
     if let Some(state) = task.core.ctx.state.as_mut() {

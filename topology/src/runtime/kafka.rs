@@ -211,15 +211,28 @@ pub(crate) fn send(
     }
 }
 
-/// Flushes a producer and reports the first delivery error.
+/// Waits until every record sent was acknowledged and its delivery report
+/// handled, then reports the first delivery error.
+///
+/// `Producer::flush` with a timeout sleeps in 100 ms polls between checks;
+/// zero-timeout flushes (which also wake the broker threads) in a short loop
+/// keep a commit at the broker's round-trip time.
 pub(crate) fn flush(
     producer: &TrackedProducer,
     state: &DeliveryState,
     timeout: Duration,
 ) -> Result<(), String> {
-    producer
-        .flush(timeout)
-        .map_err(|e| format!("producer flush failed: {e}"))?;
+    let deadline = std::time::Instant::now() + timeout;
+    while producer.in_flight_count() > 0 {
+        if std::time::Instant::now() > deadline {
+            return Err(format!(
+                "producer flush timed out with {} records unacknowledged",
+                producer.in_flight_count()
+            ));
+        }
+        let _ = producer.flush(Duration::ZERO);
+        std::thread::sleep(Duration::from_micros(200));
+    }
     match state.take_error() {
         Some(e) => Err(e),
         None => Ok(()),

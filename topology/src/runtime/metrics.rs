@@ -25,6 +25,8 @@ pub mod names {
     pub const RESTORE_RECORDS: &str = "sluice_restore_records_total";
     /// Commits (transactions committed under exactly-once).
     pub const COMMITS: &str = "sluice_commits_total";
+    /// Time a commit (of all tasks) blocks processing.
+    pub const COMMIT_SECONDS: &str = "sluice_commit_seconds";
     /// Transactions aborted.
     pub const ABORTED: &str = "sluice_aborted_transactions_total";
     /// Consumer lag per topic, from client statistics.
@@ -51,6 +53,7 @@ pub struct EngineMetrics {
     pub(crate) restore_seconds: Histogram,
     pub(crate) restore_records: IntCounter,
     pub(crate) commits: IntCounter,
+    pub(crate) commit_seconds: Histogram,
     pub(crate) aborted: IntCounter,
     pub(crate) lag: IntGaugeVec,
     pub(crate) dlq: IntCounterVec,
@@ -84,6 +87,15 @@ impl EngineMetrics {
             )?,
             restore_records: IntCounter::new(names::RESTORE_RECORDS, "Changelog records restored")?,
             commits: IntCounter::new(names::COMMITS, "Commits")?,
+            commit_seconds: Histogram::with_opts(
+                HistogramOpts::new(
+                    names::COMMIT_SECONDS,
+                    "Time a commit of all tasks blocks processing",
+                )
+                .buckets(vec![
+                    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
+                ]),
+            )?,
             aborted: IntCounter::new(names::ABORTED, "Transactions aborted")?,
             lag: IntGaugeVec::new(
                 Opts::new(names::LAG, "Consumer lag per input topic"),
@@ -116,6 +128,7 @@ impl EngineMetrics {
         registry.register(Box::new(m.restore_seconds.clone()))?;
         registry.register(Box::new(m.restore_records.clone()))?;
         registry.register(Box::new(m.commits.clone()))?;
+        registry.register(Box::new(m.commit_seconds.clone()))?;
         registry.register(Box::new(m.aborted.clone()))?;
         registry.register(Box::new(m.lag.clone()))?;
         registry.register(Box::new(m.dlq.clone()))?;

@@ -198,7 +198,7 @@ impl StreamsApp {
     /// Any problem found before processing starts is returned here.
     pub fn start(self) -> Result<RunningApp, TopologyError> {
         self.cfg.validate()?;
-        admin::prepare_topics(&self.cfg, &self.topology)?;
+        let dlq_partitions = admin::prepare_topics(&self.cfg, &self.topology)?;
         let shutdown = Arc::new(AtomicBool::new(false));
         let status = Arc::new(AppStatus::new());
         let (own_runtime, handle) = match self.runtime {
@@ -220,6 +220,7 @@ impl StreamsApp {
             self.topology,
             self.cfg,
             self.metrics,
+            dlq_partitions,
             handle,
             status.clone(),
             self.intake.clone(),
