@@ -44,6 +44,11 @@ struct ConfigArg {
     config: PathBuf,
 }
 
+/// The allocator: record processing allocates many small, short-lived
+/// buffers, which mimalloc serves several times faster than the system's.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Exit code for an invalid configuration.
 const EXIT_CONFIG: u8 = 2;
 

@@ -641,6 +641,8 @@ pub trait ChatTransport: Send + Sync + 'static {
 pub struct HttpProvider {
     name: String,
     url: String,
+    /// `url`, parsed once (not per request).
+    parsed_url: reqwest::Url,
     api_key: Option<Secret>,
     http: reqwest::Client,
 }
@@ -654,9 +656,14 @@ impl HttpProvider {
             .pool_max_idle_per_host(config.max_idle_connections)
             .build()
             .map_err(|e| LlmError::Config(format!("http client: {}", e.without_url())))?;
+        let url = completions_url(&config.base_url);
+        let parsed_url = reqwest::Url::parse(&url).map_err(|e| {
+            LlmError::Config(format!("provider {}: invalid base_url: {e}", config.name))
+        })?;
         Ok(Self {
             name: config.name.clone(),
-            url: completions_url(&config.base_url),
+            url,
+            parsed_url,
             api_key,
             http,
         })
@@ -674,7 +681,7 @@ impl HttpProvider {
 
     /// Sends one chat completion request.
     pub async fn chat(&self, request: &ChatRequest) -> Result<ChatResponse, LlmError> {
-        let mut builder = self.http.post(&self.url).json(request);
+        let mut builder = self.http.post(self.parsed_url.clone()).json(request);
         if let Some(key) = &self.api_key {
             builder = builder.bearer_auth(key.expose());
         }

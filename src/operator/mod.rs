@@ -40,8 +40,6 @@ pub use metrics::OperatorMetrics;
 
 /// Store of completed task ids → stored result (changelogged).
 pub const COMPLETED_STORE: &str = "completed";
-/// Expiry index of the completed store: (minute bucket, task id) → ().
-pub const EXPIRY_STORE: &str = "completed-expiry";
 /// Operator bookkeeping (results topic ends, sweep progress).
 pub const META_STORE: &str = "operator-meta";
 
@@ -77,7 +75,7 @@ pub struct StoredOutcome {
     pub result_json: Vec<u8>,
     /// Whether it went to the completed topic.
     pub success: bool,
-    /// Expiry bucket (minute) of the entry.
+    /// When the entry expires: minutes since the epoch.
     pub bucket: i64,
 }
 
@@ -85,8 +83,6 @@ pub struct StoredOutcome {
 struct Meta {
     /// Next offset after this task's committed results, per results topic.
     results_end: BTreeMap<String, i64>,
-    /// Last expiry bucket swept.
-    swept_bucket: i64,
 }
 
 const META_KEY: &str = "meta";
@@ -108,7 +104,7 @@ struct Job {
 
 /// What comes back from a call.
 pub struct CallDone {
-    job: Job,
+    job: Box<Job>,
     result: Result<CallOutcome, CallFailure>,
     held: InFlight,
 }
@@ -120,7 +116,6 @@ pub fn build_topology(op: Arc<Operator>) -> Result<Topology, TopologyError> {
     let cfg = &op.config;
     let b = StreamBuilder::new();
     b.add_kv_store(COMPLETED_STORE, true);
-    b.add_kv_store(EXPIRY_STORE, true);
     b.add_kv_store(META_STORE, true);
     let mut streams = cfg.topics.task_types.iter().map(|t| {
         b.stream_with(
@@ -137,11 +132,9 @@ pub fn build_topology(op: Arc<Operator>) -> Result<Topology, TopologyError> {
         .ok_or_else(|| TopologyError::Invalid("no task types configured".into()))?;
     let merged = streams.fold(first, |acc, s| acc.merge(&s));
     let shared = op.clone();
-    merged.process(
-        "llm",
-        &[COMPLETED_STORE, EXPIRY_STORE, META_STORE],
-        move || LlmTaskProcessor::new(shared.clone()),
-    );
+    merged.process("llm", &[COMPLETED_STORE, META_STORE], move || {
+        LlmTaskProcessor::new(shared.clone())
+    });
     b.build()
 }
 
@@ -153,11 +146,14 @@ pub struct LlmTaskProcessor {
     op: Arc<Operator>,
     /// Tasks with a call under way → redeliveries of them waiting for its result.
     in_flight: std::collections::HashMap<String, Vec<(InFlight, Headers)>>,
-    parked: Vec<(Job, InFlight)>,
+    parked: Vec<(Box<Job>, InFlight)>,
     probing: bool,
     last_probe_ms: i64,
     meta: Meta,
     meta_dirty: bool,
+    /// Where the expiry sweep of the completed store goes on from.
+    sweep_cursor: Option<Vec<u8>>,
+    last_sweep_ms: i64,
 }
 
 fn now_ms() -> i64 {
@@ -174,6 +170,8 @@ impl LlmTaskProcessor {
             last_probe_ms: 0,
             meta: Meta::default(),
             meta_dirty: false,
+            sweep_cursor: None,
+            last_sweep_ms: 0,
         }
     }
 
@@ -257,8 +255,6 @@ impl LlmTaskProcessor {
                 bucket,
             },
         );
-        ctx.kv::<(i64, String), ()>(EXPIRY_STORE)?
-            .put(&(bucket, result.task_id.clone()), &());
         self.op
             .metrics
             .results
@@ -337,7 +333,7 @@ impl LlmTaskProcessor {
 
     /// Starts (or restarts) the provider call of a job, routing around an open
     /// breaker when a fallback exists, else holding the job.
-    fn start_call(&mut self, ctx: &mut Ctx<'_>, mut job: Job, held: InFlight) {
+    fn start_call(&mut self, ctx: &mut Ctx<'_>, mut job: Box<Job>, held: InFlight) {
         if !job.probe && self.op.client.is_open(&job.model) {
             match self.op.config.routing.fallbacks.get(&job.model) {
                 Some(fallback) if !self.op.client.is_open(fallback) => {
@@ -373,7 +369,7 @@ impl LlmTaskProcessor {
         });
     }
 
-    fn park(&mut self, job: Job, held: InFlight) {
+    fn park(&mut self, job: Box<Job>, held: InFlight) {
         self.parked.push((job, held));
         self.op.metrics.parked.set(self.parked.len() as i64);
     }
@@ -516,34 +512,27 @@ impl LlmTaskProcessor {
         Ok(())
     }
 
-    /// Removes idempotency entries whose time is up.
+    /// Removes idempotency entries whose time is up, a page per tick: an
+    /// incremental sweep costs nothing per task and bounds the work per tick.
     fn sweep(&mut self, ctx: &mut Ctx<'_>, now: i64) -> Result<(), ProcessError> {
+        const PAGE: usize = 1024;
+        if now - self.last_sweep_ms < 1_000 {
+            return Ok(());
+        }
+        self.last_sweep_ms = now;
         let current = now / MINUTE_MS;
-        if self.meta.swept_bucket == 0 {
-            self.meta.swept_bucket = current - 1;
-            self.meta_dirty = true;
+        let mut completed = ctx.kv::<String, StoredOutcome>(COMPLETED_STORE)?;
+        let page = completed.scan_after_bytes(self.sweep_cursor.as_deref(), PAGE)?;
+        if page.is_empty() {
+            self.sweep_cursor = None;
+            return Ok(());
         }
-        // At most an hour of buckets per tick keeps a tick short after downtime.
-        let until = current.min(self.meta.swept_bucket + 60);
-        for bucket in self.meta.swept_bucket + 1..=until {
-            let prefix = sluice_topology::to_bincode(&bucket);
-            let expired: Vec<((i64, String), ())> = ctx
-                .kv::<(i64, String), ()>(EXPIRY_STORE)?
-                .scan_prefix_bytes(&prefix)?;
-            for ((b, task_id), ()) in expired {
-                if b != bucket {
-                    continue;
-                }
-                ctx.kv::<(i64, String), ()>(EXPIRY_STORE)?
-                    .delete(&(b, task_id.clone()));
-                let mut completed = ctx.kv::<String, StoredOutcome>(COMPLETED_STORE)?;
-                if completed.get(&task_id)?.is_some_and(|o| o.bucket == b) {
-                    completed.delete(&task_id);
-                }
+        for (_, task_id, outcome) in &page {
+            if outcome.bucket <= current {
+                completed.delete(task_id);
             }
-            self.meta.swept_bucket = bucket;
-            self.meta_dirty = true;
         }
+        self.sweep_cursor = page.last().map(|(kb, _, _)| kb.clone());
         Ok(())
     }
 }
@@ -676,7 +665,7 @@ impl Processor<RawKey, Option<Vec<u8>>> for LlmTaskProcessor {
             return Err(ProcessError::Fatal("no current record".into()));
         };
         self.in_flight.insert(job.task.task_id.clone(), Vec::new());
-        self.start_call(ctx, job, held);
+        self.start_call(ctx, Box::new(job), held);
         Ok(())
     }
 

@@ -17,9 +17,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use sluice_topology::ProcessError;
 
-use super::{
-    result_position, Ctx, LlmTaskProcessor, StoredOutcome, COMPLETED_STORE, EXPIRY_STORE, MINUTE_MS,
-};
+use super::{result_position, Ctx, LlmTaskProcessor, StoredOutcome, COMPLETED_STORE, MINUTE_MS};
 use crate::envelope::TaskResult;
 
 const SCAN_TIMEOUT: Duration = Duration::from_secs(60);
@@ -107,11 +105,6 @@ pub(super) fn recover_results(
                     bucket,
                 },
                 Some(position),
-            );
-            ctx.kv::<(i64, String), ()>(EXPIRY_STORE)?.put_at(
-                &(bucket, result.task_id.clone()),
-                &(),
-                None,
             );
             recovered += 1;
         }

@@ -291,6 +291,54 @@ impl TaskState {
             .collect()
     }
 
+    /// Up to `limit` entries of a key-value store with keys after `after`
+    /// (from the first key when `None`), in key order, merging the write cache
+    /// over RocksDB. For incremental sweeps.
+    pub fn scan_after(
+        &self,
+        id: StoreId,
+        after: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<Vec<(Vec<u8>, StoredValue)>, StateError> {
+        let mode = match after {
+            Some(k) => IteratorMode::From(k, Direction::Forward),
+            None => IteratorMode::Start,
+        };
+        let mut merged: BTreeMap<Vec<u8>, Option<Vec<u8>>> = BTreeMap::new();
+        for item in self.db.iterator_cf(self.cf(id), mode) {
+            let (k, v) = item.map_err(|e| self.rocks_err(e))?;
+            if after.is_some_and(|a| k.as_ref() <= a) {
+                continue;
+            }
+            merged.insert(k.to_vec(), Some(v.to_vec()));
+            if merged.len() >= limit {
+                break;
+            }
+        }
+        let upper = merged.keys().next_back().cloned();
+        let lower = match after {
+            Some(a) => Bound::Excluded(a),
+            None => Bound::Unbounded,
+        };
+        let dirty_upper = match (&upper, merged.len() >= limit) {
+            (Some(u), true) => Bound::Included(u.as_slice()),
+            _ => Bound::Unbounded,
+        };
+        for (k, v) in self.stores[id.0]
+            .dirty
+            .range::<[u8], _>((lower, dirty_upper))
+        {
+            merged.insert(k.clone(), v.clone());
+        }
+        let name = &self.stores[id.0].spec.name;
+        merged
+            .into_iter()
+            .filter_map(|(k, v)| v.map(|v| (k, v)))
+            .take(limit)
+            .map(|(k, v)| Ok((k, StoredValue::decode(name, &v)?)))
+            .collect()
+    }
+
     /// Drops windows that started before `before_ms` from the cache and the
     /// database. Windowed changelogs expire by topic retention, so no
     /// tombstones are written.
@@ -584,6 +632,31 @@ mod tests {
         st.wipe_store(kv).unwrap();
         assert_eq!(st.get(kv, b"b").unwrap(), None);
         assert_eq!(st.restore_offset(kv), 0);
+    }
+
+    #[test]
+    fn scan_after_pages_through_cache_and_db() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = RocksEnv::new(Default::default());
+        let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
+        let kv = st.store_id("kv").unwrap();
+        for k in ["a", "c", "e"] {
+            st.put(kv, k.as_bytes().to_vec(), b"1", None);
+        }
+        st.commit_local(&HashMap::new()).unwrap();
+        st.put(kv, b"b".to_vec(), b"2", None);
+        st.delete(kv, b"c".to_vec());
+        let keys =
+            |v: Vec<(Vec<u8>, StoredValue)>| v.into_iter().map(|(k, _)| k).collect::<Vec<_>>();
+        assert_eq!(
+            keys(st.scan_after(kv, None, 2).unwrap()),
+            vec![b"a".to_vec(), b"b".to_vec()]
+        );
+        assert_eq!(
+            keys(st.scan_after(kv, Some(b"b"), 2).unwrap()),
+            vec![b"e".to_vec()]
+        );
+        assert!(st.scan_after(kv, Some(b"e"), 2).unwrap().is_empty());
     }
 
     #[test]

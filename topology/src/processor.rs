@@ -258,6 +258,27 @@ impl<K: Serialize + DeserializeOwned, V: Serialize + DeserializeOwned> KvStore<'
         self.state.delete(self.id, to_bincode(key));
     }
 
+    /// Up to `limit` entries after the encoded key `after` (from the start
+    /// when `None`), in encoded-key order, with their encoded keys: for
+    /// incremental sweeps over a large store.
+    pub fn scan_after_bytes(
+        &self,
+        after: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<Vec<(Vec<u8>, K, V)>, ProcessError> {
+        self.state
+            .scan_after(self.id, after, limit)?
+            .into_iter()
+            .map(|(kb, v)| {
+                let k = from_bincode(&kb)
+                    .map_err(|e| ProcessError::Fatal(format!("corrupt store key: {e}")))?;
+                let v = from_bincode(&v.value)
+                    .map_err(|e| ProcessError::Fatal(format!("corrupt store value: {e}")))?;
+                Ok((kb, k, v))
+            })
+            .collect()
+    }
+
     /// All entries whose encoded key starts with the encoding of `prefix`
     /// (useful with tuple keys whose first element is the prefix).
     pub fn scan_prefix_bytes(&self, prefix: &[u8]) -> Result<Vec<(K, V)>, ProcessError> {
