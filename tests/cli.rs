@@ -1,0 +1,67 @@
+//! The command line without a broker: a bad configuration stops `sluice run`
+//! with exit code 2 and a message naming the key.
+
+mod common;
+
+use std::process::Command;
+
+fn run_with_config(text: &str) -> (Option<i32>, String) {
+    let dir = common::temp_dir();
+    let path = dir.path().join("sluice.toml");
+    std::fs::write(&path, text).unwrap();
+    let out = Command::new(common::sluice_bin())
+        .args(["run", "--config", &path.display().to_string()])
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+const VALID: &str = r#"
+[kafka]
+bootstrap_servers = "127.0.0.1:1"
+
+[[llm.providers]]
+name = "sim"
+base_url = "http://127.0.0.1:1/v1"
+
+[[llm.models]]
+name = "small"
+provider = "sim"
+"#;
+
+#[test]
+fn unknown_key_exits_2_naming_it() {
+    let (code, err) = run_with_config(&format!("{VALID}\n[app]\nguaranty = \"exactly_once\"\n"));
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("app") && err.contains("guaranty"), "{err}");
+}
+
+#[test]
+fn wrong_type_exits_2_naming_the_key() {
+    let (code, err) = run_with_config(&format!("{VALID}\n[tasks]\nmax_attempts = \"three\"\n"));
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("tasks.max_attempts"), "{err}");
+}
+
+#[test]
+fn dangling_reference_exits_2_naming_the_key() {
+    let (code, err) = run_with_config(&format!(
+        "{VALID}\n[routing]\nfallbacks = {{ small = \"huge\" }}\n"
+    ));
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("routing.fallbacks.small"), "{err}");
+}
+
+#[test]
+fn missing_api_key_exits_2_without_printing_a_secret() {
+    let text = VALID.replace(
+        "base_url = \"http://127.0.0.1:1/v1\"",
+        "base_url = \"http://127.0.0.1:1/v1\"\napi_key_env = \"SLUICE_CLI_TEST_UNSET_KEY\"",
+    );
+    let (code, err) = run_with_config(&text);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("SLUICE_CLI_TEST_UNSET_KEY"), "{err}");
+}
