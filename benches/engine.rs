@@ -4,6 +4,10 @@
 //! under exactly-once; (c) the restore rate of the resulting changelog. Prints
 //! the ratios against the raw rate on the last line.
 
+/// The same allocator as the `sluice` binary.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -145,27 +149,38 @@ fn main() {
     eprintln!("produced {n} records in {:.2}s", t.elapsed().as_secs_f64());
 
     let dir = tempfile::tempdir().unwrap();
-    // The raw rate is read before, between and after the runs; its median is
-    // the reference, so a noisy moment does not favour either side.
-    let mut raws = vec![raw_read(&bootstrap, &topic, n)];
-    let (alos, _) = aggregate(
-        &bootstrap,
-        &topic,
-        n,
-        Guarantee::AtLeastOnce,
-        &dir.path().join("alos"),
-    );
-    raws.push(raw_read(&bootstrap, &topic, n));
-    let (eos, eos_app) = aggregate(
-        &bootstrap,
-        &topic,
-        n,
-        Guarantee::ExactlyOnce,
-        &dir.path().join("eos"),
-    );
-    raws.push(raw_read(&bootstrap, &topic, n));
-    raws.sort_by(f64::total_cmp);
-    let raw = raws[1];
+    // Three rounds of raw / at-least-once / exactly-once, interleaved; the
+    // medians are compared, so a noisy moment does not favour either side.
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (mut raws, mut aloss, mut eoss) = (Vec::new(), Vec::new(), Vec::new());
+    let mut eos_app = String::new();
+    for round in 0..3 {
+        raws.push(raw_read(&bootstrap, &topic, n));
+        let dir_round = dir.path().join(format!("round-{round}"));
+        aloss.push(
+            aggregate(
+                &bootstrap,
+                &topic,
+                n,
+                Guarantee::AtLeastOnce,
+                &dir_round.join("alos"),
+            )
+            .0,
+        );
+        let (eos, app) = aggregate(
+            &bootstrap,
+            &topic,
+            n,
+            Guarantee::ExactlyOnce,
+            &dir_round.join("eos"),
+        );
+        eoss.push(eos);
+        eos_app = app;
+    }
+    let (raw, alos, eos) = (median(raws), median(aloss), median(eoss));
     let (restore_rps, _) = restore(&bootstrap, &eos_app, &topic, &dir.path().join("restore"));
     println!(
         "RESULT raw_rps={raw:.0} alos_rps={alos:.0} eos_rps={eos:.0} restore_rps={restore_rps:.0} alos_ratio={:.2} eos_ratio={:.2} restore_ratio={:.2}",

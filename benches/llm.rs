@@ -9,6 +9,10 @@
 //!   (Kafka in, HTTP call, Kafka out) against the rate a plain async HTTP
 //!   client reaches on the same simulator at the same concurrency.
 
+/// The same allocator as the `sluice` binary.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

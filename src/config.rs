@@ -72,7 +72,7 @@ pub struct AppSection {
     pub state_dir: PathBuf,
     /// `exactly_once` or `at_least_once`.
     pub guarantee: Guarantee,
-    /// Commit interval in ms (default: 100 under exactly-once, 1000 under at-least-once).
+    /// Commit interval in ms (default: 100 under exactly-once, 200 under at-least-once).
     pub commit_interval_ms: Option<u64>,
     /// Tasks in flight per input partition before the partition is paused.
     pub max_in_flight_per_partition: usize,

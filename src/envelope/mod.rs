@@ -226,23 +226,9 @@ impl std::fmt::Display for DlqCategory {
     }
 }
 
-/// Dead-letter header names (design §2). Values never contain prompt text or secrets.
-pub mod dlq_headers {
-    /// Short machine-readable reason, e.g. `missing_field:taskId`.
-    pub const REASON: &str = "dlq.reason";
-    /// One of [`super::DlqCategory`].
-    pub const CATEGORY: &str = "dlq.category";
-    /// Provider attempts made before dead-lettering.
-    pub const ATTEMPTS: &str = "dlq.attempts";
-    /// Topic the record was consumed from.
-    pub const ORIGINAL_TOPIC: &str = "dlq.original.topic";
-    /// Partition the record was consumed from.
-    pub const ORIGINAL_PARTITION: &str = "dlq.original.partition";
-    /// Offset of the record in its partition.
-    pub const ORIGINAL_OFFSET: &str = "dlq.original.offset";
-    /// RFC 3339 time the record was dead-lettered.
-    pub const SENT_AT: &str = "dlq.sent.at";
-}
+/// Dead-letter header names (design §2); the engine writes them. Values never
+/// contain prompt text or secrets.
+pub use sluice_topology::dlq_headers;
 
 #[cfg(test)]
 mod tests {

@@ -226,25 +226,16 @@ impl LlmTaskProcessor {
         } else {
             topics.results_failed.clone()
         };
-        let mut headers: Headers = job
-            .headers
-            .iter()
-            .filter(|(k, _)| TRACE_HEADERS.contains(&k.as_str()))
-            .cloned()
-            .collect();
-        if let Some(p) = ctx.position() {
-            headers.push((HEADER_SOURCE.into(), p.source.to_string().into_bytes()));
-            headers.push((HEADER_OFFSET.into(), p.offset.to_string().into_bytes()));
-        }
         let partition = self.results_partition(ctx);
-        ctx.emit(OutputRecord {
-            topic: topic.clone(),
-            partition: Some(partition),
-            key: Some(result.task_id.clone().into_bytes()),
-            value: Some(json.clone()),
-            timestamp: now_ms(),
-            headers,
-        });
+        let position = ctx.position();
+        ctx.emit(result_record(
+            topic.clone(),
+            partition,
+            &result.task_id,
+            json.clone(),
+            &job.headers,
+            position,
+        ));
         let bucket =
             now_ms() / MINUTE_MS + (self.op.config.tasks.idempotency_ttl_hours as i64 * 60);
         ctx.kv::<String, StoredOutcome>(COMPLETED_STORE)?.put(
@@ -270,23 +261,15 @@ impl LlmTaskProcessor {
             self.op.metrics.duplicates.inc();
             let (topic, json) = (topic.clone(), result_json_again(result)?);
             ctx.with_record(&waiter, |ctx| {
-                let mut h: Headers = headers
-                    .iter()
-                    .filter(|(k, _)| TRACE_HEADERS.contains(&k.as_str()))
-                    .cloned()
-                    .collect();
-                if let Some(p) = ctx.position() {
-                    h.push((HEADER_SOURCE.into(), p.source.to_string().into_bytes()));
-                    h.push((HEADER_OFFSET.into(), p.offset.to_string().into_bytes()));
-                }
-                ctx.emit(OutputRecord {
+                let position = ctx.position();
+                ctx.emit(result_record(
                     topic,
-                    partition: Some(partition),
-                    key: Some(result.task_id.clone().into_bytes()),
-                    value: Some(json),
-                    timestamp: now_ms(),
-                    headers: h,
-                });
+                    partition,
+                    &result.task_id,
+                    json,
+                    &headers,
+                    position,
+                ));
             });
         }
         Ok(())
@@ -594,25 +577,15 @@ impl Processor<RawKey, Option<Vec<u8>>> for LlmTaskProcessor {
             } else {
                 &topics.results_failed
             };
-            let mut headers: Headers = record
-                .headers
-                .iter()
-                .filter(|(k, _)| TRACE_HEADERS.contains(&k.as_str()))
-                .cloned()
-                .collect();
-            if let Some(p) = current {
-                headers.push((HEADER_SOURCE.into(), p.source.to_string().into_bytes()));
-                headers.push((HEADER_OFFSET.into(), p.offset.to_string().into_bytes()));
-            }
             let partition = self.results_partition(ctx);
-            ctx.emit(OutputRecord {
-                topic: topic.clone(),
-                partition: Some(partition),
-                key: Some(task.task_id.clone().into_bytes()),
-                value: Some(stored.result_json),
-                timestamp: now_ms(),
-                headers,
-            });
+            ctx.emit(result_record(
+                topic.clone(),
+                partition,
+                &task.task_id,
+                stored.result_json,
+                &record.headers,
+                current,
+            ));
             return Ok(());
         }
         if let Some(waiters) = self.in_flight.get_mut(&task.task_id) {
@@ -624,30 +597,9 @@ impl Processor<RawKey, Option<Vec<u8>>> for LlmTaskProcessor {
         let tenant = task.tenant().unwrap_or_default().to_string();
         let (model, route) = self.route(&task);
         let source_topic = cfg.topics.task_topic(&task.task_type);
-        let request = match self.op.prompts.build_request(&task) {
-            Ok(r) => r,
-            Err(e) => {
-                let job = Job {
-                    task,
-                    tenant,
-                    headers: record.headers,
-                    key: record.key,
-                    source_topic,
-                    received_ms,
-                    model,
-                    route,
-                    request: None,
-                    probe: false,
-                };
-                return self.fail(
-                    ctx,
-                    &job,
-                    DlqCategory::BadRequest,
-                    "bad_request",
-                    &e.to_string(),
-                    0,
-                );
-            }
+        let (request, bad_request) = match self.op.prompts.build_request(&task) {
+            Ok(r) => (Some(r), None),
+            Err(e) => (None, Some(e)),
         };
         let job = Job {
             task,
@@ -658,9 +610,19 @@ impl Processor<RawKey, Option<Vec<u8>>> for LlmTaskProcessor {
             received_ms,
             model,
             route,
-            request: Some(request),
+            request,
             probe: false,
         };
+        if let Some(e) = bad_request {
+            return self.fail(
+                ctx,
+                &job,
+                DlqCategory::BadRequest,
+                "bad_request",
+                &e.to_string(),
+                0,
+            );
+        }
         let Some(held) = ctx.hold() else {
             return Err(ProcessError::Fatal("no current record".into()));
         };
@@ -701,6 +663,35 @@ impl Processor<RawKey, Option<Vec<u8>>> for LlmTaskProcessor {
         }
         self.sweep(ctx, time.wall_clock_ms)?;
         self.save_meta(ctx)
+    }
+}
+
+/// A result record: keyed by task id, in the task's own partition, with the
+/// trace context of `trace_from` and the input position in headers.
+fn result_record(
+    topic: String,
+    partition: i32,
+    task_id: &str,
+    json: Vec<u8>,
+    trace_from: &Headers,
+    position: Option<Position>,
+) -> OutputRecord {
+    let mut headers: Headers = trace_from
+        .iter()
+        .filter(|(k, _)| TRACE_HEADERS.contains(&k.as_str()))
+        .cloned()
+        .collect();
+    if let Some(p) = position {
+        headers.push((HEADER_SOURCE.into(), p.source.to_string().into_bytes()));
+        headers.push((HEADER_OFFSET.into(), p.offset.to_string().into_bytes()));
+    }
+    OutputRecord {
+        topic,
+        partition: Some(partition),
+        key: Some(task_id.as_bytes().to_vec()),
+        value: Some(json),
+        timestamp: now_ms(),
+        headers,
     }
 }
 

@@ -83,7 +83,7 @@ pub(super) fn recover_results(
             };
             idle_since = Instant::now();
             let msg = msg.map_err(|e| fatal(&e))?;
-            let headers = sluice_topology_headers(&msg);
+            let headers = sluice_topology::message_headers(&msg);
             let Some(position) = result_position(&headers) else {
                 continue;
             };
@@ -118,20 +118,4 @@ pub(super) fn recover_results(
         p.op.metrics.recovered.inc_by(recovered);
     }
     Ok(())
-}
-
-fn sluice_topology_headers(msg: &impl Message) -> sluice_topology::Headers {
-    use rdkafka::message::Headers as _;
-    msg.headers()
-        .map(|h| {
-            h.iter()
-                .map(|h| {
-                    (
-                        h.key.to_string(),
-                        h.value.map(<[u8]>::to_vec).unwrap_or_default(),
-                    )
-                })
-                .collect()
-        })
-        .unwrap_or_default()
 }

@@ -31,7 +31,7 @@ pub use error::{ProcessError, TopologyError};
 pub use node::{Data, Punctuation};
 pub use offsets::{InFlight, OffsetTracker};
 pub use processor::{KvStore, Processor, ProcessorContext};
-pub use record::{header, Headers, OutputRecord, RawRecord, Record};
+pub use record::{header, message_headers, Headers, OutputRecord, RawRecord, Record};
 pub use sluice_state::{Position, RocksSettings};
 pub use task::{dlq_headers, source_id, TaskId};
 pub use test_driver::TopologyTestDriver;

@@ -51,6 +51,23 @@ pub fn header<'a>(headers: &'a Headers, name: &str) -> Option<&'a [u8]> {
         .map(|(_, v)| v.as_slice())
 }
 
+/// The headers of a Kafka message (absent values as empty).
+pub fn message_headers(msg: &impl rdkafka::Message) -> Headers {
+    use rdkafka::message::Headers as _;
+    msg.headers()
+        .map(|h| {
+            h.iter()
+                .map(|h| {
+                    (
+                        h.key.to_string(),
+                        h.value.map(<[u8]>::to_vec).unwrap_or_default(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// A record as read from Kafka, before decoding.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RawRecord {

@@ -122,6 +122,22 @@ pub(crate) struct AggMeta {
 
 const META_KEY: &[u8] = b"\0meta";
 
+/// True (and counted) when the current record is being replayed and the stored
+/// value already reflects it: applying it again would count it twice.
+fn already_applied(ctx: &mut TaskCtx, stored: Option<&sluice_state::StoredValue>) -> bool {
+    if !ctx.replaying() {
+        return false;
+    }
+    let applied = match (ctx.position(), stored.and_then(|s| s.position)) {
+        (Some(cur), Some(p)) => p.covers(&cur),
+        _ => false,
+    };
+    if applied {
+        ctx.counters.replay_skipped += 1;
+    }
+    applied
+}
+
 /// The aggregate function of an aggregation.
 pub(crate) type AggFn<K, V, A> = Arc<dyn Fn(&K, &V, A) -> A + Send + Sync>;
 
@@ -269,13 +285,8 @@ where
             let stored = ctx
                 .state()
                 .window_get(self.store, &key_bytes, window.start)?;
-            if ctx.replaying() {
-                if let (Some(cur), Some(p)) = (position, stored.as_ref().and_then(|s| s.position)) {
-                    if p.covers(&cur) {
-                        ctx.counters.replay_skipped += 1;
-                        continue;
-                    }
-                }
+            if already_applied(ctx, stored.as_ref()) {
+                continue;
             }
             let current = match stored {
                 Some(s) => from_bincode(&s.value)
@@ -353,13 +364,8 @@ where
         let key_bytes = to_bincode(&rec.key);
         let position = ctx.position();
         let stored = ctx.state().get(self.store, &key_bytes)?;
-        if ctx.replaying() {
-            if let (Some(cur), Some(p)) = (position, stored.as_ref().and_then(|s| s.position)) {
-                if p.covers(&cur) {
-                    ctx.counters.replay_skipped += 1;
-                    return Ok(());
-                }
-            }
+        if already_applied(ctx, stored.as_ref()) {
+            return Ok(());
         }
         let current = match stored {
             Some(s) => from_bincode(&s.value)

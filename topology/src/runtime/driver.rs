@@ -10,7 +10,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
-use rdkafka::message::{BorrowedMessage, Headers as _, OwnedMessage};
+use rdkafka::message::{BorrowedMessage, OwnedMessage};
 use rdkafka::producer::Producer;
 use rdkafka::statistics::Statistics;
 use rdkafka::{ClientContext, Message, Offset, TopicPartitionList};
@@ -24,7 +24,7 @@ use super::metrics::EngineMetrics;
 use super::restore::restore_task;
 use super::{AppState, AppStatus, IntakeControl, RuntimeError};
 use crate::context::CompletionMsg;
-use crate::record::{Headers, OutputRecord};
+use crate::record::OutputRecord;
 use crate::task::{Input, TaskCore};
 use crate::{TaskId, Topology, TopologyError};
 
@@ -279,21 +279,6 @@ impl Driver {
     }
 }
 
-fn headers_of(msg: &impl Message) -> Headers {
-    msg.headers()
-        .map(|h| {
-            h.iter()
-                .map(|h| {
-                    (
-                        h.key.to_string(),
-                        h.value.map(<[u8]>::to_vec).unwrap_or_default(),
-                    )
-                })
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 fn timestamp_of(msg: &impl Message) -> i64 {
     msg.timestamp()
         .to_millis()
@@ -379,17 +364,23 @@ impl Engine {
     }
 
     fn handle_completions(&mut self) -> Result<(), RuntimeError> {
-        let (metrics, eos) = (self.metrics.clone(), self.eos());
         while let Ok(msg) = self.completions_rx.try_recv() {
-            if let Some(task) = self.tasks.get_mut(&msg.task) {
-                task.core
-                    .complete(msg)
-                    .map_err(|error| RuntimeError::Process {
-                        task: task.core.id,
-                        error,
-                    })?;
-                send_outputs(task, &metrics, eos)?;
-            }
+            self.complete(msg)?;
+        }
+        Ok(())
+    }
+
+    /// Hands an async completion to its task (if the task is still here).
+    fn complete(&mut self, msg: CompletionMsg) -> Result<(), RuntimeError> {
+        let eos = self.eos();
+        if let Some(task) = self.tasks.get_mut(&msg.task) {
+            task.core
+                .complete(msg)
+                .map_err(|error| RuntimeError::Process {
+                    task: task.core.id,
+                    error,
+                })?;
+            send_outputs(task, &self.metrics, eos)?;
         }
         Ok(())
     }
@@ -652,7 +643,6 @@ impl Engine {
     /// tasks meanwhile) up to the drain timeout, then abandons what is left.
     fn drain(&mut self, ids: &[TaskId]) -> Result<(), RuntimeError> {
         let deadline = Instant::now() + self.cfg.drain_timeout;
-        let (metrics, eos) = (self.metrics.clone(), self.eos());
         loop {
             let pending: usize = ids
                 .iter()
@@ -679,15 +669,7 @@ impl Engine {
                 .completions_rx
                 .recv_timeout(left.min(Duration::from_millis(50)))
             {
-                if let Some(task) = self.tasks.get_mut(&msg.task) {
-                    task.core
-                        .complete(msg)
-                        .map_err(|error| RuntimeError::Process {
-                            task: task.core.id,
-                            error,
-                        })?;
-                    send_outputs(task, &metrics, eos)?;
-                }
+                self.complete(msg)?;
             }
         }
     }
@@ -1007,7 +989,7 @@ fn process_record(
         key: msg.key(),
         value: msg.payload(),
         timestamp: timestamp_of(msg),
-        headers: headers_of(msg),
+        headers: crate::record::message_headers(msg),
     };
     task.core
         .process(slot, input)
