@@ -205,7 +205,26 @@ listen = "127.0.0.1:0"
         ..Default::default()
     });
     produce(bootstrap, &topic, tasks).unwrap();
-    let mut child = std::process::Command::new(bin)
+    // SLUICE_BENCH_PERF=<file> profiles the operator with `perf record`.
+    let mut cmd = match std::env::var("SLUICE_BENCH_PERF") {
+        Ok(out) => {
+            let mut c = std::process::Command::new("perf");
+            c.args([
+                "record",
+                "-e",
+                "cpu-clock",
+                "-F",
+                "1999",
+                "-g",
+                "-o",
+                &out,
+                bin,
+            ]);
+            c
+        }
+        Err(_) => std::process::Command::new(bin),
+    };
+    let mut child = cmd
         .args(["run", "--config", &config.display().to_string()])
         .env("SLUICE_LOG", "warn")
         .stdout(std::process::Stdio::null())

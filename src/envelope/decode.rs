@@ -98,6 +98,20 @@ pub fn decode_task<S: AsRef<str>>(
         });
     }
     let text = std::str::from_utf8(bytes).map_err(|_| PoisonError::InvalidUtf8)?;
+    // Fast path: a well-formed envelope decodes in one typed pass. Its required
+    // fields are non-optional, so success implies what the checks below test;
+    // any failure takes the slow path, which names the reason.
+    // (Only for an object: a derived struct would also accept a positional array.)
+    let object = text.trim_start().starts_with('{');
+    let task = match object.then(|| serde_json::from_str::<TaskEnvelope>(text)) {
+        Some(Ok(task)) if known_types.iter().any(|k| k.as_ref() == task.task_type) => task,
+        _ => decode_value(text, known_types)?,
+    };
+    validate(task, limits)
+}
+
+/// Decodes through a JSON value, so a failure names the missing or invalid field.
+fn decode_value<S: AsRef<str>>(text: &str, known_types: &[S]) -> Result<TaskEnvelope, PoisonError> {
     let value: Value = serde_json::from_str(text).map_err(|_| PoisonError::MalformedJson)?;
     let obj = value.as_object().ok_or(PoisonError::MalformedJson)?;
 
@@ -122,9 +136,12 @@ pub fn decode_task<S: AsRef<str>>(
         return Err(PoisonError::UnknownTaskType(sanitize(task_type)));
     }
 
-    let mut task: TaskEnvelope = serde_path_to_error::deserialize(value)
-        .map_err(|e| PoisonError::InvalidField(sanitize(&e.path().to_string())))?;
+    serde_path_to_error::deserialize(value)
+        .map_err(|e| PoisonError::InvalidField(sanitize(&e.path().to_string())))
+}
 
+/// Checks the decoded envelope's values and fills in the tenant.
+fn validate(mut task: TaskEnvelope, limits: &EnvelopeLimits) -> Result<TaskEnvelope, PoisonError> {
     if task.task_id.trim().is_empty()
         || task.task_id.len() > limits.max_task_id_len
         || task.task_id.chars().any(char::is_control)
@@ -251,6 +268,36 @@ mod tests {
         assert_eq!(err.reason(), "malformed_json");
         let err = decode_task(b"[1,2]", &limits, &KNOWN).unwrap_err();
         assert_eq!(err.reason(), "malformed_json");
+        // A positional array of the right fields is not an envelope either.
+        let v = valid();
+        let fields = [
+            "taskId",
+            "taskType",
+            "tenantId",
+            "requesterId",
+            "priority",
+            "submittedAt",
+            "attemptNumber",
+            "payload",
+            "metadata",
+        ];
+        let positional: Vec<Value> = fields
+            .iter()
+            .map(|f| v.get(*f).cloned().unwrap_or(json!({})))
+            .collect();
+        let bytes = serde_json::to_vec(&positional).unwrap();
+        let err = decode_task(&bytes, &limits, &KNOWN).unwrap_err();
+        assert_eq!(err.reason(), "malformed_json");
+    }
+
+    #[test]
+    fn duplicate_keys_keep_the_last_value_on_either_path() {
+        let limits = EnvelopeLimits::default();
+        let v = valid();
+        let text = serde_json::to_string(&v).unwrap();
+        let dup = format!("{{\"taskId\": \"first\", {}", &text[1..]);
+        let t = decode_task(dup.as_bytes(), &limits, &KNOWN).unwrap();
+        assert_eq!(t.task_id, v["taskId"].as_str().unwrap());
     }
 
     #[test]

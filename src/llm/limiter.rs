@@ -28,10 +28,13 @@
 //! * **Fairness.** Waiters queue per priority and are admitted by weighted fair queueing
 //!   (default weights 8/4/1 for high/normal/batch): high goes first, batch still progresses.
 //!   Only the head waiter sleeps on a timer, the others on their own `Notify`: no spinning.
+//!   Whoever frees capacity (an answer, a cancellation) admits as many waiters as the
+//!   bounds allow there and then and hands each its grant, so a freed slot is refilled
+//!   without waiting for a chain of wake-ups, one scheduling hop per admission.
 //!
 //! Time is `tokio::time::Instant`, so tests drive it with paused time.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -524,13 +527,24 @@ struct State {
     resolved: VecDeque<(Instant, u32, bool)>,
     /// Sequence numbers of recent 429s (admitted by us, refused by the provider).
     refused: VecDeque<(u64, f64)>,
+    /// Grants made on a waiter's behalf (by whoever freed capacity), not yet picked up.
+    handed: HashMap<u64, Grant>,
 }
 
-/// What the head waiter should do.
+/// What a waiter should do.
 enum Step {
-    Granted(Grant, Option<Arc<Notify>>),
+    Granted(Grant),
     Sleep(Instant),
     Park,
+}
+
+/// Waiters to wake once the state lock is released.
+type Wake = Vec<Arc<Notify>>;
+
+fn wake_all(wake: Wake) {
+    for n in wake {
+        n.notify_one();
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -582,13 +596,11 @@ impl Permit {
             return;
         }
         self.done = true;
-        let head = {
+        let wake = {
             let mut st = self.shared.state.lock();
             st.on_outcome(&self.shared.config, self, outcome, Instant::now())
         };
-        if let Some(n) = head {
-            n.notify_one();
-        }
+        wake_all(wake);
     }
 }
 
@@ -641,6 +653,7 @@ impl AimdLimiter {
             outstanding: BTreeMap::new(),
             resolved: VecDeque::new(),
             refused: VecDeque::new(),
+            handed: HashMap::new(),
         };
         Self {
             shared: Arc::new(Shared {
@@ -662,19 +675,21 @@ impl AimdLimiter {
             shared: &self.shared,
             id,
             priority,
+            est_tokens,
             queued: true,
         };
         loop {
+            let mut wake = Wake::new();
             let step = {
                 let mut st = self.shared.state.lock();
-                st.poll(&self.shared.config, id, priority, Instant::now())
+                st.poll(&self.shared.config, id, priority, Instant::now(), &mut wake)
             };
+            // This waiter is awake: a stored wake-up would only make it spin.
+            wake.retain(|n| !Arc::ptr_eq(n, &notify));
+            wake_all(wake);
             match step {
-                Step::Granted(grant, next) => {
+                Step::Granted(grant) => {
                     guard.queued = false;
-                    if let Some(n) = next {
-                        n.notify_one();
-                    }
                     return Permit {
                         shared: self.shared.clone(),
                         priority,
@@ -732,11 +747,13 @@ impl AimdLimiter {
     }
 }
 
-/// Removes a cancelled waiter and hands the head position on.
+/// Removes a cancelled waiter (returning a grant made on its behalf) and hands the head
+/// position on.
 struct QueueGuard<'a> {
-    shared: &'a Shared,
+    shared: &'a Arc<Shared>,
     id: u64,
     priority: Priority,
+    est_tokens: u32,
     queued: bool,
 }
 
@@ -745,15 +762,25 @@ impl Drop for QueueGuard<'_> {
         if !self.queued {
             return;
         }
-        let next = {
+        let mut wake = Wake::new();
+        let handed = {
             let mut st = self.shared.state.lock();
-            let q = &mut st.queues[self.priority.index()];
-            q.retain(|w| w.id != self.id);
-            st.head_notify_with(&self.shared.config.weights)
+            let handed = st.handed.remove(&self.id);
+            if handed.is_none() {
+                st.queues[self.priority.index()].retain(|w| w.id != self.id);
+                st.dispatch(&self.shared.config, Instant::now(), &mut wake);
+            }
+            handed
         };
-        if let Some(n) = next {
-            n.notify_one();
-        }
+        wake_all(wake);
+        // An unused grant is returned like a failed call.
+        drop(handed.map(|grant| Permit {
+            shared: self.shared.clone(),
+            priority: self.priority,
+            est_tokens: self.est_tokens,
+            grant,
+            done: false,
+        }));
     }
 }
 
@@ -780,12 +807,6 @@ impl State {
             })
     }
 
-    fn head_notify_with(&self, weights: &[u32; 3]) -> Option<Arc<Notify>> {
-        self.head_class(weights)
-            .and_then(|c| self.queues[c].front())
-            .map(|w| w.notify.clone())
-    }
-
     /// Applies growth for the time since the last call.
     fn advance(&mut self, config: &LimiterConfig, now: Instant) {
         let dt = now
@@ -797,59 +818,95 @@ impl State {
         self.tok.grow(now, dt, &g);
     }
 
-    fn poll(&mut self, config: &LimiterConfig, id: u64, priority: Priority, now: Instant) -> Step {
+    /// One waiter's turn: picks up a grant made on its behalf, else admits what can be
+    /// admitted now (waking those admitted) and tells the waiter how to wait.
+    fn poll(
+        &mut self,
+        config: &LimiterConfig,
+        id: u64,
+        priority: Priority,
+        now: Instant,
+        wake: &mut Wake,
+    ) -> Step {
         self.advance(config, now);
-        let Some(class) = self.head_class(&config.weights) else {
-            return Step::Park;
-        };
+        if let Some(grant) = self.handed.remove(&id) {
+            return Step::Granted(grant);
+        }
+        let blocked = self.dispatch(config, now, wake);
+        if let Some(grant) = self.handed.remove(&id) {
+            return Step::Granted(grant);
+        }
         let i = priority.index();
-        let is_head = class == i && self.queues[i].front().is_some_and(|w| w.id == id);
-        if !is_head {
-            return Step::Park;
+        let is_head = self.head_class(&config.weights) == Some(i)
+            && self.queues[i].front().is_some_and(|w| w.id == id);
+        match blocked {
+            // Only the head sleeps on a timer; `dispatch` woke it if it is another waiter.
+            Some(at) if is_head => Step::Sleep(at),
+            _ => Step::Park,
         }
-        if config.max_concurrency.is_some_and(|m| self.in_flight >= m) {
-            return Step::Park;
-        }
-        let cost = self.queues[i].front().map_or(0, |w| w.cost);
-        let req_tol = secs(1.0 / self.req.rate);
-        let req_ready = self.req.ready_at(req_tol);
-        let tok_ready = self.tok.ready_at(Duration::from_secs(1));
-        let pause = self.pause_until.filter(|p| *p > now);
-        let ready = [req_ready, tok_ready, pause]
-            .into_iter()
-            .flatten()
-            .max()
-            .filter(|t| *t > now);
-        if let Some(at) = ready {
-            // Whichever pacer holds the head back is the bottleneck and may grow.
-            if pause.is_none_or(|p| p < at) {
-                match (req_ready, tok_ready) {
-                    (Some(r), Some(t)) if t > r => self.tok.last_binding = Some(now),
-                    _ => self.req.last_binding = Some(now),
-                }
+    }
+
+    /// Admits waiters in fair-queueing order while the concurrency bound and the pacers
+    /// allow, recording each grant for its waiter to pick up and queueing its wake-up, so
+    /// freed capacity is used at once rather than one scheduling hop at a time. Returns
+    /// when the head is held back by a pacer or pause (and queues the head's wake-up so it
+    /// sleeps on its timer), or `None` when nothing waits or the concurrency bound is met.
+    fn dispatch(
+        &mut self,
+        config: &LimiterConfig,
+        now: Instant,
+        wake: &mut Wake,
+    ) -> Option<Instant> {
+        loop {
+            let i = self.head_class(&config.weights)?;
+            if config.max_concurrency.is_some_and(|m| self.in_flight >= m) {
+                return None;
             }
-            return Step::Sleep(at);
+            let cost = self.queues[i].front().map_or(0, |w| w.cost);
+            let req_tol = secs(1.0 / self.req.rate);
+            let req_ready = self.req.ready_at(req_tol);
+            let tok_ready = self.tok.ready_at(Duration::from_secs(1));
+            let pause = self.pause_until.filter(|p| *p > now);
+            let ready = [req_ready, tok_ready, pause]
+                .into_iter()
+                .flatten()
+                .max()
+                .filter(|t| *t > now);
+            if let Some(at) = ready {
+                // Whichever pacer holds the head back is the bottleneck and may grow.
+                if pause.is_none_or(|p| p < at) {
+                    match (req_ready, tok_ready) {
+                        (Some(r), Some(t)) if t > r => self.tok.last_binding = Some(now),
+                        _ => self.req.last_binding = Some(now),
+                    }
+                }
+                if let Some(w) = self.queues[i].front() {
+                    wake.push(w.notify.clone());
+                }
+                return Some(at);
+            }
+            // Admit the head.
+            let waiter = self.queues[i].pop_front()?;
+            let weight = f64::from(config.weights[i].max(1));
+            self.vclock = self.vtime[i];
+            self.vtime[i] += 1.0 / weight;
+            self.req.admit(1.0, now);
+            self.tok.admit(f64::from(cost), now);
+            self.seq += 1;
+            self.cum_tokens += f64::from(cost);
+            self.in_flight += 1;
+            self.outstanding.insert(self.seq, now);
+            self.served[i] += 1;
+            let grant = Grant {
+                seq: self.seq,
+                issued: now,
+                req_rate: self.req.rate,
+                tok_rate: self.tok.rate,
+                cum_tokens: self.cum_tokens,
+            };
+            self.handed.insert(waiter.id, grant);
+            wake.push(waiter.notify);
         }
-        // Admit the head.
-        self.queues[i].pop_front();
-        let weight = f64::from(config.weights[i].max(1));
-        self.vclock = self.vtime[i];
-        self.vtime[i] += 1.0 / weight;
-        self.req.admit(1.0, now);
-        self.tok.admit(f64::from(cost), now);
-        self.seq += 1;
-        self.cum_tokens += f64::from(cost);
-        self.in_flight += 1;
-        self.outstanding.insert(self.seq, now);
-        self.served[i] += 1;
-        let grant = Grant {
-            seq: self.seq,
-            issued: now,
-            req_rate: self.req.rate,
-            tok_rate: self.tok.rate,
-            cum_tokens: self.cum_tokens,
-        };
-        Step::Granted(grant, self.head_notify_with(&config.weights))
     }
 
     fn prune(&mut self, now: Instant, window: Duration) {
@@ -972,7 +1029,7 @@ impl State {
         permit: &Permit,
         outcome: Outcome,
         now: Instant,
-    ) -> Option<Arc<Notify>> {
+    ) -> Wake {
         self.in_flight = self.in_flight.saturating_sub(1);
         self.advance(config, now);
         let window = config.window();
@@ -1031,7 +1088,9 @@ impl State {
             }
             Outcome::Failure => {}
         }
-        self.head_notify_with(&config.weights)
+        let mut wake = Wake::new();
+        self.dispatch(config, now, &mut wake);
+        wake
     }
 
     /// Stops admissions for `length` from `now`.

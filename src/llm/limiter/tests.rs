@@ -278,6 +278,46 @@ async fn concurrency_cap_and_cancelled_waiters() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn freed_slots_are_granted_at_once_and_unclaimed_grants_come_back() {
+    // Unpaced requests: only the concurrency bound holds callers back.
+    let limiter = AimdLimiter::new(LimiterConfig {
+        initial_rps: f64::INFINITY,
+        max_rps: f64::INFINITY,
+        max_concurrency: Some(3),
+        ..Default::default()
+    });
+    let held: Vec<Permit> = vec![
+        limiter.acquire(Priority::Normal, 1).await,
+        limiter.acquire(Priority::Normal, 1).await,
+        limiter.acquire(Priority::Normal, 1).await,
+    ];
+    let mut waiters = vec![];
+    for _ in 0..3 {
+        let l = limiter.clone();
+        waiters.push(tokio::spawn(
+            async move { l.acquire(Priority::Normal, 1).await },
+        ));
+    }
+    tokio::task::yield_now().await;
+    assert_eq!(limiter.waiting(), 3);
+    // Freeing every slot admits every waiter there and then, before any of them runs.
+    for p in held {
+        p.record(ok());
+    }
+    assert_eq!(limiter.waiting(), 0);
+    assert_eq!(limiter.in_flight(), 3);
+    // A waiter cancelled before it picked up its grant gives the slot back.
+    let last = waiters.pop().unwrap();
+    last.abort();
+    assert!(last.await.unwrap_err().is_cancelled());
+    assert_eq!(limiter.in_flight(), 2);
+    for w in waiters {
+        w.await.unwrap().record(ok());
+    }
+    assert_eq!(limiter.in_flight(), 0);
+}
+
+#[tokio::test(start_paused = true)]
 async fn token_limit_is_learned_from_429s_and_paces_tokens() {
     let limiter = AimdLimiter::new(LimiterConfig {
         initial_rps: 100.0,

@@ -1,7 +1,7 @@
 //! The driver thread: consumer, tasks, commits, rebalances (see the module
 //! documentation of [`crate::runtime`]).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -9,7 +9,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
-use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
+use rdkafka::consumer::{
+    base_consumer::PartitionQueue, BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance,
+};
 use rdkafka::message::{BorrowedMessage, OwnedMessage};
 use rdkafka::producer::Producer;
 use rdkafka::statistics::Statistics;
@@ -29,6 +31,8 @@ use crate::task::{Input, TaskCore};
 use crate::{TaskId, Topology, TopologyError};
 
 const TXN_TIMEOUT: Duration = Duration::from_secs(60);
+/// librdkafka's prefetch per input partition (overridable by client properties).
+const PREFETCH_KBYTES_PER_PARTITION: &str = "16384";
 const FLUSH_TIMEOUT: Duration = Duration::from_secs(60);
 
 fn now_ms() -> i64 {
@@ -47,6 +51,85 @@ struct ActiveTask {
     delivery: Arc<DeliveryState>,
     txn_open: bool,
     partitions: Vec<Tp>,
+    /// Fetched records of each input slot waiting for room under the in-flight
+    /// bound. Keeping them (rather than letting a pause drop the consumer's
+    /// prefetch) keeps the operators fed while the partition is paused.
+    backlog: Vec<VecDeque<OwnedMessage>>,
+}
+
+impl ActiveTask {
+    fn new(
+        core: TaskCore,
+        producer: Arc<TrackedProducer>,
+        delivery: Arc<DeliveryState>,
+        partitions: Vec<Tp>,
+    ) -> Self {
+        let backlog = core.slots.iter().map(|_| VecDeque::new()).collect();
+        ActiveTask {
+            core,
+            producer,
+            delivery,
+            txn_open: false,
+            partitions,
+            backlog,
+        }
+    }
+
+    /// Processes a record now if the in-flight bound allows, else queues it.
+    fn offer(
+        &mut self,
+        msg: &(impl Message + DetachOwned),
+        metrics: &EngineMetrics,
+        eos: bool,
+        max: usize,
+    ) -> Result<(), RuntimeError> {
+        let Some(slot) = self.core.slot_of(msg.topic()) else {
+            return Ok(());
+        };
+        if self.backlog[slot].is_empty() && self.core.trackers[slot].in_flight() < max {
+            process_record(self, msg, metrics, eos)
+        } else {
+            self.backlog[slot].push_back(msg.detach_owned());
+            Ok(())
+        }
+    }
+
+    /// Processes queued records while the in-flight bound allows.
+    fn drain_backlog(
+        &mut self,
+        metrics: &EngineMetrics,
+        eos: bool,
+        max: usize,
+    ) -> Result<(), RuntimeError> {
+        self.core.drain_done();
+        for slot in 0..self.backlog.len() {
+            while self.core.trackers[slot].in_flight() < max {
+                let Some(msg) = self.backlog[slot].pop_front() else {
+                    break;
+                };
+                process_record(self, &msg, metrics, eos)?;
+                self.core.drain_done();
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A message that can be kept past the poll that returned it.
+trait DetachOwned {
+    fn detach_owned(&self) -> OwnedMessage;
+}
+
+impl DetachOwned for BorrowedMessage<'_> {
+    fn detach_owned(&self) -> OwnedMessage {
+        self.detach()
+    }
+}
+
+impl DetachOwned for OwnedMessage {
+    fn detach_owned(&self) -> OwnedMessage {
+        self.clone()
+    }
 }
 
 /// What a restore thread hands back.
@@ -81,6 +164,12 @@ struct Engine {
     pending: BTreeMap<TaskId, PendingTask>,
     shared_producer: Option<(Arc<TrackedProducer>, Arc<DeliveryState>)>,
     paused: HashSet<Tp>,
+    /// The fetch queue of each active input partition, split from the consumer's
+    /// queue (see [`Engine::attach_queues`]).
+    queues: HashMap<Tp, PartitionQueue<DriverContext>>,
+    /// Partitions whose queue could not be split; they are fed by the consumer's
+    /// queue and paused for backpressure.
+    unsplit: HashSet<Tp>,
     last_commit: Instant,
     last_punctuate: Instant,
     status: Arc<AppStatus>,
@@ -138,7 +227,7 @@ type DriverConsumer = BaseConsumer<DriverContext>;
 /// The driver: owns the consumer; runs on its own thread.
 pub(crate) struct Driver {
     engine: Arc<Mutex<Engine>>,
-    consumer: DriverConsumer,
+    consumer: Arc<DriverConsumer>,
     topics: Vec<String>,
 }
 
@@ -182,6 +271,8 @@ impl Driver {
             pending: BTreeMap::new(),
             shared_producer,
             paused: HashSet::new(),
+            queues: HashMap::new(),
+            unsplit: HashSet::new(),
             last_commit: Instant::now(),
             last_punctuate: Instant::now(),
             status,
@@ -207,6 +298,8 @@ impl Driver {
                 cfg.max_poll_interval.as_millis().to_string(),
             )
             .set("statistics.interval.ms", "5000")
+            // Split partition queues apply the prefetch bound per partition.
+            .set("queued.max.messages.kbytes", PREFETCH_KBYTES_PER_PARTITION)
             .set(
                 "isolation.level",
                 match cfg.guarantee {
@@ -223,7 +316,7 @@ impl Driver {
         })?;
         Ok(Driver {
             engine,
-            consumer,
+            consumer: Arc::new(consumer),
             topics,
         })
     }
@@ -251,9 +344,14 @@ impl Driver {
 
     fn main_loop(&self, stop: &AtomicBool) -> Result<(), RuntimeError> {
         let batch = 2_000;
+        let mut fed = false;
         while !stop.load(Ordering::SeqCst) {
             let busy = self.engine.lock().has_pending_calls();
-            let mut timeout = Duration::from_millis(if busy { 2 } else { 20 });
+            let mut timeout = Duration::from_millis(match (fed, busy) {
+                (true, _) => 0,
+                (false, true) => 2,
+                (false, false) => 20,
+            });
             let mut n = 0;
             while n < batch {
                 let Some(msg) = self.consumer.poll(timeout) else {
@@ -274,6 +372,7 @@ impl Driver {
                 return Err(e);
             }
             engine.tick(&self.consumer)?;
+            fed = engine.feed()?;
         }
         Ok(())
     }
@@ -317,6 +416,7 @@ impl Engine {
             return Ok(());
         }
         let eos = self.eos();
+        let max = self.cfg.max_in_flight_per_partition;
         let Some(task) = self.tasks.get_mut(&id) else {
             tracing::debug!(
                 topic = msg.topic(),
@@ -325,14 +425,15 @@ impl Engine {
             );
             return Ok(());
         };
-        process_record(task, msg, &self.metrics, eos)
+        task.offer(msg, &self.metrics, eos, max)
     }
 
     /// Everything between polls: completions, restores, punctuation, commits,
     /// pause/resume, status.
-    fn tick(&mut self, consumer: &DriverConsumer) -> Result<(), RuntimeError> {
+    fn tick(&mut self, consumer: &Arc<DriverConsumer>) -> Result<(), RuntimeError> {
         self.handle_completions()?;
-        self.check_restores(consumer)?;
+        self.check_restores()?;
+        self.attach_queues(consumer)?;
         if self.last_punctuate.elapsed() >= self.cfg.punctuate_interval {
             self.last_punctuate = Instant::now();
             let now = now_ms();
@@ -531,21 +632,119 @@ impl Engine {
         Ok(())
     }
 
+    /// Gives each input partition of an active task its own fetch queue. The
+    /// partition is paused first: the pause discards records of it already
+    /// fetched into the consumer's queue (librdkafka fetches again from the
+    /// position), so records reach the task in order; `update_pauses` resumes it.
+    fn attach_queues(&mut self, consumer: &Arc<DriverConsumer>) -> Result<(), RuntimeError> {
+        let new: Vec<Tp> = self
+            .tasks
+            .values()
+            .flat_map(|t| t.partitions.iter())
+            .filter(|tp| !self.queues.contains_key(*tp) && !self.unsplit.contains(*tp))
+            .cloned()
+            .collect();
+        if new.is_empty() {
+            return Ok(());
+        }
+        let mut tpl = TopicPartitionList::new();
+        for (t, p) in &new {
+            tpl.add_partition(t, *p);
+        }
+        consumer.pause(&tpl)?;
+        for tp in new {
+            self.paused.insert(tp.clone());
+            match consumer.split_partition_queue(&tp.0, tp.1) {
+                Some(q) => {
+                    self.queues.insert(tp, q);
+                }
+                None => {
+                    tracing::warn!(
+                        topic = tp.0,
+                        partition = tp.1,
+                        "cannot split the partition's queue"
+                    );
+                    self.unsplit.insert(tp);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes records from the split queues while their tasks have room under the
+    /// in-flight bound (and no backlog, which holds older records). What is left
+    /// stays in librdkafka's bounded prefetch: backpressure without a pause.
+    /// Returns whether any record was taken.
+    fn feed(&mut self) -> Result<bool, RuntimeError> {
+        if self.intake.is_held() || self.queues.is_empty() {
+            return Ok(false);
+        }
+        let queues = std::mem::take(&mut self.queues);
+        let result = self.feed_from(&queues);
+        self.queues = queues;
+        result
+    }
+
+    fn feed_from(
+        &mut self,
+        queues: &HashMap<Tp, PartitionQueue<DriverContext>>,
+    ) -> Result<bool, RuntimeError> {
+        let (eos, max) = (self.eos(), self.cfg.max_in_flight_per_partition);
+        let mut fed = false;
+        for ((topic, partition), queue) in queues {
+            let Some(&sub) = self.topic_sub.get(topic) else {
+                continue;
+            };
+            let id = TaskId {
+                subtopology: sub as u32,
+                partition: *partition,
+            };
+            let Some(task) = self.tasks.get_mut(&id) else {
+                continue;
+            };
+            let Some(slot) = task.core.slot_of(topic) else {
+                continue;
+            };
+            task.core.drain_done();
+            while task.backlog[slot].is_empty() && task.core.trackers[slot].in_flight() < max {
+                match queue.poll(Duration::ZERO) {
+                    None => break,
+                    Some(Ok(msg)) => {
+                        task.offer(&msg, &self.metrics, eos, max)?;
+                        fed = true;
+                    }
+                    Some(Err(e)) => tracing::warn!(topic, partition, error = %e, "consumer error"),
+                }
+            }
+        }
+        Ok(fed)
+    }
+
+    /// Feeds queued records to the tasks, then pauses every partition while
+    /// intake is held, and a partition without a split queue whose backlog holds
+    /// a full in-flight bound until the backlog ran down; polling never stops.
     fn update_pauses(&mut self, consumer: &DriverConsumer) -> Result<(), RuntimeError> {
         let held = self.intake.is_held();
         let max = self.cfg.max_in_flight_per_partition;
+        let eos = self.eos();
         let mut to_pause = TopicPartitionList::new();
         let mut to_resume = TopicPartitionList::new();
         for task in self.tasks.values_mut() {
-            task.core.drain_done();
-            for (slot, tracker) in task.core.slots.iter().zip(&task.core.trackers) {
+            if held {
+                task.core.drain_done();
+            } else {
+                task.drain_backlog(&self.metrics, eos, max)?;
+            }
+            for (i, slot) in task.core.slots.iter().enumerate() {
                 let tp = (slot.topic.clone(), slot.partition);
-                let n = tracker.in_flight();
+                let queued = task.backlog[i].len();
                 let paused = self.paused.contains(&tp);
-                if !paused && (held || n >= max) {
+                // A split queue is read only while its task has room.
+                let split = self.queues.contains_key(&tp);
+                if !paused && (held || (!split && queued >= max)) {
                     to_pause.add_partition(&tp.0, tp.1);
                     self.paused.insert(tp);
-                } else if paused && !held && n <= max / 2 {
+                } else if paused && !held && (split || queued <= max / 2) {
                     to_resume.add_partition(&tp.0, tp.1);
                     self.paused.remove(&tp);
                 }
@@ -619,6 +818,7 @@ impl Engine {
             .filter(|(_, t)| hit(&t.partitions))
             .map(|(id, _)| *id)
             .collect();
+        self.queues.retain(|tp, _| !revoked.contains(tp));
         if self.fatal.is_some() {
             for id in ids {
                 self.tasks.remove(&id);
@@ -628,9 +828,14 @@ impl Engine {
         self.drain(&ids)?;
         self.commit_tasks(consumer, &ids)?;
         for id in ids {
-            if let Some(task) = self.tasks.remove(&id) {
+            if let Some(mut task) = self.tasks.remove(&id) {
                 for tp in &task.partitions {
                     self.paused.remove(tp);
+                    self.queues.remove(tp);
+                }
+                // Queued records are read again from the committed position.
+                for q in &mut task.backlog {
+                    q.clear();
                 }
                 self.suspended.insert(id, task);
             }
@@ -682,6 +887,9 @@ impl Engine {
         tpl: &TopicPartitionList,
     ) -> Result<(), RuntimeError> {
         self.joined = true;
+        // An assignment forwards every partition to the consumer's queue again.
+        self.queues.clear();
+        self.unsplit.clear();
         let mut by_task: BTreeMap<TaskId, Vec<Tp>> = BTreeMap::new();
         for e in tpl.elements() {
             if let Some(&sub) = self.topic_sub.get(e.topic()) {
@@ -783,7 +991,7 @@ impl Engine {
     }
 
     /// Activates tasks whose restore finished.
-    fn check_restores(&mut self, consumer: &DriverConsumer) -> Result<(), RuntimeError> {
+    fn check_restores(&mut self) -> Result<(), RuntimeError> {
         let done: Vec<TaskId> = self
             .pending
             .iter()
@@ -814,29 +1022,21 @@ impl Engine {
                 self.completions_tx.clone(),
                 &self.dlq_partitions,
             )?;
-            let mut task = ActiveTask {
+            let mut task = ActiveTask::new(
                 core,
-                producer: restored.producer,
-                delivery: restored.delivery,
-                txn_open: false,
-                partitions: p.partitions.clone(),
-            };
+                restored.producer,
+                restored.delivery,
+                p.partitions.clone(),
+            );
             let (metrics, eos) = (self.metrics.clone(), self.eos());
+            let max = self.cfg.max_in_flight_per_partition;
             for msg in p.buffered.drain(..) {
-                process_record(&mut task, &msg, &metrics, eos)?;
+                task.offer(&msg, &metrics, eos, max)?;
             }
             tracing::info!(task = %id, "task restored; processing");
-            let mut resume = TopicPartitionList::new();
-            if !self.intake.is_held() {
-                for (t, part) in &p.partitions {
-                    resume.add_partition(t, *part);
-                    self.paused.remove(&(t.clone(), *part));
-                }
-            }
+            // Its partitions stay paused until their queues are split; then
+            // `update_pauses` resumes them.
             self.tasks.insert(id, task);
-            if resume.count() > 0 {
-                consumer.resume(&resume)?;
-            }
         }
         self.status.set_tasks(self.tasks.keys().copied());
         Ok(())
@@ -844,6 +1044,8 @@ impl Engine {
 
     /// Closes every task: with `commit`, drains and commits first.
     fn close_all(&mut self, consumer: &DriverConsumer, commit: bool) -> Result<(), RuntimeError> {
+        // The queues hold the consumer; the engine must not.
+        self.queues.clear();
         for (_, mut p) in std::mem::take(&mut self.pending) {
             p.cancel.store(true, Ordering::SeqCst);
             if let Some(h) = p.handle.take() {

@@ -1,10 +1,12 @@
 //! The Kafka runtime: runs a [`Topology`] as one member of a consumer group.
 //!
 //! One driver thread per instance owns the consumer and the tasks (a task per
-//! sub-topology and input partition). It polls continuously — records of paused
-//! partitions simply stop arriving — hands records to tasks, routes the
-//! completions of async operator calls back to their tasks, punctuates, and
-//! commits every `commit_interval`:
+//! sub-topology and input partition). It polls continuously (events and
+//! rebalances arrive there) and reads each active partition's own fetch queue
+//! only while the partition's task has room under the in-flight bound, so
+//! librdkafka's bounded prefetch is the backpressure; it hands records to tasks,
+//! routes the completions of async operator calls back to their tasks,
+//! punctuates, and commits every `commit_interval`:
 //!
 //! - at-least-once: outputs flushed, changelog records sent and flushed, local
 //!   state written, then the offsets of the contiguous finished prefix committed;
