@@ -346,11 +346,17 @@ impl Driver {
         let batch = 2_000;
         let mut fed = false;
         while !stop.load(Ordering::SeqCst) {
-            let busy = self.engine.lock().has_pending_calls();
-            let mut timeout = Duration::from_millis(match (fed, busy) {
-                (true, _) => 0,
-                (false, true) => 2,
-                (false, false) => 20,
+            // Records reaching a split queue do not end a poll of the consumer's
+            // queue, so that poll is kept short while partition queues exist.
+            let (busy, split) = {
+                let engine = self.engine.lock();
+                (engine.has_pending_calls(), !engine.queues.is_empty())
+            };
+            let mut timeout = Duration::from_millis(match (fed, busy, split) {
+                (true, _, _) => 0,
+                (false, true, _) => 2,
+                (false, false, true) => 5,
+                (false, false, false) => 20,
             });
             let mut n = 0;
             while n < batch {

@@ -187,4 +187,9 @@ impl EngineMetrics {
     pub fn records_in(&self) -> u64 {
         self.records_in.get()
     }
+
+    /// Records produced to output topics so far.
+    pub fn records_out(&self) -> u64 {
+        self.records_out.get()
+    }
 }
