@@ -130,8 +130,9 @@ fn aggregate(
     app.shutdown();
     app.join().expect("clean stop");
     eprintln!(
-        "{guarantee:?}: {n} records in {secs:.2}s ({} commits)",
-        metrics.commit_count()
+        "{guarantee:?}: {n} records in {secs:.2}s ({} commits taking {:.2}s)",
+        metrics.commit_count(),
+        metrics.commit_seconds_sum()
     );
     (n as f64 / secs, app_id)
 }

@@ -158,6 +158,8 @@ struct Engine {
     runtime: tokio::runtime::Handle,
     completions_tx: Sender<CompletionMsg>,
     completions_rx: Receiver<CompletionMsg>,
+    /// Signalled when the consumer's queue or a partition queue becomes non-empty.
+    wake_tx: Sender<()>,
     topic_sub: HashMap<String, usize>,
     tasks: BTreeMap<TaskId, ActiveTask>,
     suspended: BTreeMap<TaskId, ActiveTask>,
@@ -229,6 +231,19 @@ pub(crate) struct Driver {
     engine: Arc<Mutex<Engine>>,
     consumer: Arc<DriverConsumer>,
     topics: Vec<String>,
+    /// Wake-ups from the consumer's and the partition queues (see `main_loop`).
+    wake_rx: Receiver<()>,
+    /// Completions of async calls (also a reason to wake).
+    completions: Receiver<CompletionMsg>,
+}
+
+/// A callback for librdkafka's "queue became non-empty" event that wakes the
+/// driver (from a librdkafka thread).
+fn waker(tx: &Sender<()>) -> impl Fn() + Send + Sync + 'static {
+    let tx = tx.clone();
+    move || {
+        let _ = tx.try_send(());
+    }
 }
 
 impl Driver {
@@ -255,6 +270,7 @@ impl Driver {
             Guarantee::ExactlyOnce => None,
         };
         let (completions_tx, completions_rx) = crossbeam_channel::unbounded();
+        let (wake_tx, wake_rx) = crossbeam_channel::bounded(1);
         let env = RocksEnv::new(cfg.rocksdb.clone());
         let engine = Arc::new(Mutex::new(Engine {
             topology,
@@ -264,7 +280,8 @@ impl Driver {
             env,
             runtime,
             completions_tx,
-            completions_rx,
+            completions_rx: completions_rx.clone(),
+            wake_tx: wake_tx.clone(),
             topic_sub,
             tasks: BTreeMap::new(),
             suspended: BTreeMap::new(),
@@ -310,14 +327,17 @@ impl Driver {
         for (k, v) in &cfg.consumer_overrides {
             c.set(k, v);
         }
-        let consumer: DriverConsumer = c.create_with_context(DriverContext {
+        let mut consumer: DriverConsumer = c.create_with_context(DriverContext {
             engine: engine.clone(),
             metrics,
         })?;
+        consumer.set_nonempty_callback(waker(&wake_tx));
         Ok(Driver {
             engine,
             consumer: Arc::new(consumer),
             topics,
+            wake_rx,
+            completions: completions_rx,
         })
     }
 
@@ -342,28 +362,27 @@ impl Driver {
         result
     }
 
+    /// Waits for work — a record or event in the consumer's queue, a record in a
+    /// partition queue, a completed async call — or the next tick, then takes
+    /// what is there without blocking: records reaching a partition queue
+    /// could not end a blocking poll of the consumer's queue.
     fn main_loop(&self, stop: &AtomicBool) -> Result<(), RuntimeError> {
         let batch = 2_000;
-        let mut fed = false;
+        let tick = Duration::from_millis(10);
+        let mut more = false;
         while !stop.load(Ordering::SeqCst) {
-            // Records reaching a split queue do not end a poll of the consumer's
-            // queue, so that poll is kept short while partition queues exist.
-            let (busy, split) = {
-                let engine = self.engine.lock();
-                (engine.has_pending_calls(), !engine.queues.is_empty())
-            };
-            let mut timeout = Duration::from_millis(match (fed, busy, split) {
-                (true, _, _) => 0,
-                (false, true, _) => 2,
-                (false, false, true) => 5,
-                (false, false, false) => 20,
-            });
+            if !more {
+                let mut sel = crossbeam_channel::Select::new();
+                sel.recv(&self.wake_rx);
+                sel.recv(&self.completions);
+                let _ = sel.ready_timeout(tick);
+                while self.wake_rx.try_recv().is_ok() {}
+            }
             let mut n = 0;
             while n < batch {
-                let Some(msg) = self.consumer.poll(timeout) else {
+                let Some(msg) = self.consumer.poll(Duration::ZERO) else {
                     break;
                 };
-                timeout = Duration::ZERO;
                 match msg {
                     Ok(m) => {
                         let mut engine = self.engine.lock();
@@ -378,7 +397,8 @@ impl Driver {
                 return Err(e);
             }
             engine.tick(&self.consumer)?;
-            fed = engine.feed()?;
+            // Records may be left where the wake-up already fired.
+            more = engine.feed()? || n == batch;
         }
         Ok(())
     }
@@ -401,12 +421,6 @@ impl Engine {
 
     fn eos(&self) -> bool {
         self.cfg.guarantee == Guarantee::ExactlyOnce
-    }
-
-    fn has_pending_calls(&self) -> bool {
-        self.tasks
-            .values()
-            .any(|t| t.core.ctx.spawner.pending() > 0)
     }
 
     fn on_message(&mut self, msg: &BorrowedMessage<'_>) -> Result<(), RuntimeError> {
@@ -661,7 +675,8 @@ impl Engine {
         for tp in new {
             self.paused.insert(tp.clone());
             match consumer.split_partition_queue(&tp.0, tp.1) {
-                Some(q) => {
+                Some(mut q) => {
+                    q.set_nonempty_callback(waker(&self.wake_tx));
                     self.queues.insert(tp, q);
                 }
                 None => {

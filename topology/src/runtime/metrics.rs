@@ -173,6 +173,11 @@ impl EngineMetrics {
         self.commits.get()
     }
 
+    /// Seconds spent in commits so far.
+    pub fn commit_seconds_sum(&self) -> f64 {
+        self.commit_seconds.get_sample_sum()
+    }
+
     /// Replayed records skipped because restored state already reflected them.
     pub fn replay_skipped(&self) -> u64 {
         self.replay_skipped.get()

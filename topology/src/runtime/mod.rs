@@ -1,10 +1,12 @@
 //! The Kafka runtime: runs a [`Topology`] as one member of a consumer group.
 //!
 //! One driver thread per instance owns the consumer and the tasks (a task per
-//! sub-topology and input partition). It polls continuously (events and
-//! rebalances arrive there) and reads each active partition's own fetch queue
-//! only while the partition's task has room under the in-flight bound, so
-//! librdkafka's bounded prefetch is the backpressure; it hands records to tasks,
+//! sub-topology and input partition). It polls the consumer continuously (events
+//! and rebalances arrive there) and reads each active partition's own fetch
+//! queue only while the partition's task has room under the in-flight bound, so
+//! librdkafka's bounded prefetch is the backpressure. Between rounds it sleeps
+//! until a queue becomes non-empty, an async call completes or 10 ms pass. It
+//! hands records to tasks,
 //! routes the completions of async operator calls back to their tasks,
 //! punctuates, and commits every `commit_interval`:
 //!
