@@ -139,8 +139,9 @@ struct Restored {
     delivery: Arc<DeliveryState>,
 }
 
-/// A task being restored on a helper thread; its partitions are paused and
-/// records that still arrive are buffered.
+/// A task being restored on a helper thread; the records of its partitions
+/// are buffered meanwhile (its partitions are paused once the buffer holds the
+/// in-flight bound for each).
 struct PendingTask {
     handle: Option<JoinHandle<Result<Restored, RuntimeError>>>,
     cancel: Arc<AtomicBool>,
@@ -750,6 +751,16 @@ impl Engine {
         let eos = self.eos();
         let mut to_pause = TopicPartitionList::new();
         let mut to_resume = TopicPartitionList::new();
+        // A restoring task buffers up to the in-flight bound per partition.
+        for p in self.pending.values() {
+            if p.buffered.len() >= max * p.partitions.len() {
+                for tp in &p.partitions {
+                    if self.paused.insert(tp.clone()) {
+                        to_pause.add_partition(&tp.0, tp.1);
+                    }
+                }
+            }
+        }
         for task in self.tasks.values_mut() {
             if held {
                 task.core.drain_done();
@@ -901,7 +912,7 @@ impl Engine {
     }
 
     /// Assignment: resume suspended tasks that stayed here, close the others,
-    /// and restore new ones with their partitions paused.
+    /// and restore new ones (buffering their records meanwhile).
     fn on_assign(
         &mut self,
         consumer: &DriverConsumer,
@@ -935,7 +946,6 @@ impl Engine {
                 drop(task);
             }
         }
-        let mut to_pause = TopicPartitionList::new();
         let mut resume_at = TopicPartitionList::new();
         for (id, parts) in by_task {
             if self.tasks.contains_key(&id) || self.pending.contains_key(&id) {
@@ -961,14 +971,10 @@ impl Engine {
                 // Its abandoned records must be read again: start afresh.
                 drop(task);
             }
-            for (t, p) in &parts {
-                to_pause.add_partition(t, *p);
-                self.paused.insert((t.clone(), *p));
-            }
+            // Not paused: librdkafka looks up the positions and fetches while
+            // the task restores (a pause would hold the lookup back until the
+            // resume); what arrives is buffered, within a bound (`update_pauses`).
             self.start_restore(id, parts);
-        }
-        if to_pause.count() > 0 {
-            consumer.pause(&to_pause)?;
         }
         if resume_at.count() > 0 {
             // Positions, not commits: librdkafka starts fetching there.
@@ -1055,8 +1061,9 @@ impl Engine {
                 task.offer(&msg, &metrics, eos, max)?;
             }
             tracing::info!(task = %id, "task restored; processing");
-            // Its partitions stay paused until their queues are split; then
-            // `update_pauses` resumes them.
+            // Its buffered records went first; `attach_queues` now pauses its
+            // partitions (records polled after these are fetched again) and
+            // splits their queues, and `update_pauses` resumes them.
             self.tasks.insert(id, task);
         }
         self.status.set_tasks(self.tasks.keys().copied());

@@ -20,8 +20,9 @@
 //! On revocation the driver stops intake for the task, drains its in-flight work
 //! (up to `drain_timeout`, then abandons it uncommitted), commits and suspends it;
 //! on assignment a suspended task resumes at once and a new one is restored on a
-//! helper thread (after fencing its previous owner) while its partitions stay
-//! paused and polling goes on.
+//! helper thread (after fencing its previous owner) while polling goes on and
+//! its records are buffered, up to the in-flight bound per partition (then its
+//! partitions are paused).
 
 pub mod config;
 pub mod metrics;
