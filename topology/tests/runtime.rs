@@ -34,6 +34,14 @@ fn create(topics: &[(&str, i32)]) {
     futures::executor::block_on(admin.create_topics(&new, &AdminOptions::new())).unwrap();
 }
 
+fn producer() -> ThreadedProducer<DefaultProducerContext> {
+    ClientConfig::new()
+        .set("bootstrap.servers", bootstrap())
+        .set("linger.ms", "5")
+        .create()
+        .unwrap()
+}
+
 fn read_all(
     topic: &str,
     partitions: i32,
@@ -73,11 +81,7 @@ fn read_all(
 fn windowed_count_round_trip(guarantee: Guarantee) {
     let (input, output, app) = (unique("rt-in"), unique("rt-out"), unique("rt-app"));
     create(&[(&input, 3), (&output, 3)]);
-    let producer: ThreadedProducer<DefaultProducerContext> = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap())
-        .set("linger.ms", "5")
-        .create()
-        .unwrap();
+    let producer = producer();
     let base = 1_700_000_000_000i64;
     let mut expected: BTreeMap<(i64, String), u64> = BTreeMap::new();
     for i in 0..10_000i64 {
@@ -178,11 +182,7 @@ impl sluice_topology::Processor<String, String> for Recorder {
 fn bounded_intake_keeps_partition_order_and_commits_to_the_end() {
     let (input, output, app) = (unique("ord-in"), unique("ord-out"), unique("ord-app"));
     create(&[(&input, 2), (&output, 2)]);
-    let producer: ThreadedProducer<DefaultProducerContext> = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap())
-        .set("linger.ms", "5")
-        .create()
-        .unwrap();
+    let producer = producer();
     let per_partition = 3_000;
     for i in 0..per_partition {
         for p in 0..2 {
