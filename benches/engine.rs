@@ -15,7 +15,9 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use sluice::examples::windowed_count;
 use sluice::kafka::{create_topics, produce, OutRecord};
-use sluice_topology::runtime::{AppState, EngineMetrics, Guarantee, StreamsApp, StreamsConfig};
+use sluice_topology::runtime::{
+    AppState, EngineMetrics, Guarantee, RunningApp, StreamsApp, StreamsConfig,
+};
 
 const KEYS: usize = 10_000;
 const PARTITIONS: i32 = 4;
@@ -103,19 +105,8 @@ fn aggregate(
         &uuid::Uuid::new_v4().simple().to_string()[..8]
     )
     .to_lowercase();
-    let output = format!("{app_id}-out");
-    create_topics(bootstrap, &[(&output, PARTITIONS, &[])]).unwrap();
-    let mut cfg = StreamsConfig::new(&app_id, bootstrap, state);
-    cfg.guarantee = guarantee;
-    cfg.session_timeout = Duration::from_secs(6);
-    let metrics = EngineMetrics::unregistered();
-    let app = StreamsApp::new(
-        windowed_count(&[topic], &output, None, Duration::from_secs(3600)),
-        cfg,
-        metrics.clone(),
-    )
-    .start()
-    .expect("start");
+    create_topics(bootstrap, &[(&format!("{app_id}-out"), PARTITIONS, &[])]).unwrap();
+    let (app, metrics) = start_count(bootstrap, &app_id, topic, guarantee, state);
     // The clock starts at the assignment, as the plain read's starts at its
     // assign: restore, position lookup and first fetch count.
     while app.status().state() == AppState::Starting {
@@ -139,9 +130,16 @@ fn aggregate(
     (n as f64 / secs, app_id)
 }
 
-fn restore(bootstrap: &str, app_id: &str, topic: &str, state: &std::path::Path) -> (f64, u64) {
+/// Starts the windowed count of `topic` into `<app_id>-out`.
+fn start_count(
+    bootstrap: &str,
+    app_id: &str,
+    topic: &str,
+    guarantee: Guarantee,
+    state: &std::path::Path,
+) -> (RunningApp, EngineMetrics) {
     let mut cfg = StreamsConfig::new(app_id, bootstrap, state);
-    cfg.guarantee = Guarantee::ExactlyOnce;
+    cfg.guarantee = guarantee;
     cfg.session_timeout = Duration::from_secs(6);
     let metrics = EngineMetrics::unregistered();
     let output = format!("{app_id}-out");
@@ -152,6 +150,11 @@ fn restore(bootstrap: &str, app_id: &str, topic: &str, state: &std::path::Path) 
     )
     .start()
     .expect("start");
+    (app, metrics)
+}
+
+fn restore(bootstrap: &str, app_id: &str, topic: &str, state: &std::path::Path) -> (f64, u64) {
+    let (app, metrics) = start_count(bootstrap, app_id, topic, Guarantee::ExactlyOnce, state);
     while !app.status().is_ready() {
         std::thread::sleep(Duration::from_millis(5));
     }

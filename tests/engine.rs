@@ -27,6 +27,29 @@ struct Example {
 }
 
 impl Example {
+    /// A windowed count with an hour of grace (no record is late), its input
+    /// and output topics created with `partitions` partitions.
+    fn windowed_count(app: &str, guarantee: &str, partitions: i32) -> Self {
+        let ex = Example {
+            kind: "windowed-count",
+            app: unique(app),
+            input: unique("in"),
+            output: unique("out"),
+            extra: vec![
+                "--guarantee".into(),
+                guarantee.into(),
+                "--grace-ms".into(),
+                "3600000".into(),
+            ],
+        };
+        create_topics(
+            &bootstrap(),
+            &[(&ex.input, partitions, &[]), (&ex.output, partitions, &[])],
+        )
+        .unwrap();
+        ex
+    }
+
     fn args(&self, state_dir: &std::path::Path) -> Vec<String> {
         let mut a: Vec<String> = [
             "example",
@@ -126,19 +149,7 @@ fn assert_counts_equal(
 
 #[test]
 fn exactly_once_windowed_count_survives_three_sigkills() {
-    let ex = Example {
-        kind: "windowed-count",
-        app: unique("eos-kill"),
-        input: unique("in"),
-        output: unique("out"),
-        extra: vec![
-            "--guarantee".into(),
-            "exactly-once".into(),
-            "--grace-ms".into(),
-            "3600000".into(),
-        ],
-    };
-    create_topics(&bootstrap(), &[(&ex.input, 4, &[]), (&ex.output, 4, &[])]).unwrap();
+    let ex = Example::windowed_count("eos-kill", "exactly-once", 4);
     let (records, expected) = keyed_records(100_000, 500, 10, base_time());
     produce(&bootstrap(), &ex.input, records).unwrap();
     let dir = temp_dir();
@@ -165,19 +176,7 @@ fn a_crash_after_changelog_writes_leaks_nothing_into_state() {
     // aborts that transaction when the restarted task fences it; the test
     // broker exposes its records instead (design §8). Either way the restarted
     // instance must neither re-apply nor re-emit what those records reflect.
-    let ex = Example {
-        kind: "windowed-count",
-        app: unique("eos-leak"),
-        input: unique("in"),
-        output: unique("out"),
-        extra: vec![
-            "--guarantee".into(),
-            "exactly-once".into(),
-            "--grace-ms".into(),
-            "3600000".into(),
-        ],
-    };
-    create_topics(&bootstrap(), &[(&ex.input, 2, &[]), (&ex.output, 2, &[])]).unwrap();
+    let ex = Example::windowed_count("eos-leak", "exactly-once", 2);
     let (records, expected) = keyed_records(40_000, 200, 4, base_time());
     produce(&bootstrap(), &ex.input, records).unwrap();
     let dir = temp_dir();
@@ -205,19 +204,7 @@ fn a_crash_after_changelog_writes_leaks_nothing_into_state() {
 
 #[test]
 fn survivor_takes_over_a_killed_instance_and_keeps_aggregates_exact() {
-    let ex = Example {
-        kind: "windowed-count",
-        app: unique("eos-failover"),
-        input: unique("in"),
-        output: unique("out"),
-        extra: vec![
-            "--guarantee".into(),
-            "exactly-once".into(),
-            "--grace-ms".into(),
-            "3600000".into(),
-        ],
-    };
-    create_topics(&bootstrap(), &[(&ex.input, 4, &[]), (&ex.output, 4, &[])]).unwrap();
+    let ex = Example::windowed_count("eos-failover", "exactly-once", 4);
     let (records, expected) = keyed_records(60_000, 300, 5, base_time());
     let (dir_a, dir_b) = (temp_dir(), temp_dir());
     let mut a = ex.spawn("A", dir_a.path());
@@ -459,19 +446,7 @@ fn changelog_records(app: &str) -> usize {
 
 #[test]
 fn restart_with_local_state_restores_only_the_changelog_tail() {
-    let ex = Example {
-        kind: "windowed-count",
-        app: unique("restore"),
-        input: unique("in"),
-        output: unique("out"),
-        extra: vec![
-            "--guarantee".into(),
-            "exactly-once".into(),
-            "--grace-ms".into(),
-            "3600000".into(),
-        ],
-    };
-    create_topics(&bootstrap(), &[(&ex.input, 2, &[]), (&ex.output, 2, &[])]).unwrap();
+    let ex = Example::windowed_count("restore", "exactly-once", 2);
     let base = base_time();
     let (first, mut expected) = keyed_records(5_000, 500, 1, base);
     produce(&bootstrap(), &ex.input, first).unwrap();
@@ -523,25 +498,9 @@ fn restart_with_local_state_restores_only_the_changelog_tail() {
 #[test]
 fn undecodable_records_are_dead_lettered_and_processing_continues() {
     let dlq = unique("dlq");
-    let ex = Example {
-        kind: "windowed-count",
-        app: unique("poison"),
-        input: unique("in"),
-        output: unique("out"),
-        extra: vec![
-            "--guarantee".into(),
-            "at-least-once".into(),
-            "--grace-ms".into(),
-            "3600000".into(),
-            "--dlq".into(),
-            dlq.clone(),
-        ],
-    };
-    create_topics(
-        &bootstrap(),
-        &[(&ex.input, 1, &[]), (&ex.output, 1, &[]), (&dlq, 1, &[])],
-    )
-    .unwrap();
+    let mut ex = Example::windowed_count("poison", "at-least-once", 1);
+    ex.extra.extend(["--dlq".into(), dlq.clone()]);
+    create_topics(&bootstrap(), &[(&dlq, 1, &[])]).unwrap();
     let base = base_time();
     let mut recs = Vec::new();
     let mut expected = BTreeMap::new();

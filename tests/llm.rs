@@ -330,6 +330,20 @@ fn count_by_task(results: &[(TaskResult, OwnedMessage)]) -> HashMap<String, usiz
     n
 }
 
+/// No task is lost and none has two results.
+fn assert_each_answered_once(tasks: &[Task], results: &[(TaskResult, OwnedMessage)]) {
+    let counts = count_by_task(results);
+    let missing = tasks.iter().filter(|t| !counts.contains_key(&t.id)).count();
+    let twice: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
+    assert_eq!(missing, 0, "no task lost");
+    assert!(
+        twice.is_empty(),
+        "{} tasks answered twice: {:?}",
+        twice.len(),
+        &twice[..twice.len().min(5)]
+    );
+}
+
 #[test]
 fn every_task_gets_exactly_one_result_despite_provider_faults() {
     let sim = SimConfig::from_json_value(serde_json::json!({
@@ -683,16 +697,7 @@ fn sigkill_under_load_loses_nothing_and_never_answers_twice() {
     app.proc.kill9();
     let mut app = p.start("kill-2");
     let results = p.results(tasks.len(), Duration::from_secs(240));
-    let counts = count_by_task(&results);
-    let missing = tasks.iter().filter(|t| !counts.contains_key(&t.id)).count();
-    let twice: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
-    assert_eq!(missing, 0, "no task lost");
-    assert!(
-        twice.is_empty(),
-        "{} tasks answered twice: {:?}",
-        twice.len(),
-        &twice[..twice.len().min(5)]
-    );
+    assert_each_answered_once(&tasks, &results);
     let _ = &p.state;
     app.proc.stop();
 }
@@ -719,16 +724,7 @@ fn crash_inside_a_commit(failpoint: &str) {
     let calls_before = p.sim.stats().served_ok;
     let mut app = p.start("crash-2");
     let results = p.results(tasks.len(), Duration::from_secs(180));
-    let counts = count_by_task(&results);
-    let missing = tasks.iter().filter(|t| !counts.contains_key(&t.id)).count();
-    let twice: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
-    assert_eq!(missing, 0, "no task lost");
-    assert!(
-        twice.is_empty(),
-        "{} tasks answered twice: {:?}",
-        twice.len(),
-        &twice[..twice.len().min(5)]
-    );
+    assert_each_answered_once(&tasks, &results);
     assert!(
         calls_before > 0,
         "the first instance answered tasks before it crashed"

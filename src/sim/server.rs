@@ -55,16 +55,10 @@ mod error_code {
     pub const UNKNOWN_URL: &str = "unknown_url";
 }
 
-/// Names of the rate-limit headers.
+/// Names of the headers the simulator sends: the rate-limit headers the client
+/// reads, and a request id.
 mod header {
-    pub const LIMIT_REQUESTS: &str = "x-ratelimit-limit-requests";
-    pub const REMAINING_REQUESTS: &str = "x-ratelimit-remaining-requests";
-    pub const RESET_REQUESTS: &str = "x-ratelimit-reset-requests";
-    pub const LIMIT_TOKENS: &str = "x-ratelimit-limit-tokens";
-    pub const REMAINING_TOKENS: &str = "x-ratelimit-remaining-tokens";
-    pub const RESET_TOKENS: &str = "x-ratelimit-reset-tokens";
-    pub const RETRY_AFTER: &str = "retry-after";
-    pub const RETRY_AFTER_MS: &str = "retry-after-ms";
+    pub use crate::llm::client::rate_limit_headers::*;
     pub const REQUEST_ID: &str = "x-request-id";
 }
 

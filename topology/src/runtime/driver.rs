@@ -75,6 +75,25 @@ impl ActiveTask {
         }
     }
 
+    /// Whether a new record of `slot` may be processed now: nothing older waits
+    /// in its backlog and its in-flight records are under `max`.
+    fn has_room(&self, slot: usize, max: usize) -> bool {
+        self.backlog[slot].is_empty() && self.core.trackers[slot].in_flight() < max
+    }
+
+    /// Starts a commit: takes the finished records into account and returns
+    /// the changelog records of what the state changed since the last commit.
+    fn start_commit(&mut self) -> Vec<sluice_state::ChangelogRecord> {
+        self.core.drain_done();
+        self.core.ctx.commit_requested = false;
+        self.core
+            .ctx
+            .state
+            .as_ref()
+            .map(|s| s.flush_changelog())
+            .unwrap_or_default()
+    }
+
     /// Processes a record now if the in-flight bound allows, else queues it.
     fn offer(
         &mut self,
@@ -86,7 +105,7 @@ impl ActiveTask {
         let Some(slot) = self.core.slot_of(msg.topic()) else {
             return Ok(());
         };
-        if self.backlog[slot].is_empty() && self.core.trackers[slot].in_flight() < max {
+        if self.has_room(slot, max) {
             process_record(self, msg, metrics, eos)
         } else {
             self.backlog[slot].push_back(msg.detach_owned());
@@ -424,13 +443,17 @@ impl Engine {
         self.cfg.guarantee == Guarantee::ExactlyOnce
     }
 
-    fn on_message(&mut self, msg: &BorrowedMessage<'_>) -> Result<(), RuntimeError> {
-        let Some(&sub) = self.topic_sub.get(msg.topic()) else {
-            return Ok(());
-        };
-        let id = TaskId {
+    /// The task that reads `partition` of `topic`, if the topology reads it.
+    fn task_of(&self, topic: &str, partition: i32) -> Option<TaskId> {
+        self.topic_sub.get(topic).map(|&sub| TaskId {
             subtopology: sub as u32,
-            partition: msg.partition(),
+            partition,
+        })
+    }
+
+    fn on_message(&mut self, msg: &BorrowedMessage<'_>) -> Result<(), RuntimeError> {
+        let Some(id) = self.task_of(msg.topic(), msg.partition()) else {
+            return Ok(());
         };
         if let Some(p) = self.pending.get_mut(&id) {
             p.buffered.push(msg.detach());
@@ -604,15 +627,7 @@ impl Engine {
             else {
                 continue;
             };
-            task.core.drain_done();
-            task.core.ctx.commit_requested = false;
-            let dirty = task
-                .core
-                .ctx
-                .state
-                .as_ref()
-                .map(|s| s.flush_changelog())
-                .unwrap_or_default();
+            let dirty = task.start_commit();
             send_changelog(task, &app, dirty)?;
             work.push((*id, task.core.offsets_to_commit()));
         }
@@ -714,12 +729,8 @@ impl Engine {
         let (eos, max) = (self.eos(), self.cfg.max_in_flight_per_partition);
         let mut fed = false;
         for ((topic, partition), queue) in queues {
-            let Some(&sub) = self.topic_sub.get(topic) else {
+            let Some(id) = self.task_of(topic, *partition) else {
                 continue;
-            };
-            let id = TaskId {
-                subtopology: sub as u32,
-                partition: *partition,
             };
             let Some(task) = self.tasks.get_mut(&id) else {
                 continue;
@@ -728,7 +739,7 @@ impl Engine {
                 continue;
             };
             task.core.drain_done();
-            while task.backlog[slot].is_empty() && task.core.trackers[slot].in_flight() < max {
+            while task.has_room(slot, max) {
                 match queue.poll(Duration::ZERO) {
                     None => break,
                     Some(Ok(msg)) => {
@@ -838,6 +849,9 @@ impl Engine {
             .collect();
         for id in pending {
             if let Some(mut p) = self.pending.remove(&id) {
+                for tp in &p.partitions {
+                    self.paused.remove(tp);
+                }
                 p.cancel.store(true, Ordering::SeqCst);
                 if let Some(h) = p.handle.take() {
                     let _ = h.join();
@@ -924,12 +938,9 @@ impl Engine {
         self.unsplit.clear();
         let mut by_task: BTreeMap<TaskId, Vec<Tp>> = BTreeMap::new();
         for e in tpl.elements() {
-            if let Some(&sub) = self.topic_sub.get(e.topic()) {
+            if let Some(id) = self.task_of(e.topic(), e.partition()) {
                 by_task
-                    .entry(TaskId {
-                        subtopology: sub as u32,
-                        partition: e.partition(),
-                    })
+                    .entry(id)
                     .or_default()
                     .push((e.topic().to_string(), e.partition()));
             }
@@ -1131,17 +1142,9 @@ fn commit_eos(
     metrics: &EngineMetrics,
 ) -> Result<(), RuntimeError> {
     let id = task.core.id;
-    task.core.drain_done();
-    task.core.ctx.commit_requested = false;
+    let dirty = task.start_commit();
     let offsets = task.core.offsets_to_commit();
     let outputs = task.core.take_output();
-    let dirty = task
-        .core
-        .ctx
-        .state
-        .as_ref()
-        .map(|s| s.flush_changelog())
-        .unwrap_or_default();
     if offsets.is_empty() && dirty.is_empty() && outputs.is_empty() && !task.txn_open {
         return Ok(());
     }
