@@ -78,6 +78,8 @@ pub struct AppSection {
     pub max_in_flight_per_partition: usize,
     /// How long a rebalance waits for in-flight calls before abandoning them (ms).
     pub drain_timeout_ms: u64,
+    /// Threads that process tasks side by side (default: the number of cores).
+    pub processing_threads: Option<usize>,
     /// Commit the tasks' transactions in parallel (exactly-once). Safe here
     /// because every write of a task goes to its own partition number (results,
     /// dead letters, re-published tasks, changelogs), so no two tasks'
@@ -98,6 +100,7 @@ impl Default for AppSection {
             commit_interval_ms: None,
             max_in_flight_per_partition: 1000,
             drain_timeout_ms: 30_000,
+            processing_threads: None,
             parallel_commits: true,
             rocksdb_block_cache_mb: 64,
             rocksdb_write_buffer_mb: 32,
@@ -320,6 +323,12 @@ impl Config {
                 "must be non-empty and use only [A-Za-z0-9._-]",
             ));
         }
+        if self.app.processing_threads == Some(0) {
+            return Err(ConfigError::new(
+                "app.processing_threads",
+                "must be at least 1",
+            ));
+        }
         if self.app.max_in_flight_per_partition == 0 {
             return Err(ConfigError::new(
                 "app.max_in_flight_per_partition",
@@ -430,6 +439,9 @@ impl Config {
         s.commit_interval = self.app.commit_interval_ms.map(Duration::from_millis);
         s.max_in_flight_per_partition = self.app.max_in_flight_per_partition;
         s.drain_timeout = Duration::from_millis(self.app.drain_timeout_ms);
+        if let Some(n) = self.app.processing_threads {
+            s.processing_threads = n;
+        }
         s.parallel_commits = self.app.parallel_commits;
         s.session_timeout = Duration::from_millis(self.kafka.session_timeout_ms);
         s.max_poll_interval = Duration::from_millis(self.kafka.max_poll_interval_ms);
@@ -546,6 +558,14 @@ provider = "sim"
         )
         .unwrap_err();
         assert_eq!(err.key, "llm.models[0].provider");
+    }
+
+    #[test]
+    fn processing_threads_must_be_positive() {
+        let err = load(&format!("{MINIMAL}\n[app]\nprocessing_threads = 0\n"), &[]).unwrap_err();
+        assert_eq!(err.key, "app.processing_threads", "{err}");
+        let c = load(&format!("{MINIMAL}\n[app]\nprocessing_threads = 3\n"), &[]).unwrap();
+        assert_eq!(c.app.processing_threads, Some(3));
     }
 
     #[test]

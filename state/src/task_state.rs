@@ -160,15 +160,23 @@ impl TaskState {
             .map_err(|e| self.rocks_err(e))
     }
 
-    /// Reads a value.
+    /// Reads a value (decoded straight from the cache or RocksDB's buffer).
     pub fn get(&self, id: StoreId, key: &[u8]) -> Result<Option<StoredValue>, StateError> {
-        match self.get_raw(id, key)? {
-            Some(bytes) => Ok(Some(StoredValue::decode(
-                &self.stores[id.0].spec.name,
-                &bytes,
-            )?)),
-            None => Ok(None),
+        let name = &self.stores[id.0].spec.name;
+        if let Some(entry) = self.stores[id.0].dirty.get(key) {
+            return entry
+                .as_deref()
+                .map(|bytes| StoredValue::decode(name, bytes))
+                .transpose();
         }
+        let pinned = self
+            .db
+            .get_pinned_cf(self.cf(id), key)
+            .map_err(|e| self.rocks_err(e))?;
+        pinned
+            .as_deref()
+            .map(|bytes| StoredValue::decode(name, bytes))
+            .transpose()
     }
 
     /// Writes a value reflecting the input at `position`.

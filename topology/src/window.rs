@@ -1,7 +1,7 @@
 //! Time windows and the aggregation operators (windowed and not) with their
 //! grace period, emit modes, replay safety and window expiry.
 
-use std::collections::BTreeMap;
+use std::hash::BuildHasherDefault;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -152,8 +152,35 @@ pub(crate) struct WindowAggNode<K, V, A> {
     pub(crate) kids: Forward<Windowed<K>, A>,
     pub(crate) meta: Option<AggMeta>,
     pub(crate) last_expiry: i64,
-    /// Latest results not yet forwarded (`OnCommit`).
-    pending: BTreeMap<(i64, Vec<u8>), Record<Windowed<K>, A>>,
+    /// Metadata changed since the last flush: the position of the record that
+    /// changed it. It is written to the store at the flush, once per commit
+    /// rather than once per record (stream time moves with almost every record).
+    meta_unsaved: Option<Option<sluice_state::Position>>,
+    /// Latest results not yet forwarded (`OnCommit`), by (window start, key);
+    /// hashed for the per-record update, sorted at the flush.
+    pending: PendingMap<(i64, Vec<u8>), Record<Windowed<K>, A>>,
+}
+
+/// Cached results not yet forwarded, keyed by their encoded key.
+pub(crate) type PendingMap<Key, R> =
+    std::collections::HashMap<Key, R, BuildHasherDefault<rustc_hash::FxHasher>>;
+
+/// Forwards cached results in key order (deterministic output at each flush).
+fn forward_sorted<Key: Ord, K2, A2>(
+    pending: &mut PendingMap<Key, Record<K2, A2>>,
+    kids: &mut Forward<K2, A2>,
+    ctx: &mut TaskCtx,
+) -> Result<(), ProcessError>
+where
+    K2: Data,
+    A2: Data,
+{
+    let mut recs: Vec<(Key, Record<K2, A2>)> = pending.drain().collect();
+    recs.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    for (_, rec) in recs {
+        kids.forward(rec, ctx)?;
+    }
+    Ok(())
 }
 
 impl<K, V, A> WindowAggNode<K, V, A>
@@ -181,7 +208,8 @@ where
             kids,
             meta: None,
             last_expiry: i64::MIN,
-            pending: BTreeMap::new(),
+            meta_unsaved: None,
+            pending: PendingMap::default(),
         }
     }
 
@@ -204,9 +232,15 @@ where
 
     fn save_meta(&mut self, ctx: &mut TaskCtx, m: AggMeta) {
         self.meta = Some(m);
-        let pos = ctx.position();
-        ctx.state_mut()
-            .put(self.store, META_KEY.to_vec(), &to_bincode(&m), pos);
+        self.meta_unsaved = Some(ctx.position());
+    }
+
+    /// Writes metadata changed since the last flush to the store.
+    fn write_meta(&mut self, ctx: &mut TaskCtx) {
+        if let (Some(pos), Some(m)) = (self.meta_unsaved.take(), self.meta) {
+            ctx.state_mut()
+                .put(self.store, META_KEY.to_vec(), &to_bincode(&m), pos);
+        }
     }
 
     /// True when the metadata already reflects the current (replayed) record.
@@ -214,11 +248,17 @@ where
         if !ctx.replaying() {
             return Ok(false);
         }
-        let (Some(cur), Some(stored)) = (ctx.position(), ctx.state().get(self.store, META_KEY)?)
-        else {
+        let Some(cur) = ctx.position() else {
             return Ok(false);
         };
-        Ok(stored.position.is_some_and(|p| p.covers(&cur)))
+        let reflected = match self.meta_unsaved {
+            Some(pos) => pos,
+            None => match ctx.state().get(self.store, META_KEY)? {
+                Some(stored) => stored.position,
+                None => return Ok(false),
+            },
+        };
+        Ok(reflected.is_some_and(|p| p.covers(&cur)))
     }
 
     /// Emits every window closed by stream time and not emitted yet.
@@ -337,9 +377,8 @@ where
     }
 
     fn flush(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
-        for (_, rec) in std::mem::take(&mut self.pending) {
-            self.kids.forward(rec, ctx)?;
-        }
+        self.write_meta(ctx);
+        forward_sorted(&mut self.pending, &mut self.kids, ctx)?;
         self.kids.flush(ctx)
     }
 }
@@ -351,7 +390,7 @@ pub(crate) struct KvAggNode<K, V, A> {
     pub(crate) agg: AggFn<K, V, A>,
     pub(crate) emit: EmitMode,
     pub(crate) kids: Forward<K, A>,
-    pub(crate) pending: BTreeMap<Vec<u8>, Record<K, A>>,
+    pub(crate) pending: PendingMap<Vec<u8>, Record<K, A>>,
 }
 
 impl<K, V, A> Node<K, V> for KvAggNode<K, V, A>
@@ -404,9 +443,7 @@ where
     }
 
     fn flush(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
-        for (_, rec) in std::mem::take(&mut self.pending) {
-            self.kids.forward(rec, ctx)?;
-        }
+        forward_sorted(&mut self.pending, &mut self.kids, ctx)?;
         self.kids.flush(ctx)
     }
 }

@@ -47,6 +47,10 @@ pub struct StreamsConfig {
     pub state_dir: PathBuf,
     /// A partition is paused when this many of its records are in flight.
     pub max_in_flight_per_partition: usize,
+    /// Threads that process tasks in parallel when several have records
+    /// waiting (the driver thread is one of them). Defaults to the number of
+    /// cores; 1 processes every task on the driver thread.
+    pub processing_threads: usize,
     /// How long revocation waits for in-flight work before abandoning it.
     pub drain_timeout: Duration,
     /// Interval of punctuation ticks.
@@ -96,6 +100,7 @@ impl StreamsConfig {
             commit_interval: None,
             state_dir: state_dir.into(),
             max_in_flight_per_partition: 1000,
+            processing_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             drain_timeout: Duration::from_secs(30),
             punctuate_interval: Duration::from_millis(50),
             cache_max_entries: 100_000,
@@ -144,6 +149,9 @@ impl StreamsConfig {
         }
         if self.max_in_flight_per_partition == 0 {
             return bad("max_in_flight_per_partition", "must be at least 1");
+        }
+        if self.processing_threads == 0 {
+            return bad("processing_threads", "must be at least 1");
         }
         if self.commit_interval().is_zero() {
             return bad("commit_interval", "must be positive");

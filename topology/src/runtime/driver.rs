@@ -134,6 +134,96 @@ impl ActiveTask {
     }
 }
 
+/// Records taken from one partition queue per feeding round, so commits,
+/// punctuation and completions keep their pace under a steady stream.
+const FEED_BATCH: usize = 10_000;
+
+/// Runs `f` on every item, spreading the items over up to `threads` threads
+/// (the calling thread is one of them); the results come back in item order.
+/// The driver's per-task work — processing, forwarding cached results,
+/// changelog writes, local state commits — touches only the task itself, so
+/// tasks run side by side.
+fn in_parallel<I: Send, T: Send>(
+    items: Vec<I>,
+    threads: usize,
+    f: impl Fn(I) -> Result<T, RuntimeError> + Sync,
+) -> Result<Vec<T>, RuntimeError> {
+    let threads = threads.clamp(1, items.len().max(1));
+    if threads == 1 {
+        return items.into_iter().map(f).collect();
+    }
+    let mut groups: Vec<Vec<(usize, I)>> = (0..threads).map(|_| Vec::new()).collect();
+    for (i, item) in items.into_iter().enumerate() {
+        groups[i % threads].push((i, item));
+    }
+    let run = |group: Vec<(usize, I)>| -> Vec<(usize, Result<T, RuntimeError>)> {
+        group.into_iter().map(|(i, item)| (i, f(item))).collect()
+    };
+    let mut results = std::thread::scope(|s| {
+        let mut groups = groups.into_iter();
+        let own = groups.next().unwrap_or_default();
+        let helpers: Vec<_> = groups.map(|g| s.spawn(|| run(g))).collect();
+        let mut results = run(own);
+        for h in helpers {
+            match h.join() {
+                Ok(r) => results.extend(r),
+                Err(_) => results.push((
+                    usize::MAX,
+                    Err(RuntimeError::Other("task thread panicked".into())),
+                )),
+            }
+        }
+        results
+    });
+    results.sort_by_key(|(i, _)| *i);
+    results.into_iter().map(|(_, r)| r).collect()
+}
+
+/// A partition's own fetch queue.
+struct SplitQueue {
+    queue: PartitionQueue<DriverContext>,
+    /// The engine's `drains` when the queue was split: it is read only once the
+    /// consumer's queue ran empty after that, when no record of the partition
+    /// can be left there.
+    split_at: u64,
+}
+
+/// The split queues of one task, by input slot.
+type TaskQueues<'a> = Vec<(usize, &'a PartitionQueue<DriverContext>)>;
+
+/// Takes up to `limit` records from each of a task's queues while the task has
+/// room. Returns whether any record was taken.
+fn feed_task(
+    task: &mut ActiveTask,
+    queues: &TaskQueues<'_>,
+    metrics: &EngineMetrics,
+    eos: bool,
+    max: usize,
+    limit: usize,
+) -> Result<bool, RuntimeError> {
+    let mut fed = false;
+    for &(slot, queue) in queues {
+        let mut taken = 0;
+        while taken < limit && task.has_room(slot, max) {
+            match queue.poll(Duration::ZERO) {
+                None => break,
+                Some(Ok(msg)) => {
+                    task.offer(&msg, metrics, eos, max)?;
+                    taken += 1;
+                    fed = true;
+                }
+                Some(Err(e)) => tracing::warn!(
+                    topic = %task.core.slots[slot].topic,
+                    partition = task.core.slots[slot].partition,
+                    error = %e,
+                    "consumer error"
+                ),
+            }
+        }
+    }
+    Ok(fed)
+}
+
 /// A message that can be kept past the poll that returned it.
 trait DetachOwned {
     fn detach_owned(&self) -> OwnedMessage;
@@ -158,9 +248,10 @@ struct Restored {
     delivery: Arc<DeliveryState>,
 }
 
-/// A task being restored on a helper thread; the records of its partitions
-/// are buffered meanwhile (its partitions are paused once the buffer holds the
-/// in-flight bound for each).
+/// A task being restored on a helper thread. Its records wait in its split
+/// queues; those that reached the consumer's queue before the split (or all of
+/// them, for a partition whose queue could not be split) are buffered here, and
+/// such a partition is paused once the buffer holds the in-flight bound.
 struct PendingTask {
     handle: Option<JoinHandle<Result<Restored, RuntimeError>>>,
     cancel: Arc<AtomicBool>,
@@ -186,9 +277,11 @@ struct Engine {
     pending: BTreeMap<TaskId, PendingTask>,
     shared_producer: Option<(Arc<TrackedProducer>, Arc<DeliveryState>)>,
     paused: HashSet<Tp>,
-    /// The fetch queue of each active input partition, split from the consumer's
-    /// queue (see [`Engine::attach_queues`]).
-    queues: HashMap<Tp, PartitionQueue<DriverContext>>,
+    /// The fetch queue of each assigned input partition, split from the
+    /// consumer's queue (see [`Engine::attach_queues`]).
+    queues: HashMap<Tp, SplitQueue>,
+    /// How many times a poll found the consumer's queue empty.
+    drains: u64,
     /// Partitions whose queue could not be split; they are fed by the consumer's
     /// queue and paused for backpressure.
     unsplit: HashSet<Tp>,
@@ -309,6 +402,7 @@ impl Driver {
             shared_producer,
             paused: HashSet::new(),
             queues: HashMap::new(),
+            drains: 0,
             unsplit: HashSet::new(),
             last_commit: Instant::now(),
             last_punctuate: Instant::now(),
@@ -399,8 +493,10 @@ impl Driver {
                 while self.wake_rx.try_recv().is_ok() {}
             }
             let mut n = 0;
+            let mut drained = false;
             while n < batch {
                 let Some(msg) = self.consumer.poll(Duration::ZERO) else {
+                    drained = true;
                     break;
                 };
                 match msg {
@@ -415,6 +511,9 @@ impl Driver {
             let mut engine = self.engine.lock();
             if let Some(e) = engine.fatal.take() {
                 return Err(e);
+            }
+            if drained {
+                engine.drains += 1;
             }
             engine.tick(&self.consumer)?;
             // Records may be left where the wake-up already fired.
@@ -533,16 +632,31 @@ impl Engine {
     /// Forwards cached results of tasks (before a commit).
     fn flush_tasks(&mut self, ids: &[TaskId]) -> Result<(), RuntimeError> {
         let (metrics, eos) = (self.metrics.clone(), self.eos());
-        for id in ids {
-            if let Some(task) = self.tasks.get_mut(id) {
-                task.core.flush().map_err(|error| RuntimeError::Process {
-                    task: task.core.id,
-                    error,
-                })?;
-                send_outputs(task, &metrics, eos)?;
-            }
-        }
+        let threads = self.cfg.processing_threads;
+        let tasks: Vec<&mut ActiveTask> = self
+            .tasks
+            .iter_mut()
+            .filter(|(id, _)| ids.contains(id))
+            .map(|(_, t)| t)
+            .collect();
+        in_parallel(tasks, threads, |task| {
+            task.core.flush().map_err(|error| RuntimeError::Process {
+                task: task.core.id,
+                error,
+            })?;
+            send_outputs(task, &metrics, eos)
+        })?;
         Ok(())
+    }
+
+    /// The listed tasks, active or suspended.
+    fn tasks_mut(&mut self, ids: &[TaskId]) -> Vec<&mut ActiveTask> {
+        self.tasks
+            .iter_mut()
+            .chain(self.suspended.iter_mut())
+            .filter(|(id, _)| ids.contains(id))
+            .map(|(_, t)| t)
+            .collect()
     }
 
     /// Commits every task.
@@ -617,36 +731,31 @@ impl Engine {
             return Ok(());
         };
         let app = self.cfg.application_id.clone();
-        let mut work: Vec<(TaskId, Vec<(usize, i64)>)> = Vec::new();
+        let threads = self.cfg.processing_threads;
         flush(&producer, &delivery, FLUSH_TIMEOUT).map_err(RuntimeError::Other)?;
-        for id in ids {
-            let Some(task) = self
-                .tasks
-                .get_mut(id)
-                .or_else(|| self.suspended.get_mut(id))
-            else {
-                continue;
-            };
-            let dirty = task.start_commit();
-            send_changelog(task, &app, dirty)?;
-            work.push((*id, task.core.offsets_to_commit()));
-        }
+        let work: Vec<(TaskId, Vec<(usize, i64)>)> =
+            in_parallel(self.tasks_mut(ids), threads, |task| {
+                let dirty = task.start_commit();
+                send_changelog(task, &app, dirty)?;
+                Ok((task.core.id, task.core.offsets_to_commit()))
+            })?;
         flush(&producer, &delivery, FLUSH_TIMEOUT).map_err(RuntimeError::Other)?;
+        in_parallel(self.tasks_mut(ids), threads, |task| {
+            let next = delivery.take_changelog_next(task.core.id);
+            if let Some(state) = task.core.ctx.state.as_mut() {
+                state.commit_local(&next)?;
+            }
+            let ends = delivery.take_output_next(task.core.id);
+            task.core.ctx.output_ends.extend(ends);
+            Ok(())
+        })?;
         let mut tpl = TopicPartitionList::new();
         for (id, offsets) in &work {
             let task = self
                 .tasks
-                .get_mut(id)
-                .or_else(|| self.suspended.get_mut(id))
+                .get(id)
+                .or_else(|| self.suspended.get(id))
                 .expect("task listed above");
-            let next = delivery.take_changelog_next(*id);
-            if let Some(state) = task.core.ctx.state.as_mut() {
-                state.commit_local(&next)?;
-            }
-            task.core
-                .ctx
-                .output_ends
-                .extend(delivery.take_output_next(*id));
             for (slot, offset) in offsets {
                 let s = &task.core.slots[*slot];
                 tpl.add_partition_offset(&s.topic, s.partition, Offset::Offset(*offset))?;
@@ -668,32 +777,27 @@ impl Engine {
         Ok(())
     }
 
-    /// Gives each input partition of an active task its own fetch queue. The
-    /// partition is paused first: the pause discards records of it already
-    /// fetched into the consumer's queue (librdkafka fetches again from the
-    /// position), so records reach the task in order; `update_pauses` resumes it.
+    /// Gives each assigned input partition its own fetch queue, right after the
+    /// assignment, so librdkafka fetches into it while the task restores.
+    /// Records of the partition that reached the consumer's queue before the
+    /// split go to the task from there; the split queue is read only after the
+    /// consumer's queue ran empty once more (`split_at`), so they come first.
     fn attach_queues(&mut self, consumer: &Arc<DriverConsumer>) -> Result<(), RuntimeError> {
         let new: Vec<Tp> = self
             .tasks
             .values()
-            .flat_map(|t| t.partitions.iter())
+            .map(|t| &t.partitions)
+            .chain(self.pending.values().map(|p| &p.partitions))
+            .flatten()
             .filter(|tp| !self.queues.contains_key(*tp) && !self.unsplit.contains(*tp))
             .cloned()
             .collect();
-        if new.is_empty() {
-            return Ok(());
-        }
-        let mut tpl = TopicPartitionList::new();
-        for (t, p) in &new {
-            tpl.add_partition(t, *p);
-        }
-        consumer.pause(&tpl)?;
         for tp in new {
-            self.paused.insert(tp.clone());
             match consumer.split_partition_queue(&tp.0, tp.1) {
                 Some(mut q) => {
                     q.set_nonempty_callback(waker(&self.wake_tx));
-                    self.queues.insert(tp, q);
+                    let split_at = self.drains;
+                    self.queues.insert(tp, SplitQueue { queue: q, split_at });
                 }
                 None => {
                     tracing::warn!(
@@ -722,34 +826,38 @@ impl Engine {
         result
     }
 
-    fn feed_from(
-        &mut self,
-        queues: &HashMap<Tp, PartitionQueue<DriverContext>>,
-    ) -> Result<bool, RuntimeError> {
+    fn feed_from(&mut self, queues: &HashMap<Tp, SplitQueue>) -> Result<bool, RuntimeError> {
         let (eos, max) = (self.eos(), self.cfg.max_in_flight_per_partition);
-        let mut fed = false;
-        for ((topic, partition), queue) in queues {
+        let mut by_task: HashMap<TaskId, TaskQueues<'_>> = HashMap::new();
+        for ((topic, partition), SplitQueue { queue, split_at }) in queues {
+            if *split_at >= self.drains {
+                continue;
+            }
             let Some(id) = self.task_of(topic, *partition) else {
                 continue;
             };
-            let Some(task) = self.tasks.get_mut(&id) else {
+            let Some(slot) = self.tasks.get(&id).and_then(|t| t.core.slot_of(topic)) else {
                 continue;
             };
-            let Some(slot) = task.core.slot_of(topic) else {
+            by_task.entry(id).or_default().push((slot, queue));
+        }
+        // A first record of each task is taken here; the tasks that had one
+        // go on in parallel when there are several.
+        let metrics = &self.metrics;
+        let mut busy: Vec<(&mut ActiveTask, TaskQueues<'_>)> = Vec::new();
+        for (id, task) in self.tasks.iter_mut() {
+            let Some(qs) = by_task.remove(id) else {
                 continue;
             };
             task.core.drain_done();
-            while task.has_room(slot, max) {
-                match queue.poll(Duration::ZERO) {
-                    None => break,
-                    Some(Ok(msg)) => {
-                        task.offer(&msg, &self.metrics, eos, max)?;
-                        fed = true;
-                    }
-                    Some(Err(e)) => tracing::warn!(topic, partition, error = %e, "consumer error"),
-                }
+            if feed_task(task, &qs, metrics, eos, max, 1)? {
+                busy.push((task, qs));
             }
         }
+        let fed = !busy.is_empty();
+        in_parallel(busy, self.cfg.processing_threads, |(task, qs)| {
+            feed_task(task, &qs, metrics, eos, max, FEED_BATCH)
+        })?;
         Ok(fed)
     }
 
@@ -984,7 +1092,7 @@ impl Engine {
             }
             // Not paused: librdkafka looks up the positions and fetches while
             // the task restores (a pause would hold the lookup back until the
-            // resume); what arrives is buffered, within a bound (`update_pauses`).
+            // resume); records wait in the split queues (`attach_queues`).
             self.start_restore(id, parts);
         }
         if resume_at.count() > 0 {
@@ -1072,9 +1180,8 @@ impl Engine {
                 task.offer(&msg, &metrics, eos, max)?;
             }
             tracing::info!(task = %id, "task restored; processing");
-            // Its buffered records went first; `attach_queues` now pauses its
-            // partitions (records polled after these are fetched again) and
-            // splits their queues, and `update_pauses` resumes them.
+            // Its buffered records (those that reached the consumer's queue
+            // before the split) went first; its split queues follow.
             self.tasks.insert(id, task);
         }
         self.status.set_tasks(self.tasks.keys().copied());
@@ -1378,4 +1485,40 @@ fn init_task(
         producer,
         delivery,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn in_parallel_keeps_item_order_and_uses_several_threads() {
+        let items: Vec<u32> = (0..9).collect();
+        let main = std::thread::current().id();
+        let got = in_parallel(items, 3, |i| {
+            std::thread::sleep(Duration::from_millis(5));
+            Ok((i * 10, std::thread::current().id()))
+        })
+        .unwrap();
+        let values: Vec<u32> = got.iter().map(|(v, _)| *v).collect();
+        assert_eq!(values, (0..9).map(|i| i * 10).collect::<Vec<_>>());
+        let threads: HashSet<_> = got.iter().map(|(_, t)| *t).collect();
+        assert_eq!(threads.len(), 3, "three threads share the items");
+        assert!(threads.contains(&main), "the calling thread takes a share");
+    }
+
+    #[test]
+    fn in_parallel_reports_an_error_of_any_item() {
+        let err = in_parallel((0..4).collect::<Vec<u32>>(), 2, |i| {
+            if i == 3 {
+                Err(RuntimeError::Other(format!("item {i} failed")))
+            } else {
+                Ok(i)
+            }
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("item 3 failed"), "{err}");
+        let one = in_parallel(vec![7u32], 4, Ok).unwrap();
+        assert_eq!(one, vec![7]);
+    }
 }
