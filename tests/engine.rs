@@ -292,6 +292,10 @@ fn async_operator_out_of_order_never_commits_past_an_unfinished_record() {
             "0",
             "--max-delay-ms",
             "2000",
+            // A bound well under the input keeps the run several seconds
+            // long, so the kill below lands mid-run.
+            "--max-in-flight",
+            "40",
         ]
         .map(String::from)
         .to_vec(),

@@ -81,6 +81,11 @@ impl RocksEnv {
         table.set_bloom_filter(10.0, false);
         opts.set_block_based_table_factory(&table);
         opts.set_write_buffer_size(self.settings.write_buffer_bytes);
+        // A bloom filter over whole keys in the memtable: most lookups of an
+        // aggregation are of keys not written yet (a new window), and the
+        // filter answers those without a skiplist search.
+        opts.set_memtable_prefix_bloom_ratio(0.1);
+        opts.set_memtable_whole_key_filtering(true);
         opts.set_max_write_buffer_number(3);
         opts.set_compression_type(DBCompressionType::Lz4);
         opts

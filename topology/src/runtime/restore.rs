@@ -152,6 +152,11 @@ pub(crate) fn restore_task(
             remaining.remove(msg.topic());
         }
     }
+    // Closing a consumer waits for its threads (about a tenth of a second);
+    // the task need not wait for that to start processing.
+    let _ = std::thread::Builder::new()
+        .name("sluice-restore-close".into())
+        .spawn(move || drop(consumer));
     Ok(stats)
 }
 
