@@ -55,6 +55,9 @@ struct ActiveTask {
     /// bound. Keeping them (rather than letting a pause drop the consumer's
     /// prefetch) keeps the operators fed while the partition is paused.
     backlog: Vec<VecDeque<OwnedMessage>>,
+    /// Records processed and not yet added to the shared `records_in` counter
+    /// (one atomic add per round, not per record, when tasks run side by side).
+    uncounted: u64,
 }
 
 impl ActiveTask {
@@ -72,6 +75,16 @@ impl ActiveTask {
             txn_open: false,
             partitions,
             backlog,
+            uncounted: 0,
+        }
+    }
+
+    /// Adds the records processed since the last call to the metrics.
+    fn count_in(&mut self, metrics: &EngineMetrics) {
+        if self.uncounted > 0 {
+            metrics
+                .records_in
+                .inc_by(std::mem::take(&mut self.uncounted));
         }
     }
 
@@ -221,6 +234,7 @@ fn feed_task(
             }
         }
     }
+    task.count_in(metrics);
     Ok(fed)
 }
 
@@ -603,6 +617,9 @@ impl Engine {
             self.commit_all(consumer)?;
         }
         self.update_pauses(consumer)?;
+        for task in self.tasks.values_mut().chain(self.suspended.values_mut()) {
+            task.count_in(&self.metrics);
+        }
         self.update_metrics();
         Ok(())
     }
@@ -1060,8 +1077,9 @@ impl Engine {
             .copied()
             .collect();
         for id in gone {
-            if let Some(task) = self.suspended.remove(&id) {
+            if let Some(mut task) = self.suspended.remove(&id) {
                 tracing::info!(task = %id, "task moved to another instance");
+                task.count_in(&self.metrics);
                 drop(task);
             }
         }
@@ -1070,7 +1088,7 @@ impl Engine {
             if self.tasks.contains_key(&id) || self.pending.contains_key(&id) {
                 continue;
             }
-            if let Some(task) = self.suspended.remove(&id) {
+            if let Some(mut task) = self.suspended.remove(&id) {
                 if !task.core.is_abandoned() {
                     // Continue exactly where this task left off: the group's
                     // committed offset can lag a transaction whose commit the
@@ -1088,6 +1106,7 @@ impl Engine {
                     continue;
                 }
                 // Its abandoned records must be read again: start afresh.
+                task.count_in(&self.metrics);
                 drop(task);
             }
             // Not paused: librdkafka looks up the positions and fetches while
@@ -1204,6 +1223,7 @@ impl Engine {
             self.commit_all(consumer)?;
         }
         for (_, mut t) in std::mem::take(&mut self.tasks) {
+            t.count_in(&self.metrics);
             t.core.abandon();
             if t.txn_open {
                 let _ = t.producer.abort_transaction(TXN_TIMEOUT);
@@ -1337,7 +1357,7 @@ fn process_record(
             task: task.core.id,
             error,
         })?;
-    metrics.records_in.inc();
+    task.uncounted += 1;
     if let Some(started) = started {
         metrics
             .process_seconds
