@@ -150,16 +150,6 @@ impl TaskState {
             .expect("column family opened with the database")
     }
 
-    /// Reads the encoded value of a key: the write cache first, then RocksDB.
-    pub fn get_raw(&self, id: StoreId, key: &[u8]) -> Result<Option<Vec<u8>>, StateError> {
-        if let Some(entry) = self.stores[id.0].dirty.get(key) {
-            return Ok(entry.clone());
-        }
-        self.db
-            .get_cf(self.cf(id), key)
-            .map_err(|e| self.rocks_err(e))
-    }
-
     /// Reads a value (decoded straight from the cache or RocksDB's buffer).
     pub fn get(&self, id: StoreId, key: &[u8]) -> Result<Option<StoredValue>, StateError> {
         let name = &self.stores[id.0].spec.name;

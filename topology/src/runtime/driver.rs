@@ -221,7 +221,8 @@ fn feed_task(
             match queue.poll(Duration::ZERO) {
                 None => break,
                 Some(Ok(msg)) => {
-                    task.offer(&msg, metrics, eos, max)?;
+                    // Room was checked just above: no backlog to join.
+                    process_record(task, &msg, metrics, eos)?;
                     taken += 1;
                     fed = true;
                 }
@@ -1002,7 +1003,6 @@ impl Engine {
             if let Some(mut task) = self.tasks.remove(&id) {
                 for tp in &task.partitions {
                     self.paused.remove(tp);
-                    self.queues.remove(tp);
                 }
                 // Queued records are read again from the committed position.
                 for q in &mut task.backlog {

@@ -2,13 +2,14 @@
 //!
 //! One driver thread per instance owns the consumer and the tasks (a task per
 //! sub-topology and input partition). It polls the consumer continuously (events
-//! and rebalances arrive there) and reads each active partition's own fetch
-//! queue only while the partition's task has room under the in-flight bound, so
-//! librdkafka's bounded prefetch is the backpressure. Between rounds it sleeps
-//! until a queue becomes non-empty, an async call completes or 10 ms pass. It
-//! hands records to tasks,
-//! routes the completions of async operator calls back to their tasks,
-//! punctuates, and commits every `commit_interval`:
+//! and rebalances arrive there) and gives each assigned partition its own fetch
+//! queue, read only while the partition's task is active and has room under the
+//! in-flight bound, so librdkafka's bounded prefetch is the backpressure. Between
+//! rounds it sleeps until a queue becomes non-empty, an async call completes or
+//! 10 ms pass. It hands records to tasks (tasks with records waiting are
+//! processed side by side on `processing_threads` threads), routes the
+//! completions of async operator calls back to their tasks, punctuates, and
+//! commits every `commit_interval`:
 //!
 //! - at-least-once: outputs flushed, changelog records sent and flushed, local
 //!   state written, then the offsets of the contiguous finished prefix committed;
@@ -21,8 +22,7 @@
 //! (up to `drain_timeout`, then abandons it uncommitted), commits and suspends it;
 //! on assignment a suspended task resumes at once and a new one is restored on a
 //! helper thread (after fencing its previous owner) while polling goes on and
-//! its records are buffered, up to the in-flight bound per partition (then its
-//! partitions are paused).
+//! librdkafka fetches its records into its partition queues.
 
 pub mod config;
 pub mod metrics;
