@@ -89,6 +89,9 @@ pub struct AppSection {
     pub rocksdb_block_cache_mb: usize,
     /// RocksDB memtable budget shared by all tasks, MiB.
     pub rocksdb_write_buffer_mb: usize,
+    /// Record cache over the state stores shared by all tasks, MiB: committed
+    /// entries kept in memory so hot keys are read without RocksDB (0: off).
+    pub record_cache_mb: usize,
 }
 
 impl Default for AppSection {
@@ -104,6 +107,7 @@ impl Default for AppSection {
             parallel_commits: true,
             rocksdb_block_cache_mb: 64,
             rocksdb_write_buffer_mb: 32,
+            record_cache_mb: 16,
         }
     }
 }
@@ -451,6 +455,7 @@ impl Config {
         s.rocksdb = RocksSettings {
             block_cache_bytes: self.app.rocksdb_block_cache_mb << 20,
             write_buffer_manager_bytes: self.app.rocksdb_write_buffer_mb << 20,
+            record_cache_bytes: self.app.record_cache_mb << 20,
             ..RocksSettings::default()
         };
         s

@@ -1,6 +1,9 @@
 //! RocksDB settings shared by every task of an instance: one block cache and one
 //! write-buffer manager bound the memory of all task databases together.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
 use rocksdb::{BlockBasedOptions, Cache, DBCompressionType, Options, WriteBufferManager};
 
 /// Memory and tuning settings for the task databases of one instance.
@@ -15,6 +18,10 @@ pub struct RocksSettings {
     pub write_buffer_bytes: usize,
     /// Background jobs per database.
     pub max_background_jobs: i32,
+    /// Bytes of committed entries all tasks of the instance keep in memory
+    /// over their stores (the record cache): repeated reads of recently
+    /// written keys are answered without a RocksDB lookup. 0 turns it off.
+    pub record_cache_bytes: usize,
 }
 
 impl Default for RocksSettings {
@@ -24,6 +31,7 @@ impl Default for RocksSettings {
             write_buffer_manager_bytes: 32 << 20,
             write_buffer_bytes: 8 << 20,
             max_background_jobs: 2,
+            record_cache_bytes: 16 << 20,
         }
     }
 }
@@ -34,6 +42,7 @@ pub struct RocksEnv {
     settings: RocksSettings,
     cache: Cache,
     write_buffers: WriteBufferManager,
+    record_cache: Arc<AtomicUsize>,
 }
 
 impl std::fmt::Debug for RocksEnv {
@@ -57,6 +66,7 @@ impl RocksEnv {
             settings,
             cache,
             write_buffers,
+            record_cache: Arc::default(),
         }
     }
 
@@ -89,6 +99,16 @@ impl RocksEnv {
         opts.set_max_write_buffer_number(3);
         opts.set_compression_type(DBCompressionType::Lz4);
         opts
+    }
+
+    /// The instance-wide budget of the record cache and its current fill.
+    pub(crate) fn record_cache(&self) -> (usize, Arc<AtomicUsize>) {
+        (self.settings.record_cache_bytes, self.record_cache.clone())
+    }
+
+    /// Bytes currently held by the record caches of all tasks.
+    pub fn record_cache_usage(&self) -> usize {
+        self.record_cache.load(Ordering::Relaxed)
     }
 
     /// Bytes currently held by the shared block cache.

@@ -4,15 +4,26 @@
 //! Invariant: the local database holds only writes whose changelog records were
 //! committed (or, without changelogs, flushed): writes sit in the cache until
 //! [`TaskState::commit_local`], which the runtime calls after its commit.
+//!
+//! Committed entries stay in memory in a record cache (bounded for the whole
+//! instance by [`crate::RocksSettings::record_cache_bytes`]), and a window store
+//! knows the newest window start it holds in RocksDB: a read of a newer window
+//! (the first record of a window) or of a cached key skips RocksDB.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
-use std::ops::Bound;
+use std::ops::{Bound, RangeBounds};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use rocksdb::{ColumnFamilyDescriptor, Direction, IteratorMode, WriteBatch, DB};
+use rustc_hash::FxHashMap;
 
 use crate::value::encode_parts;
-use crate::window::{decode_window_key, encode_window_key, window_key_prefix_len};
+use crate::window::{
+    decode_window_key, encode_window_key, window_key_prefix_len, window_start_bytes,
+};
 use crate::{Checkpoint, Position, RocksEnv, StateError, StoredValue, WindowEntry};
 
 /// What kind of store.
@@ -64,7 +75,79 @@ pub struct RestoreStats {
 struct Store {
     spec: StoreSpec,
     /// Dirty entries since the last local commit: encoded value or deletion.
-    dirty: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
+    /// Hashed: every record reads and writes it; the few range reads filter it.
+    dirty: FxHashMap<Vec<u8>, Option<Vec<u8>>>,
+    /// Committed entries kept in memory, equal to what RocksDB holds for them.
+    clean: FxHashMap<Vec<u8>, Vec<u8>>,
+    /// Bytes charged for `clean`.
+    clean_bytes: usize,
+    /// Window stores: every window in RocksDB starts at or before this
+    /// (`i64::MIN`: none does).
+    newest_window: i64,
+}
+
+/// Calls `f` with the store key of a window, built on the stack when short.
+fn with_window_key<R>(start_ms: i64, key: &[u8], f: impl FnOnce(&[u8]) -> R) -> R {
+    const MAX: usize = 120;
+    if key.len() > MAX {
+        return f(&encode_window_key(start_ms, key));
+    }
+    let mut buf = [0u8; 8 + MAX];
+    buf[..8].copy_from_slice(&window_start_bytes(start_ms));
+    buf[8..8 + key.len()].copy_from_slice(key);
+    f(&buf[..8 + key.len()])
+}
+
+/// What one cached entry is charged: its bytes and the map's overhead.
+fn cache_charge(key: &[u8], value: &[u8]) -> usize {
+    key.len() + value.len() + 64
+}
+
+impl Store {
+    fn new(spec: StoreSpec) -> Store {
+        Store {
+            spec,
+            dirty: FxHashMap::default(),
+            clean: FxHashMap::default(),
+            clean_bytes: 0,
+            newest_window: i64::MAX,
+        }
+    }
+
+    fn is_window(&self) -> bool {
+        matches!(self.spec.kind, StoreKind::Window { .. })
+    }
+
+    /// Notes a window key written to RocksDB.
+    fn wrote_window(&mut self, key: &[u8]) {
+        if let Some((start, _)) = decode_window_key(key) {
+            self.newest_window = self.newest_window.max(start);
+        }
+    }
+
+    /// The dirty entries in key order (RocksDB inserts runs of ascending keys
+    /// faster: the memtable's skiplist reuses its last insert position).
+    fn sorted_dirty(&self) -> impl Iterator<Item = (&Vec<u8>, &Option<Vec<u8>>)> {
+        let mut entries: Vec<_> = self.dirty.iter().collect();
+        entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        entries.into_iter()
+    }
+
+    /// Sets a dirty entry, allocating its key only when it is new.
+    fn set_dirty(&mut self, key: Cow<'_, [u8]>, value: Option<Vec<u8>>) {
+        match self.dirty.get_mut(key.as_ref()) {
+            Some(slot) => *slot = value,
+            None => {
+                self.dirty.insert(key.into_owned(), value);
+            }
+        }
+    }
+
+    /// Empties the record cache; returns the bytes freed.
+    fn drop_clean(&mut self) -> usize {
+        self.clean = FxHashMap::default();
+        std::mem::take(&mut self.clean_bytes)
+    }
 }
 
 /// The state of one task.
@@ -75,7 +158,17 @@ pub struct TaskState {
     checkpoint: Checkpoint,
     /// Highest input offset reflected in state, per source, from local state
     /// (as checkpointed) and everything restored since.
-    reflected: HashMap<u32, i64>,
+    reflected: FxHashMap<u32, i64>,
+    /// The instance's record-cache budget and fill, shared by its tasks.
+    cache_budget: usize,
+    cache_fill: Arc<AtomicUsize>,
+}
+
+impl Drop for TaskState {
+    fn drop(&mut self) {
+        let freed: usize = self.stores.iter_mut().map(Store::drop_clean).sum();
+        self.cache_fill.fetch_sub(freed, Ordering::Relaxed);
+    }
 }
 
 impl std::fmt::Debug for TaskState {
@@ -103,19 +196,40 @@ impl TaskState {
         })?;
         let checkpoint = Checkpoint::load(dir);
         let reflected = checkpoint.positions.clone();
-        Ok(TaskState {
+        let (cache_budget, cache_fill) = env.record_cache();
+        let mut state = TaskState {
             dir: dir.to_path_buf(),
             db,
-            stores: specs
-                .iter()
-                .map(|spec| Store {
-                    spec: spec.clone(),
-                    dirty: BTreeMap::new(),
-                })
-                .collect(),
+            stores: specs.iter().cloned().map(Store::new).collect(),
             checkpoint,
             reflected: reflected.into_iter().collect(),
-        })
+            cache_budget,
+            cache_fill,
+        };
+        for i in 0..state.stores.len() {
+            state.find_newest_window(StoreId(i))?;
+        }
+        Ok(state)
+    }
+
+    /// Reads the newest window start a window store holds in RocksDB (its
+    /// last key: window keys sort by start first).
+    fn find_newest_window(&mut self, id: StoreId) -> Result<(), StateError> {
+        if !self.stores[id.0].is_window() {
+            return Ok(());
+        }
+        let last = self
+            .db
+            .iterator_cf(self.cf(id), IteratorMode::End)
+            .next()
+            .transpose()
+            .map_err(|e| self.rocks_err(e))?;
+        let store = &mut self.stores[id.0];
+        store.newest_window = i64::MIN;
+        if let Some((k, _)) = last {
+            store.wrote_window(&k);
+        }
+        Ok(())
     }
 
     /// The task's state directory.
@@ -150,14 +264,31 @@ impl TaskState {
             .expect("column family opened with the database")
     }
 
-    /// Reads a value (decoded straight from the cache or RocksDB's buffer).
+    /// Reads a value (decoded straight from the caches or RocksDB's buffer).
     pub fn get(&self, id: StoreId, key: &[u8]) -> Result<Option<StoredValue>, StateError> {
-        let name = &self.stores[id.0].spec.name;
-        if let Some(entry) = self.stores[id.0].dirty.get(key) {
+        self.read(id, key, true)
+    }
+
+    /// Reads a value; RocksDB is asked only when `in_db` says it may hold it.
+    fn read(
+        &self,
+        id: StoreId,
+        key: &[u8],
+        in_db: bool,
+    ) -> Result<Option<StoredValue>, StateError> {
+        let store = &self.stores[id.0];
+        let name = &store.spec.name;
+        if let Some(entry) = store.dirty.get(key) {
             return entry
                 .as_deref()
                 .map(|bytes| StoredValue::decode(name, bytes))
                 .transpose();
+        }
+        if let Some(bytes) = store.clean.get(key) {
+            return StoredValue::decode(name, bytes).map(Some);
+        }
+        if !in_db {
+            return Ok(None);
         }
         let pinned = self
             .db
@@ -171,18 +302,20 @@ impl TaskState {
 
     /// Writes a value reflecting the input at `position`.
     pub fn put(&mut self, id: StoreId, key: Vec<u8>, value: &[u8], position: Option<Position>) {
+        self.write(id, Cow::Owned(key), value, position)
+    }
+
+    fn write(&mut self, id: StoreId, key: Cow<'_, [u8]>, value: &[u8], position: Option<Position>) {
         if let Some(p) = position {
             let max = self.reflected.entry(p.source).or_insert(p.offset);
             *max = (*max).max(p.offset);
         }
-        self.stores[id.0]
-            .dirty
-            .insert(key, Some(encode_parts(position, value)));
+        self.stores[id.0].set_dirty(key, Some(encode_parts(position, value)));
     }
 
     /// Deletes a key.
     pub fn delete(&mut self, id: StoreId, key: Vec<u8>) {
-        self.stores[id.0].dirty.insert(key, None);
+        self.stores[id.0].set_dirty(Cow::Owned(key), None);
     }
 
     /// Reads one window of a key.
@@ -192,7 +325,8 @@ impl TaskState {
         key: &[u8],
         start_ms: i64,
     ) -> Result<Option<StoredValue>, StateError> {
-        self.get(id, &encode_window_key(start_ms, key))
+        let in_db = start_ms <= self.stores[id.0].newest_window;
+        with_window_key(start_ms, key, |k| self.read(id, k, in_db))
     }
 
     /// Writes one window of a key.
@@ -204,7 +338,9 @@ impl TaskState {
         value: &[u8],
         position: Option<Position>,
     ) {
-        self.put(id, encode_window_key(start_ms, key), value, position)
+        with_window_key(start_ms, key, |k| {
+            self.write(id, Cow::Borrowed(k), value, position)
+        })
     }
 
     /// All windows with `from_ms <= start < to_ms`, in (start, key) order,
@@ -228,10 +364,12 @@ impl TaskState {
             }
             merged.insert(k.to_vec(), v.to_vec());
         }
-        for (k, v) in self.stores[id.0].dirty.range::<[u8], _>((
-            Bound::Included(lo.as_slice()),
-            Bound::Excluded(hi.as_slice()),
-        )) {
+        let range = lo.as_slice()..hi.as_slice();
+        for (k, v) in self.stores[id.0]
+            .dirty
+            .iter()
+            .filter(|(k, _)| range.contains(&k.as_slice()))
+        {
             match v {
                 Some(v) => merged.insert(k.clone(), v.clone()),
                 None => merged.remove(k),
@@ -272,11 +410,9 @@ impl TaskState {
         }
         for (k, v) in self.stores[id.0]
             .dirty
-            .range::<[u8], _>((Bound::Included(prefix), Bound::Unbounded))
+            .iter()
+            .filter(|(k, _)| k.starts_with(prefix))
         {
-            if !k.starts_with(prefix) {
-                break;
-            }
             match v {
                 Some(v) => merged.insert(k.clone(), v.clone()),
                 None => merged.remove(k),
@@ -322,9 +458,11 @@ impl TaskState {
             (Some(u), true) => Bound::Included(u.as_slice()),
             _ => Bound::Unbounded,
         };
+        let bounds = (lower, dirty_upper);
         for (k, v) in self.stores[id.0]
             .dirty
-            .range::<[u8], _>((lower, dirty_upper))
+            .iter()
+            .filter(|(k, _)| RangeBounds::<[u8]>::contains(&bounds, k.as_slice()))
         {
             merged.insert(k.clone(), v.clone());
         }
@@ -343,19 +481,19 @@ impl TaskState {
     pub fn expire_windows(&mut self, id: StoreId, before_ms: i64) -> Result<(), StateError> {
         let lo = encode_window_key(i64::MIN, b"");
         let hi = encode_window_key(before_ms, b"");
+        let expired = |k: &[u8]| decode_window_key(k).is_some_and(|(start, _)| start < before_ms);
         let store = &mut self.stores[id.0];
-        let doomed: Vec<Vec<u8>> = store
-            .dirty
-            .range::<[u8], _>((
-                Bound::Included(lo.as_slice()),
-                Bound::Excluded(hi.as_slice()),
-            ))
-            .filter(|(k, _)| k.len() >= window_key_prefix_len())
-            .map(|(k, _)| k.clone())
-            .collect();
-        for k in doomed {
-            store.dirty.remove(&k);
-        }
+        store.dirty.retain(|k, _| !expired(k));
+        let before = store.clean_bytes;
+        store.clean.retain(|k, v| {
+            let keep = !expired(k);
+            if !keep {
+                store.clean_bytes -= cache_charge(k, v);
+            }
+            keep
+        });
+        self.cache_fill
+            .fetch_sub(before - store.clean_bytes, Ordering::Relaxed);
         self.db
             .delete_range_cf(self.cf(id), &lo, &hi)
             .map_err(|e| self.rocks_err(e))
@@ -397,7 +535,7 @@ impl TaskState {
                 .db
                 .cf_handle(&store.spec.name)
                 .expect("column family opened with the database");
-            for (k, v) in &store.dirty {
+            for (k, v) in store.sorted_dirty() {
                 match v {
                     Some(v) => batch.put_cf(cf, k, v),
                     None => batch.delete_cf(cf, k),
@@ -407,9 +545,7 @@ impl TaskState {
         if !batch.is_empty() {
             self.db.write(batch).map_err(|e| self.rocks_err(e))?;
         }
-        for store in &mut self.stores {
-            store.dirty.clear();
-        }
+        self.keep_committed();
         if !changelog_next.is_empty() {
             for (id, next) in changelog_next {
                 let name = self.stores[id.0].spec.name.clone();
@@ -418,6 +554,42 @@ impl TaskState {
             self.write_checkpoint()?;
         }
         Ok(())
+    }
+
+    /// Moves the entries just written to RocksDB from the write cache into the
+    /// record cache. A task whose cache takes the instance over its budget
+    /// empties its own.
+    fn keep_committed(&mut self) {
+        let budget = self.cache_budget;
+        let (mut added, mut freed) = (0usize, 0usize);
+        for store in &mut self.stores {
+            let window = store.is_window();
+            for (k, v) in std::mem::take(&mut store.dirty) {
+                if window {
+                    store.wrote_window(&k);
+                }
+                let key_len = k.len();
+                let old = match v {
+                    Some(v) if budget > 0 => {
+                        let charge = cache_charge(&k, &v);
+                        added += charge;
+                        store.clean_bytes += charge;
+                        store.clean.insert(k, v)
+                    }
+                    _ => store.clean.remove(&k),
+                };
+                if let Some(old) = old {
+                    let charge = key_len + cache_charge(&[], &old);
+                    freed += charge;
+                    store.clean_bytes -= charge;
+                }
+            }
+        }
+        let fill = self.cache_fill.fetch_add(added, Ordering::Relaxed) + added;
+        if fill.saturating_sub(freed) > budget {
+            freed += self.stores.iter_mut().map(Store::drop_clean).sum::<usize>();
+        }
+        self.cache_fill.fetch_sub(freed, Ordering::Relaxed);
     }
 
     /// Drops dirty entries (their transaction was aborted).
@@ -452,7 +624,11 @@ impl TaskState {
             batch.delete_cf(cf, k);
         }
         self.db.write(batch).map_err(|e| self.rocks_err(e))?;
-        self.stores[id.0].dirty.clear();
+        let store = &mut self.stores[id.0];
+        store.dirty.clear();
+        let freed = store.drop_clean();
+        self.cache_fill.fetch_sub(freed, Ordering::Relaxed);
+        store.newest_window = i64::MIN;
         self.checkpoint.offsets.remove(&name);
         self.reflected.clear();
         self.checkpoint.positions.clear();
@@ -482,6 +658,19 @@ impl TaskState {
             }
         }
         self.db.write(batch).map_err(|e| self.rocks_err(e))?;
+        let store = &mut self.stores[id.0];
+        let window = store.is_window();
+        let mut freed = 0;
+        for (k, _) in records {
+            if window {
+                store.wrote_window(k);
+            }
+            if let Some(old) = store.clean.remove(k) {
+                freed += cache_charge(k, &old);
+            }
+        }
+        store.clean_bytes -= freed;
+        self.cache_fill.fetch_sub(freed, Ordering::Relaxed);
         stats.records += records.len() as u64;
         Ok(())
     }
@@ -496,7 +685,7 @@ impl TaskState {
     /// Highest input offset per source reflected anywhere in this task's state.
     /// Input at or below it may already be reflected, so it is reprocessed in
     /// replay mode (each stateful operator checks its key's position).
-    pub fn reflected_positions(&self) -> &HashMap<u32, i64> {
+    pub fn reflected_positions(&self) -> &FxHashMap<u32, i64> {
         &self.reflected
     }
 }
@@ -504,6 +693,7 @@ impl TaskState {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::RocksSettings;
 
     fn specs() -> Vec<StoreSpec> {
         vec![
@@ -546,7 +736,8 @@ mod tests {
         assert_eq!(st.get(kv, b"a").unwrap().unwrap().value, b"2");
         assert_eq!(st.get(kv, b"b").unwrap(), None);
         // Coalesced: one record per dirty key, only for changelogged stores.
-        let records = st.flush_changelog();
+        let mut records = st.flush_changelog();
+        records.sort_by(|a, b| a.key.cmp(&b.key));
         assert_eq!(records.len(), 2);
         assert_eq!(records[1].value, None);
         st.commit_local(&HashMap::from([(kv, 12)])).unwrap();
@@ -630,6 +821,94 @@ mod tests {
         st.wipe_store(kv).unwrap();
         assert_eq!(st.get(kv, b"b").unwrap(), None);
         assert_eq!(st.restore_offset(kv), 0);
+    }
+
+    #[test]
+    fn committed_entries_are_read_from_the_record_cache_within_its_budget() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = RocksEnv::new(RocksSettings {
+            record_cache_bytes: 4096,
+            ..Default::default()
+        });
+        let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
+        let kv = st.store_id("kv").unwrap();
+        st.put(kv, b"a".to_vec(), b"1", pos(1));
+        st.commit_local(&HashMap::new()).unwrap();
+        assert!(env.record_cache_usage() > 0);
+        // Served from memory: RocksDB no longer has it.
+        st.db.delete_cf(st.cf(kv), b"a").unwrap();
+        assert_eq!(st.get(kv, b"a").unwrap().unwrap().value, b"1");
+        // A deletion leaves the cache too.
+        st.delete(kv, b"a".to_vec());
+        st.commit_local(&HashMap::new()).unwrap();
+        assert_eq!(st.get(kv, b"a").unwrap(), None);
+        // Over the budget, the task's cache is emptied and reads go to RocksDB.
+        for i in 0..100u32 {
+            st.put(kv, i.to_be_bytes().to_vec(), &[7; 100], None);
+        }
+        st.commit_local(&HashMap::new()).unwrap();
+        assert!(env.record_cache_usage() <= 4096);
+        for i in 0..100u32 {
+            assert_eq!(
+                st.get(kv, &i.to_be_bytes()).unwrap().unwrap().value,
+                [7; 100]
+            );
+        }
+        // A second task shares the budget; closing both returns it.
+        let other_dir = tempfile::tempdir().unwrap();
+        let mut other = TaskState::open(other_dir.path(), &specs(), &env).unwrap();
+        other.put(kv, b"x".to_vec(), b"1", None);
+        other.commit_local(&HashMap::new()).unwrap();
+        assert!(env.record_cache_usage() > 0);
+        drop(st);
+        drop(other);
+        assert_eq!(env.record_cache_usage(), 0);
+    }
+
+    #[test]
+    fn window_reads_see_committed_reopened_restored_and_expired_windows() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = RocksEnv::new(Default::default());
+        let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
+        let w = st.store_id("win").unwrap();
+        st.window_put(w, b"k", 60_000, b"a", pos(1));
+        st.window_put(w, b"k", 120_000, b"b", pos(2));
+        st.commit_local(&HashMap::new()).unwrap();
+        assert_eq!(st.window_get(w, b"k", 60_000).unwrap().unwrap().value, b"a");
+        // Expired windows leave the record cache as well as RocksDB.
+        st.expire_windows(w, 120_000).unwrap();
+        assert_eq!(st.window_get(w, b"k", 60_000).unwrap(), None);
+        drop(st);
+
+        // Reopened: the newest window is found in RocksDB and still read.
+        let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
+        assert_eq!(st.stores[w.0].newest_window, 120_000);
+        assert_eq!(
+            st.window_get(w, b"k", 120_000).unwrap().unwrap().value,
+            b"b"
+        );
+        // Windows past the newest one are not looked up in RocksDB at all.
+        st.db
+            .put_cf(st.cf(w), encode_window_key(180_000, b"k"), b"stray")
+            .unwrap();
+        assert_eq!(st.window_get(w, b"k", 180_000).unwrap(), None);
+        // Restored windows move the newest window forward and are read.
+        let mut stats = RestoreStats::default();
+        let restored = encode_parts(pos(9), b"r");
+        st.apply_restored(
+            w,
+            &[(encode_window_key(240_000, b"k"), Some(restored))],
+            &mut stats,
+        )
+        .unwrap();
+        assert_eq!(
+            st.window_get(w, b"k", 240_000).unwrap().unwrap().value,
+            b"r"
+        );
+        // A wiped store holds no windows.
+        st.wipe_store(w).unwrap();
+        assert_eq!(st.window_get(w, b"k", 120_000).unwrap(), None);
+        assert_eq!(st.stores[w.0].newest_window, i64::MIN);
     }
 
     #[test]

@@ -10,9 +10,14 @@ pub const fn window_key_prefix_len() -> usize {
 /// Encodes `(window start, key)` into a store key.
 pub fn encode_window_key(start_ms: i64, key: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(8 + key.len());
-    out.extend_from_slice(&((start_ms as u64) ^ (1 << 63)).to_be_bytes());
+    out.extend_from_slice(&window_start_bytes(start_ms));
     out.extend_from_slice(key);
     out
+}
+
+/// The first bytes of a window's store keys: the start, ordered as signed.
+pub(crate) fn window_start_bytes(start_ms: i64) -> [u8; 8] {
+    ((start_ms as u64) ^ (1 << 63)).to_be_bytes()
 }
 
 /// Decodes a store key made by [`encode_window_key`]; `None` for keys that are

@@ -89,7 +89,7 @@ pub(crate) struct TaskCore {
     pub(crate) trackers: Vec<OffsetTracker>,
     done_tx: Sender<(usize, i64)>,
     done_rx: Receiver<(usize, i64)>,
-    replay_until: HashMap<u32, i64>,
+    replay_until: rustc_hash::FxHashMap<u32, i64>,
     abandoned: Arc<std::sync::atomic::AtomicBool>,
 }
 

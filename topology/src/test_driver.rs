@@ -49,6 +49,7 @@ impl TopologyTestDriver {
             write_buffer_manager_bytes: 8 << 20,
             write_buffer_bytes: 1 << 20,
             max_background_jobs: 1,
+            record_cache_bytes: 8 << 20,
         });
         let mut tasks = Vec::new();
         for sub in &topology.subtopologies {

@@ -319,7 +319,7 @@ where
     fn process(&mut self, rec: Record<K, V>, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
         let mut meta = self.load_meta(ctx)?;
         let stream_time = ctx.stream_time;
-        let key_bytes = to_bincode(&rec.key);
+        let mut key_bytes = to_bincode(&rec.key);
         let position = ctx.position();
         for window in self.windows.windows_for(rec.timestamp) {
             if window.end.saturating_add(self.windows.grace_ms) <= stream_time {
@@ -357,8 +357,20 @@ where
             match self.emit {
                 EmitMode::OnUpdate => self.kids.forward(out(), ctx)?,
                 EmitMode::OnCommit => {
-                    self.pending
-                        .insert((window.start, key_bytes.clone()), out());
+                    // Updated in place when cached: no key copies per record.
+                    let slot = (window.start, std::mem::take(&mut key_bytes));
+                    match self.pending.get_mut(&slot) {
+                        Some(cached) => {
+                            cached.value = updated.clone();
+                            cached.timestamp = rec.timestamp;
+                            cached.headers.clone_from(&rec.headers);
+                            key_bytes = slot.1;
+                        }
+                        None => {
+                            key_bytes = slot.1.clone();
+                            self.pending.insert(slot, out());
+                        }
+                    }
                 }
                 EmitMode::OnWindowClose => {}
             }
