@@ -46,6 +46,8 @@ struct ConfigArg {
 
 /// The allocator: record processing allocates many small, short-lived
 /// buffers, which mimalloc serves several times faster than the system's.
+/// Built without transparent huge pages (`no_thp`): with them, the first
+/// touch of any of its memory zeroed 2 MiB, 15 % of the operator's CPU.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

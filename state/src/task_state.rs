@@ -5,8 +5,9 @@
 //! committed (or, without changelogs, flushed): writes sit in the cache until
 //! [`TaskState::commit_local`], which the runtime calls after its commit.
 //!
-//! Committed entries stay in memory in a record cache (bounded for the whole
-//! instance by [`crate::RocksSettings::record_cache_bytes`]), and a window store
+//! Committed entries of cached stores ([`StoreSpec::cached`]) stay in memory in
+//! a record cache (bounded for the whole instance by
+//! [`crate::RocksSettings::record_cache_bytes`]), and a window store
 //! knows the newest window start it holds in RocksDB: a read of a newer window
 //! (the first record of a window) or of a cached key skips RocksDB.
 
@@ -47,6 +48,9 @@ pub struct StoreSpec {
     pub kind: StoreKind,
     /// Whether the store is backed by a changelog topic.
     pub changelogged: bool,
+    /// Whether committed entries stay in the record cache: for stores whose
+    /// keys are read again (aggregations), not for write-once keys.
+    pub cached: bool,
 }
 
 /// Index of a store within its task.
@@ -564,13 +568,14 @@ impl TaskState {
         let (mut added, mut freed) = (0usize, 0usize);
         for store in &mut self.stores {
             let window = store.is_window();
+            let cached = store.spec.cached && budget > 0;
             for (k, v) in std::mem::take(&mut store.dirty) {
                 if window {
                     store.wrote_window(&k);
                 }
                 let key_len = k.len();
                 let old = match v {
-                    Some(v) if budget > 0 => {
+                    Some(v) if cached => {
                         let charge = cache_charge(&k, &v);
                         added += charge;
                         store.clean_bytes += charge;
@@ -701,6 +706,7 @@ mod tests {
                 name: "kv".into(),
                 kind: StoreKind::KeyValue,
                 changelogged: true,
+                cached: true,
             },
             StoreSpec {
                 name: "win".into(),
@@ -708,11 +714,13 @@ mod tests {
                     retention_ms: 10_000,
                 },
                 changelogged: true,
+                cached: true,
             },
             StoreSpec {
                 name: "scratch".into(),
                 kind: StoreKind::KeyValue,
                 changelogged: false,
+                cached: false,
             },
         ]
     }
@@ -832,6 +840,12 @@ mod tests {
         });
         let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
         let kv = st.store_id("kv").unwrap();
+        // A store without caching keeps nothing after its commit.
+        let scratch = st.store_id("scratch").unwrap();
+        st.put(scratch, b"s".to_vec(), b"1", None);
+        st.commit_local(&HashMap::new()).unwrap();
+        assert_eq!(env.record_cache_usage(), 0);
+        assert_eq!(st.get(scratch, b"s").unwrap().unwrap().value, b"1");
         st.put(kv, b"a".to_vec(), b"1", pos(1));
         st.commit_local(&HashMap::new()).unwrap();
         assert!(env.record_cache_usage() > 0);

@@ -178,11 +178,22 @@ impl StreamBuilder {
 
     /// Declares a key-value store for processors.
     pub fn add_kv_store(&self, name: &str, changelogged: bool) {
+        self.add_kv_store_with(name, changelogged, false);
+    }
+
+    /// Declares a key-value store for processors whose committed entries stay
+    /// in the record cache (for keys read again, as an aggregation's are).
+    pub fn add_cached_kv_store(&self, name: &str, changelogged: bool) {
+        self.add_kv_store_with(name, changelogged, true);
+    }
+
+    fn add_kv_store_with(&self, name: &str, changelogged: bool, cached: bool) {
         self.inner.lock().add_store(
             StoreSpec {
                 name: name.to_string(),
                 kind: StoreKind::KeyValue,
                 changelogged,
+                cached,
             },
             None,
         );
@@ -197,6 +208,7 @@ impl StreamBuilder {
                     retention_ms: retention.as_millis() as i64,
                 },
                 changelogged: true,
+                cached: true,
             },
             None,
         );
@@ -647,6 +659,7 @@ where
                     name: name.to_string(),
                     kind: StoreKind::KeyValue,
                     changelogged: true,
+                    cached: true,
                 },
                 Some(input.group),
             );
@@ -739,6 +752,7 @@ where
                     name: name.to_string(),
                     kind: StoreKind::Window { retention_ms },
                     changelogged: true,
+                    cached: true,
                 },
                 Some(input.group),
             );
