@@ -59,6 +59,7 @@ fn raw_read(bootstrap: &str, topic: &str, n: usize, split: bool) -> f64 {
         *seen += 1;
     };
     let start = Instant::now();
+    let mut first = None;
     if split {
         let mut idle = false;
         loop {
@@ -68,6 +69,7 @@ fn raw_read(bootstrap: &str, topic: &str, n: usize, split: bool) -> f64 {
             for q in &queues {
                 while let Some(Ok(m)) = q.poll(Duration::ZERO) {
                     count(&m, &mut seen, &mut bytes);
+                    first.get_or_insert_with(|| start.elapsed());
                     idle = false;
                 }
             }
@@ -79,6 +81,7 @@ fn raw_read(bootstrap: &str, topic: &str, n: usize, split: bool) -> f64 {
         while seen < n {
             if let Some(Ok(m)) = consumer.poll(Duration::from_millis(100)) {
                 count(&m, &mut seen, &mut bytes);
+                first.get_or_insert_with(|| start.elapsed());
             }
         }
     }
@@ -88,7 +91,10 @@ fn raw_read(bootstrap: &str, topic: &str, n: usize, split: bool) -> f64 {
     } else {
         "consumer queue"
     };
-    eprintln!("raw ({how}): {seen} records ({bytes} bytes) in {secs:.2}s");
+    let first = first.unwrap_or_default().as_secs_f64();
+    eprintln!(
+        "raw ({how}): {seen} records ({bytes} bytes) in {secs:.2}s (first after {first:.2}s)"
+    );
     seen as f64 / secs
 }
 
@@ -113,7 +119,11 @@ fn aggregate(
         std::thread::sleep(Duration::from_millis(1));
     }
     let start = Instant::now();
+    let mut first = None;
     while (metrics.records_in() as usize) < n {
+        if metrics.records_in() > 0 {
+            first.get_or_insert_with(|| start.elapsed());
+        }
         std::thread::sleep(Duration::from_millis(2));
         if app.is_finished() {
             panic!("app stopped: {:?}", app.status().state());
@@ -123,7 +133,8 @@ fn aggregate(
     app.shutdown();
     app.join().expect("clean stop");
     eprintln!(
-        "{guarantee:?}: {n} records in {secs:.2}s ({} commits taking {:.2}s)",
+        "{guarantee:?}: {n} records in {secs:.2}s (first after {:.2}s; {} commits taking {:.2}s)",
+        first.unwrap_or_default().as_secs_f64(),
         metrics.commit_count(),
         metrics.commit_seconds_sum()
     );
