@@ -102,6 +102,11 @@ fn with_window_key<R>(start_ms: i64, key: &[u8], f: impl FnOnce(&[u8]) -> R) -> 
     f(&buf[..8 + key.len()])
 }
 
+/// The newest window start once the window key `key` is in RocksDB.
+fn newest_window_after(newest: i64, key: &[u8]) -> i64 {
+    decode_window_key(key).map_or(newest, |(start, _)| newest.max(start))
+}
+
 /// What one cached entry is charged: its bytes and the map's overhead.
 fn cache_charge(key: &[u8], value: &[u8]) -> usize {
     key.len() + value.len() + 64
@@ -124,9 +129,7 @@ impl Store {
 
     /// Notes a window key written to RocksDB.
     fn wrote_window(&mut self, key: &[u8]) {
-        if let Some((start, _)) = decode_window_key(key) {
-            self.newest_window = self.newest_window.max(start);
-        }
+        self.newest_window = newest_window_after(self.newest_window, key);
     }
 
     /// The dirty entries in key order (RocksDB inserts runs of ascending keys
@@ -569,24 +572,32 @@ impl TaskState {
         for store in &mut self.stores {
             let window = store.is_window();
             let cached = store.spec.cached && budget > 0;
-            for (k, v) in std::mem::take(&mut store.dirty) {
+            // Drained, not replaced: the write cache keeps its capacity.
+            let Store {
+                dirty,
+                clean,
+                clean_bytes,
+                newest_window,
+                ..
+            } = store;
+            for (k, v) in dirty.drain() {
                 if window {
-                    store.wrote_window(&k);
+                    *newest_window = newest_window_after(*newest_window, &k);
                 }
                 let key_len = k.len();
                 let old = match v {
                     Some(v) if cached => {
                         let charge = cache_charge(&k, &v);
                         added += charge;
-                        store.clean_bytes += charge;
-                        store.clean.insert(k, v)
+                        *clean_bytes += charge;
+                        clean.insert(k, v)
                     }
-                    _ => store.clean.remove(&k),
+                    _ => clean.remove(&k),
                 };
                 if let Some(old) = old {
                     let charge = key_len + cache_charge(&[], &old);
                     freed += charge;
-                    store.clean_bytes -= charge;
+                    *clean_bytes -= charge;
                 }
             }
         }
