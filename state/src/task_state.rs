@@ -102,11 +102,6 @@ fn with_window_key<R>(start_ms: i64, key: &[u8], f: impl FnOnce(&[u8]) -> R) -> 
     f(&buf[..8 + key.len()])
 }
 
-/// The newest window start once the window key `key` is in RocksDB.
-fn newest_window_after(newest: i64, key: &[u8]) -> i64 {
-    decode_window_key(key).map_or(newest, |(start, _)| newest.max(start))
-}
-
 /// What one cached entry is charged: its bytes and the map's overhead.
 fn cache_charge(key: &[u8], value: &[u8]) -> usize {
     key.len() + value.len() + 64
@@ -127,9 +122,34 @@ impl Store {
         matches!(self.spec.kind, StoreKind::Window { .. })
     }
 
-    /// Notes a window key written to RocksDB.
-    fn wrote_window(&mut self, key: &[u8]) {
-        self.newest_window = newest_window_after(self.newest_window, key);
+    /// Notes a key written to RocksDB (for a window store, its window start).
+    fn wrote(&mut self, key: &[u8]) {
+        if !self.is_window() {
+            return;
+        }
+        if let Some((start, _)) = decode_window_key(key) {
+            self.newest_window = self.newest_window.max(start);
+        }
+    }
+
+    /// Puts a committed entry in the record cache; returns the bytes charged
+    /// and the bytes of the entry it replaced.
+    fn cache(&mut self, key: Vec<u8>, value: Vec<u8>) -> (usize, usize) {
+        let added = cache_charge(&key, &value);
+        let freed = self.uncache(&key);
+        self.clean.insert(key, value);
+        self.clean_bytes += added;
+        (added, freed)
+    }
+
+    /// Removes a key from the record cache; returns the bytes freed.
+    fn uncache(&mut self, key: &[u8]) -> usize {
+        let freed = self
+            .clean
+            .remove(key)
+            .map_or(0, |old| cache_charge(key, &old));
+        self.clean_bytes -= freed;
+        freed
     }
 
     /// The dirty entries in key order (RocksDB inserts runs of ascending keys
@@ -234,7 +254,7 @@ impl TaskState {
         let store = &mut self.stores[id.0];
         store.newest_window = i64::MIN;
         if let Some((k, _)) = last {
-            store.wrote_window(&k);
+            store.wrote(&k);
         }
         Ok(())
     }
@@ -570,36 +590,21 @@ impl TaskState {
         let budget = self.cache_budget;
         let (mut added, mut freed) = (0usize, 0usize);
         for store in &mut self.stores {
-            let window = store.is_window();
             let cached = store.spec.cached && budget > 0;
             // Drained, not replaced: the write cache keeps its capacity.
-            let Store {
-                dirty,
-                clean,
-                clean_bytes,
-                newest_window,
-                ..
-            } = store;
+            let mut dirty = std::mem::take(&mut store.dirty);
             for (k, v) in dirty.drain() {
-                if window {
-                    *newest_window = newest_window_after(*newest_window, &k);
-                }
-                let key_len = k.len();
-                let old = match v {
+                store.wrote(&k);
+                match v {
                     Some(v) if cached => {
-                        let charge = cache_charge(&k, &v);
-                        added += charge;
-                        *clean_bytes += charge;
-                        clean.insert(k, v)
+                        let (a, f) = store.cache(k, v);
+                        added += a;
+                        freed += f;
                     }
-                    _ => clean.remove(&k),
-                };
-                if let Some(old) = old {
-                    let charge = key_len + cache_charge(&[], &old);
-                    freed += charge;
-                    *clean_bytes -= charge;
+                    _ => freed += store.uncache(&k),
                 }
             }
+            store.dirty = dirty;
         }
         let fill = self.cache_fill.fetch_add(added, Ordering::Relaxed) + added;
         if fill.saturating_sub(freed) > budget {
@@ -675,17 +680,11 @@ impl TaskState {
         }
         self.db.write(batch).map_err(|e| self.rocks_err(e))?;
         let store = &mut self.stores[id.0];
-        let window = store.is_window();
         let mut freed = 0;
         for (k, _) in records {
-            if window {
-                store.wrote_window(k);
-            }
-            if let Some(old) = store.clean.remove(k) {
-                freed += cache_charge(k, &old);
-            }
+            store.wrote(k);
+            freed += store.uncache(k);
         }
-        store.clean_bytes -= freed;
         self.cache_fill.fetch_sub(freed, Ordering::Relaxed);
         stats.records += records.len() as u64;
         Ok(())

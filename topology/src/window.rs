@@ -1,7 +1,6 @@
 //! Time windows and the aggregation operators (windowed and not) with their
 //! grace period, emit modes, replay safety and window expiry.
 
-use std::hash::BuildHasherDefault;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -162,8 +161,7 @@ pub(crate) struct WindowAggNode<K, V, A> {
 }
 
 /// Cached results not yet forwarded, keyed by their encoded key.
-pub(crate) type PendingMap<Key, R> =
-    std::collections::HashMap<Key, R, BuildHasherDefault<rustc_hash::FxHasher>>;
+pub(crate) type PendingMap<Key, R> = rustc_hash::FxHashMap<Key, R>;
 
 /// Forwards cached results in key order (deterministic output at each flush).
 fn forward_sorted<Key: Ord, K2, A2>(
