@@ -109,6 +109,9 @@ pub(super) fn recover_results(
             recovered += 1;
         }
     }
+    // Recovery runs on the engine's thread, which need not wait for the
+    // consumer to close (about a tenth of a second).
+    sluice_topology::runtime::close_in_background(consumer);
     if recovered > 0 {
         tracing::info!(
             partition,

@@ -20,7 +20,8 @@ use sluice_state::{RocksEnv, TaskState};
 
 use super::config::{Guarantee, StreamsConfig};
 use super::kafka::{
-    client_config, create_producer, flush, send, DeliveryState, DeliveryTag, TrackedProducer,
+    client_config, create_producer, flush, init_transactions, send, DeliveryState, DeliveryTag,
+    TrackedProducer,
 };
 use super::metrics::EngineMetrics;
 use super::restore::restore_task;
@@ -1476,17 +1477,21 @@ fn init_task(
     cancel: &AtomicBool,
 ) -> Result<Restored, RuntimeError> {
     let started = Instant::now();
+    let sub = &topology.subtopologies()[id.subtopology as usize];
     let (producer, delivery) = match shared {
         Some(p) => p,
         None => {
             let txn_id = format!("{}-{}", cfg.application_id, id);
             let (p, d) = create_producer(cfg, Some(&txn_id))?;
             // Fences whatever transaction a previous owner of this task left open.
-            p.init_transactions(TXN_TIMEOUT)?;
+            let topic = sub
+                .source_topics(&cfg.application_id)
+                .pop()
+                .unwrap_or_default();
+            init_transactions(&p, &topic, TXN_TIMEOUT)?;
             (p, d)
         }
     };
-    let sub = &topology.subtopologies()[id.subtopology as usize];
     let state = if sub.stores().is_empty() {
         None
     } else {

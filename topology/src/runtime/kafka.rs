@@ -217,6 +217,35 @@ pub(crate) fn send(
 /// `Producer::flush` with a timeout sleeps in 100 ms polls between checks;
 /// zero-timeout flushes (which also wake the broker threads) in a short loop
 /// keep a commit at the broker's round-trip time.
+/// Makes a new transactional producer ready, fencing earlier owners of its id.
+///
+/// librdkafka looks the transaction coordinator up at once, and when no broker
+/// connection is up yet it tries again only 500 ms later. Two metadata
+/// requests for `topic` come first: the answer to the first replaces the
+/// bootstrap connection with the cluster's brokers, and the second waits for a
+/// connection to one of them. The producer is then ready within a few round
+/// trips.
+pub(crate) fn init_transactions(
+    producer: &TrackedProducer,
+    topic: &str,
+    timeout: Duration,
+) -> rdkafka::error::KafkaResult<()> {
+    // Only a warm-up: init_transactions reports any real failure.
+    for _ in 0..2 {
+        let _ = producer.client().fetch_metadata(Some(topic), timeout);
+    }
+    producer.init_transactions(timeout)
+}
+
+/// Drops a Kafka client on a thread of its own: closing one waits for its
+/// threads (about a tenth of a second), which a caller need not do.
+pub fn close_in_background<C: Send + 'static>(client: C) {
+    // Should the thread not start, the client is dropped here instead.
+    let _ = std::thread::Builder::new()
+        .name("sluice-client-close".into())
+        .spawn(move || drop(client));
+}
+
 pub(crate) fn flush(
     producer: &TrackedProducer,
     state: &DeliveryState,

@@ -40,6 +40,7 @@ use std::thread::JoinHandle;
 use parking_lot::Mutex;
 
 pub use config::{Guarantee, StreamsConfig};
+pub use kafka::close_in_background;
 pub use metrics::EngineMetrics;
 pub use restore::BARRIER_HEADER;
 

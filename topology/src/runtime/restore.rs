@@ -20,7 +20,9 @@ use sluice_state::{RestoreStats, StoreId, TaskState};
 type RestoredRecord = (Vec<u8>, Option<Vec<u8>>);
 
 use super::config::{Guarantee, StreamsConfig};
-use super::kafka::{client_config, flush, send, DeliveryState, DeliveryTag, TrackedProducer};
+use super::kafka::{
+    client_config, close_in_background, flush, send, DeliveryState, DeliveryTag, TrackedProducer,
+};
 use super::RuntimeError;
 use crate::{TaskId, Topology};
 
@@ -152,11 +154,8 @@ pub(crate) fn restore_task(
             remaining.remove(msg.topic());
         }
     }
-    // Closing a consumer waits for its threads (about a tenth of a second);
-    // the task need not wait for that to start processing.
-    let _ = std::thread::Builder::new()
-        .name("sluice-restore-close".into())
-        .spawn(move || drop(consumer));
+    // The task need not wait for the consumer to close to start processing.
+    close_in_background(consumer);
     Ok(stats)
 }
 
@@ -191,10 +190,12 @@ fn write_barriers(
         )?;
         receivers.push(rx);
     }
+    // Acknowledged before the commit: committing with records outstanding
+    // waits on the producer's event queue, which its poll thread serves, for
+    // up to a tenth of a second.
+    flush(producer, delivery, timeout).map_err(RuntimeError::Other)?;
     if eos {
         producer.commit_transaction(timeout)?;
-    } else {
-        flush(producer, delivery, timeout).map_err(RuntimeError::Other)?;
     }
     receivers
         .into_iter()
