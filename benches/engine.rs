@@ -152,6 +152,10 @@ fn start_count(
     let mut cfg = StreamsConfig::new(app_id, bootstrap, state);
     cfg.guarantee = guarantee;
     cfg.session_timeout = Duration::from_secs(6);
+    // SLUICE_BENCH_DEBUG=<librdkafka debug contexts> for the engine's clients.
+    if let Ok(d) = std::env::var("SLUICE_BENCH_DEBUG") {
+        cfg.client_overrides.insert("debug".into(), d);
+    }
     let metrics = EngineMetrics::unregistered();
     let output = format!("{app_id}-out");
     let app = StreamsApp::new(
@@ -184,6 +188,13 @@ fn main() {
     let bootstrap =
         std::env::var("SLUICE_BENCH_BOOTSTRAP").expect("run through `make bench-engine`");
     let n = env_usize("SLUICE_BENCH_RECORDS", 400_000);
+    // SLUICE_BENCH_LOG=<filter> shows the engine's log (stderr).
+    if let Ok(filter) = std::env::var("SLUICE_BENCH_LOG") {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let topic = format!(
         "bench-in-{}",
         &uuid::Uuid::new_v4().simple().to_string()[..8]

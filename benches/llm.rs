@@ -214,8 +214,9 @@ listen = "127.0.0.1:0"
                 "-e",
                 "cpu-clock",
                 "-F",
-                "1999",
-                "-g",
+                "999",
+                "--call-graph",
+                "dwarf,16384",
                 "-o",
                 &out,
                 bin,
@@ -226,7 +227,11 @@ listen = "127.0.0.1:0"
     };
     let mut child = cmd
         .args(["run", "--config", &config.display().to_string()])
-        .env("SLUICE_LOG", "warn")
+        // SLUICE_BENCH_LOG=<filter> shows the operator's own log (stderr).
+        .env(
+            "SLUICE_LOG",
+            std::env::var("SLUICE_BENCH_LOG").unwrap_or_else(|_| "warn".into()),
+        )
         .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap();

@@ -11,10 +11,13 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 use rdkafka::consumer::{
     base_consumer::PartitionQueue, BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance,
+    RebalanceProtocol,
 };
+use rdkafka::error::KafkaError;
 use rdkafka::message::{BorrowedMessage, OwnedMessage};
 use rdkafka::producer::Producer;
 use rdkafka::statistics::Statistics;
+use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{ClientContext, Message, Offset, TopicPartitionList};
 use sluice_state::{RocksEnv, TaskState};
 
@@ -313,6 +316,58 @@ struct Engine {
 pub(crate) struct DriverContext {
     engine: Arc<Mutex<Engine>>,
     metrics: EngineMetrics,
+    /// Where a partition without a committed offset starts (`auto.offset.reset`);
+    /// `None` leaves it to librdkafka.
+    reset: Option<Offset>,
+}
+
+/// How long the assignment waits for the committed offsets it looks up.
+const COMMITTED_LOOKUP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The start of a partition without a committed offset under the
+/// `auto.offset.reset` policy `policy`; `None` for a policy librdkafka must
+/// apply itself (`error`).
+fn reset_offset(policy: Option<&str>) -> Option<Offset> {
+    match policy? {
+        "earliest" | "smallest" | "beginning" => Some(Offset::Beginning),
+        "latest" | "largest" | "end" => Some(Offset::End),
+        _ => None,
+    }
+}
+
+/// Sets where each newly assigned partition starts: at its committed offset,
+/// or at `reset` when it has none. librdkafka looks the same up when positions
+/// are left unset, but it starts a partition without a committed offset only
+/// after a 100 ms back-off, which every new group and new partition would
+/// pay. If the lookup fails, the positions stay unset and librdkafka decides.
+fn set_start_positions(
+    consumer: &BaseConsumer<DriverContext>,
+    tpl: &mut TopicPartitionList,
+    reset: Option<Offset>,
+) {
+    let Some(reset) = reset else { return };
+    let committed = match consumer.committed_offsets(tpl.clone(), COMMITTED_LOOKUP_TIMEOUT) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::debug!(error = %e, "committed offsets lookup failed; librdkafka looks them up");
+            return;
+        }
+    };
+    let mut starts = Vec::new();
+    for e in committed.elements() {
+        let start = match (e.error(), e.offset()) {
+            (Ok(()), Offset::Offset(o)) if o >= 0 => Offset::Offset(o),
+            (Ok(()), Offset::Invalid) => reset,
+            // An error or an unexpected answer: leave every position to librdkafka.
+            _ => return,
+        };
+        starts.push((e.topic().to_string(), e.partition(), start));
+    }
+    for (topic, partition, start) in starts {
+        if tpl.set_partition_offset(&topic, partition, start).is_err() {
+            tracing::debug!(topic, partition, "cannot set a start position");
+        }
+    }
 }
 
 impl ClientContext for DriverContext {
@@ -330,6 +385,50 @@ impl ClientContext for DriverContext {
 }
 
 impl ConsumerContext for DriverContext {
+    /// As rdkafka's own, with start positions set on assignment
+    /// ([`set_start_positions`]).
+    fn rebalance(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        err: RDKafkaRespErr,
+        tpl: &mut TopicPartitionList,
+    ) {
+        let cooperative = matches!(
+            consumer.rebalance_protocol(),
+            RebalanceProtocol::Cooperative
+        );
+        match err {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
+                set_start_positions(consumer, tpl, self.reset);
+                let assigned = if cooperative {
+                    consumer.incremental_assign(tpl)
+                } else {
+                    consumer.assign(tpl)
+                };
+                if let Err(e) = assigned {
+                    tracing::warn!(error = %e, "assignment failed");
+                }
+                self.post_rebalance(consumer, &Rebalance::Assign(tpl));
+            }
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
+                self.pre_rebalance(consumer, &Rebalance::Revoke(tpl));
+                let revoked = if cooperative {
+                    consumer.incremental_unassign(tpl)
+                } else {
+                    consumer.unassign()
+                };
+                if let Err(e) = revoked {
+                    tracing::warn!(error = %e, "unassignment failed");
+                }
+                self.post_rebalance(consumer, &Rebalance::Revoke(tpl));
+            }
+            other => {
+                let e = KafkaError::Rebalance(other.into());
+                self.post_rebalance(consumer, &Rebalance::Error(e));
+            }
+        }
+    }
+
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(tpl) = rebalance {
             let mut engine = self.engine.lock();
@@ -457,9 +556,11 @@ impl Driver {
         for (k, v) in &cfg.consumer_overrides {
             c.set(k, v);
         }
+        let reset = reset_offset(c.get("auto.offset.reset"));
         let mut consumer: DriverConsumer = c.create_with_context(DriverContext {
             engine: engine.clone(),
             metrics,
+            reset,
         })?;
         consumer.set_nonempty_callback(waker(&wake_tx));
         Ok(Driver {
@@ -1515,6 +1616,19 @@ fn init_task(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reset_policies_map_to_logical_offsets() {
+        for p in ["earliest", "smallest", "beginning"] {
+            assert_eq!(reset_offset(Some(p)), Some(Offset::Beginning), "{p}");
+        }
+        for p in ["latest", "largest", "end"] {
+            assert_eq!(reset_offset(Some(p)), Some(Offset::End), "{p}");
+        }
+        // `error` (and anything unknown) stays librdkafka's to apply.
+        assert_eq!(reset_offset(Some("error")), None);
+        assert_eq!(reset_offset(None), None);
+    }
 
     #[test]
     fn in_parallel_keeps_item_order_and_uses_several_threads() {
