@@ -23,8 +23,8 @@ use sluice_state::{RocksEnv, TaskState};
 
 use super::config::{Guarantee, StreamsConfig};
 use super::kafka::{
-    client_config, create_producer, flush, init_transactions, send, DeliveryState, DeliveryTag,
-    TrackedProducer,
+    client_config, commit_transaction, create_producer, flush, init_transactions, send,
+    DeliveryState, DeliveryTag, TrackedProducer,
 };
 use super::metrics::EngineMetrics;
 use super::restore::restore_task;
@@ -1398,7 +1398,7 @@ fn commit_eos(
             .send_offsets_to_transaction(&tpl, meta, TXN_TIMEOUT)?;
     }
     let t3 = Instant::now();
-    task.producer.commit_transaction(TXN_TIMEOUT)?;
+    commit_transaction(&task.producer, &task.delivery, TXN_TIMEOUT)?;
     tracing::trace!(
         task = %id,
         outputs_ms = (t1 - t0).as_millis() as u64,

@@ -211,12 +211,6 @@ pub(crate) fn send(
     }
 }
 
-/// Waits until every record sent was acknowledged and its delivery report
-/// handled, then reports the first delivery error.
-///
-/// `Producer::flush` with a timeout sleeps in 100 ms polls between checks;
-/// zero-timeout flushes (which also wake the broker threads) in a short loop
-/// keep a commit at the broker's round-trip time.
 /// Makes a new transactional producer ready, fencing earlier owners of its id.
 ///
 /// librdkafka looks the transaction coordinator up at once, and when no broker
@@ -246,6 +240,12 @@ pub fn close_in_background<C: Send + 'static>(client: C) {
         .spawn(move || drop(client));
 }
 
+/// Waits until every record sent was acknowledged and its delivery report
+/// handled, then reports the first delivery error.
+///
+/// `Producer::flush` with a timeout sleeps in 100 ms polls between checks;
+/// zero-timeout flushes (which also wake the broker threads) in a short loop
+/// keep a commit at the broker's round-trip time.
 pub(crate) fn flush(
     producer: &TrackedProducer,
     state: &DeliveryState,
@@ -266,4 +266,18 @@ pub(crate) fn flush(
         Some(e) => Err(e),
         None => Ok(()),
     }
+}
+
+/// Commits the producer's transaction once every record in it is acknowledged.
+/// rdkafka's commit flushes first by polling the producer's event queue, which
+/// the poll thread serves: with records outstanding it waits up to a tenth of
+/// a second.
+pub(crate) fn commit_transaction(
+    producer: &TrackedProducer,
+    state: &DeliveryState,
+    timeout: Duration,
+) -> Result<(), super::RuntimeError> {
+    flush(producer, state, timeout).map_err(super::RuntimeError::Other)?;
+    producer.commit_transaction(timeout)?;
+    Ok(())
 }

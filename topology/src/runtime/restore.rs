@@ -21,7 +21,8 @@ type RestoredRecord = (Vec<u8>, Option<Vec<u8>>);
 
 use super::config::{Guarantee, StreamsConfig};
 use super::kafka::{
-    client_config, close_in_background, flush, send, DeliveryState, DeliveryTag, TrackedProducer,
+    client_config, close_in_background, commit_transaction, flush, send, DeliveryState,
+    DeliveryTag, TrackedProducer,
 };
 use super::RuntimeError;
 use crate::{TaskId, Topology};
@@ -190,12 +191,10 @@ fn write_barriers(
         )?;
         receivers.push(rx);
     }
-    // Acknowledged before the commit: committing with records outstanding
-    // waits on the producer's event queue, which its poll thread serves, for
-    // up to a tenth of a second.
-    flush(producer, delivery, timeout).map_err(RuntimeError::Other)?;
     if eos {
-        producer.commit_transaction(timeout)?;
+        commit_transaction(producer, delivery, timeout)?;
+    } else {
+        flush(producer, delivery, timeout).map_err(RuntimeError::Other)?;
     }
     receivers
         .into_iter()
