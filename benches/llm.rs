@@ -7,7 +7,18 @@
 //!   lower of the two halves' steady-state rate over the limit.
 //! - overhead: a zero-latency provider; tasks/s through the whole operator
 //!   (Kafka in, HTTP call, Kafka out) against the rate a plain async HTTP
-//!   client reaches on the same simulator at the same concurrency.
+//!   client reaches on the same simulator at the same concurrency. Each round
+//!   also prints the CPU time per task of the operator, the simulator (this
+//!   process) and the broker, between the first and the last result.
+//!
+//! Diagnostics (environment): `SLUICE_BENCH_SKIP_QUOTA` (overhead rounds only),
+//! `SLUICE_BENCH_TASKS` (tasks per round), `SLUICE_BENCH_LOG` (the operator's
+//! log filter), `SLUICE_BENCH_HIST` (results per 50 ms), `SLUICE_BENCH_PERF`
+//! (`perf record` of the operator into that file; `SLUICE_BENCH_PERF_FLAT`
+//! without call graphs), `SLUICE_BENCH_APP` / `SLUICE_BENCH_KAFKA` (extra
+//! `[app]` / `[kafka]` lines of the operator's config), `SLUICE_BENCH_COMPARE`
+//! (another `sluice` binary run side by side each round) and
+//! `SLUICE_BENCH_CLIENT` (the LLM client alone, without Kafka, each round).
 
 /// The same allocator as the `sluice` binary.
 #[global_allocator]
@@ -136,8 +147,73 @@ async fn quota_run(headers: bool) -> QuotaRun {
     }
 }
 
+/// CPU time (utime + stime, seconds) of a process, from `/proc/<pid>/stat`.
+fn cpu_secs(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some(ticks as f64 / 100.0)
+}
+
+/// The broker's pid (the process named `tansu` listening on `bootstrap`'s port).
+fn broker_pid(bootstrap: &str) -> Option<u32> {
+    let port = bootstrap.rsplit(':').next()?;
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let cmd = String::from_utf8_lossy(&cmd);
+        (cmd.contains("tansu") && cmd.contains(&format!("127.0.0.1:{port}"))).then_some(pid)
+    })
+}
+
+/// Samples the CPU time of some processes every 10 ms, with the wall clock
+/// (Unix ms), so the CPU spent between two result timestamps can be read.
+struct CpuTrace {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<(i64, Vec<f64>)>>,
+}
+
+impl CpuTrace {
+    fn start(pids: Vec<u32>) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut samples = Vec::new();
+            while !flag.load(Ordering::Relaxed) {
+                let cpu = pids
+                    .iter()
+                    .map(|p| cpu_secs(*p).unwrap_or(f64::NAN))
+                    .collect();
+                samples.push((chrono::Utc::now().timestamp_millis(), cpu));
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            samples
+        });
+        CpuTrace { stop, thread }
+    }
+
+    /// CPU seconds per process between the Unix-ms instants `lo` and `hi`.
+    fn between(self, lo: i64, hi: i64) -> Vec<f64> {
+        self.stop.store(true, Ordering::Relaxed);
+        let samples = self.thread.join().unwrap();
+        let at = |t: i64, before: bool| {
+            let found = if before {
+                samples.iter().rev().find(|s| s.0 <= t)
+            } else {
+                samples.iter().find(|s| s.0 >= t)
+            };
+            found
+                .or(samples.last())
+                .map(|s| s.1.clone())
+                .unwrap_or_default()
+        };
+        let (a, b) = (at(lo, true), at(hi, false));
+        a.iter().zip(&b).map(|(a, b)| b - a).collect()
+    }
+}
+
 /// Tasks/s through `sluice run` (zero-latency provider).
-fn operator_rate(bootstrap: &str, sim: &SimHandle, n: usize, concurrency: usize) -> f64 {
+fn operator_rate(bin: &str, bootstrap: &str, sim: &SimHandle, n: usize, concurrency: usize) -> f64 {
     let prefix = format!(
         "bench-llm-{}",
         &uuid::Uuid::new_v4().simple().to_string()[..8]
@@ -151,10 +227,12 @@ fn operator_rate(bootstrap: &str, sim: &SimHandle, n: usize, concurrency: usize)
 [app]
 id = "{prefix}-app"
 state_dir = "{state}"
+{extra}
 
 [kafka]
 bootstrap_servers = "{bootstrap}"
 session_timeout_ms = 6000
+{kafka_extra}
 
 [topics]
 task_types = ["classify"]
@@ -176,11 +254,13 @@ limiter = {{ initial_rps = 1000000, max_rps = 1000000, max_concurrency = {concur
 listen = "127.0.0.1:0"
 "#,
             state = dir.path().join("state").display(),
+            // SLUICE_BENCH_APP=<toml lines>: extra `[app]` settings to compare.
+            extra = std::env::var("SLUICE_BENCH_APP").unwrap_or_default(),
+            kafka_extra = std::env::var("SLUICE_BENCH_KAFKA").unwrap_or_default(),
             url = sim.base_url(),
         ),
     )
     .unwrap();
-    let bin = env!("CARGO_BIN_EXE_sluice");
     let status = std::process::Command::new(bin)
         .args([
             "topics",
@@ -209,18 +289,12 @@ listen = "127.0.0.1:0"
     let mut cmd = match std::env::var("SLUICE_BENCH_PERF") {
         Ok(out) => {
             let mut c = std::process::Command::new("perf");
-            c.args([
-                "record",
-                "-e",
-                "cpu-clock",
-                "-F",
-                "999",
-                "--call-graph",
-                "dwarf,16384",
-                "-o",
-                &out,
-                bin,
-            ]);
+            c.args(["record", "-e", "cpu-clock", "-F", "999"]);
+            // SLUICE_BENCH_PERF_FLAT=1: no call graphs (cheaper, self time only).
+            if std::env::var("SLUICE_BENCH_PERF_FLAT").is_err() {
+                c.args(["--call-graph", "dwarf,16384"]);
+            }
+            c.args(["-o", &out, bin]);
             c
         }
         Err(_) => std::process::Command::new(bin),
@@ -235,6 +309,11 @@ listen = "127.0.0.1:0"
         .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap();
+    let cpu = CpuTrace::start(vec![
+        child.id(),
+        std::process::id(),
+        broker_pid(bootstrap).unwrap_or(0),
+    ]);
     // Wait for the operator's committed offsets to reach the end of the input
     // (a cheap request every 100 ms), then read the results: a reader running
     // alongside would take CPU from the operator.
@@ -258,8 +337,24 @@ listen = "127.0.0.1:0"
         .map(|r| r.completed_at.timestamp_millis())
         .collect();
     let (lo, hi) = (times.iter().min().unwrap(), times.iter().max().unwrap());
+    // SLUICE_BENCH_HIST=1 prints the results completed per 50 ms.
+    if std::env::var("SLUICE_BENCH_HIST").is_ok() {
+        let mut buckets = vec![0usize; ((hi - lo) / 50 + 1) as usize];
+        for t in &times {
+            buckets[((t - lo) / 50) as usize] += 1;
+        }
+        eprintln!("results per 50 ms: {buckets:?}");
+    }
     let secs = ((hi - lo) as f64 / 1000.0).max(0.001);
-    eprintln!("operator: {} results over {secs:.2}s", times.len());
+    let per_task = |s: f64| s * 1e6 / times.len() as f64;
+    let cpu = cpu.between(*lo, *hi);
+    eprintln!(
+        "operator: {} results over {secs:.2}s; CPU per task: operator {:.0} µs, simulator {:.0} µs, broker {:.0} µs",
+        times.len(),
+        per_task(cpu[0]),
+        per_task(cpu[1]),
+        per_task(cpu[2]),
+    );
     times.len() as f64 / secs
 }
 
@@ -310,6 +405,8 @@ async fn plain_rate(sim: &SimHandle, n: usize, concurrency: usize) -> f64 {
     let client = reqwest::Client::new();
     let url = format!("{}/chat/completions", sim.base_url());
     let next = Arc::new(AtomicU64::new(0));
+    let cpu = || cpu_secs(std::process::id()).unwrap_or(f64::NAN);
+    let cpu0 = cpu();
     let start = Instant::now();
     let mut workers = Vec::new();
     for _ in 0..concurrency {
@@ -331,7 +428,58 @@ async fn plain_rate(sim: &SimHandle, n: usize, concurrency: usize) -> f64 {
         w.await.unwrap();
     }
     let secs = start.elapsed().as_secs_f64();
-    eprintln!("plain client: {n} requests in {secs:.2}s");
+    let cpu = cpu() - cpu0;
+    eprintln!(
+        "plain client: {n} requests in {secs:.2}s; CPU per request (client and simulator): {:.0} µs",
+        cpu * 1e6 / n as f64
+    );
+    n as f64 / secs
+}
+
+/// Requests/s of the LLM client (its whole middleware, no Kafka) at
+/// `concurrency` against the simulator (`SLUICE_BENCH_CLIENT=1`; diagnostic).
+async fn client_rate(sim: &SimHandle, n: usize, concurrency: usize) -> f64 {
+    let mut model = ModelConfig::new("m", "sim");
+    model.limiter = LimiterConfig {
+        initial_rps: 1e6,
+        max_rps: 1e6,
+        max_concurrency: Some(concurrency),
+        ..LimiterConfig::default()
+    };
+    let cfg = LlmConfig {
+        providers: vec![ProviderConfig::new("sim", sim.base_url())],
+        models: vec![model],
+        ..LlmConfig::default()
+    };
+    let client = LlmClient::from_config(&cfg, &prometheus::Registry::new()).unwrap();
+    let next = Arc::new(AtomicU64::new(0));
+    let cpu0 = cpu_secs(std::process::id()).unwrap_or(f64::NAN);
+    let start = Instant::now();
+    let mut workers = Vec::new();
+    for _ in 0..concurrency {
+        let (client, next) = (client.clone(), next.clone());
+        workers.push(tokio::spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= n as u64 {
+                    break;
+                }
+                client
+                    .call("m", request(i), Priority::Normal)
+                    .await
+                    .unwrap();
+            }
+        }));
+    }
+    for w in workers {
+        w.await.unwrap();
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let cpu = cpu_secs(std::process::id()).unwrap_or(f64::NAN) - cpu0;
+    eprintln!(
+        "llm client: {n} requests in {secs:.2}s; CPU per request (client and simulator): {:.0} µs",
+        cpu * 1e6 / n as f64
+    );
     n as f64 / secs
 }
 
@@ -372,7 +520,22 @@ fn main() {
     let (mut plain, mut op) = (Vec::new(), Vec::new());
     for _ in 0..ROUNDS {
         plain.push(rt.block_on(plain_rate(&sim, n, concurrency)));
-        op.push(operator_rate(&bootstrap, &sim, n, concurrency));
+        if std::env::var("SLUICE_BENCH_CLIENT").is_ok() {
+            rt.block_on(client_rate(&sim, n, concurrency));
+        }
+        op.push(operator_rate(
+            env!("CARGO_BIN_EXE_sluice"),
+            &bootstrap,
+            &sim,
+            n,
+            concurrency,
+        ));
+        // SLUICE_BENCH_COMPARE=<sluice binary>: also runs that build each round
+        // (side by side with this one; its figures are printed, not compared).
+        if let Ok(other) = std::env::var("SLUICE_BENCH_COMPARE") {
+            eprint!("compare ");
+            operator_rate(&other, &bootstrap, &sim, n, concurrency);
+        }
     }
     let (plain, op) = (median(plain), median(op));
     eprintln!("overhead: medians plain {plain:.0} requests/s, operator {op:.0} tasks/s");

@@ -3,7 +3,8 @@
 //! `rps|tpm`, and the three priorities.
 
 use prometheus::{
-    GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry,
+    Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry,
 };
 
 use super::breaker::BreakerState;
@@ -121,6 +122,24 @@ impl LlmMetrics {
         })
     }
 
+    /// The per-model series resolved once: the hot path (a call answered) then
+    /// looks no label up.
+    pub fn for_model(&self, model: &str) -> ModelMetrics {
+        ModelMetrics {
+            ok: self.requests.with_label_values(&[model, STATUS_OK]),
+            latency: self.latency.with_label_values(&[model]),
+            rps: self.limiter_rate.with_label_values(&[model, KIND_RPS]),
+            // Resolved when the limiter first has a token rate to show.
+            tpm: (
+                self.limiter_rate.clone(),
+                model.to_string(),
+                Default::default(),
+            ),
+            breaker: self.breaker_state.with_label_values(&[model]),
+            served: Priority::ALL.map(|p| self.priority_served.with_label_values(&[p.as_str()])),
+        }
+    }
+
     /// Counts one call attempt and its latency.
     pub fn observe_call(&self, model: &str, status: &str, seconds: f64) {
         self.requests.with_label_values(&[model, status]).inc();
@@ -136,26 +155,40 @@ impl LlmMetrics {
     pub fn observe_retry(&self, model: &str) {
         self.retries.with_label_values(&[model]).inc();
     }
+}
+
+/// One model's series of [`LlmMetrics`], resolved by [`LlmMetrics::for_model`].
+#[derive(Debug, Clone)]
+pub struct ModelMetrics {
+    ok: IntCounter,
+    latency: Histogram,
+    rps: Gauge,
+    tpm: (GaugeVec, String, std::sync::OnceLock<Gauge>),
+    breaker: IntGauge,
+    served: [IntCounter; 3],
+}
+
+impl ModelMetrics {
+    /// A call answered: counted as `ok`, its latency observed.
+    pub fn observe_ok(&self, seconds: f64) {
+        self.ok.inc();
+        self.latency.observe(seconds);
+    }
 
     /// Counts one admission.
     pub fn observe_admission(&self, priority: Priority) {
-        self.priority_served
-            .with_label_values(&[priority.as_str()])
-            .inc();
+        self.served[priority.index()].inc();
     }
 
-    /// Publishes the limiter's and breaker's current state.
-    pub fn publish_state(&self, model: &str, limiter: &AimdLimiter, breaker: BreakerState) {
-        self.limiter_rate
-            .with_label_values(&[model, KIND_RPS])
-            .set(limiter.current_rps());
+    /// The limiter's current rates and the breaker's state.
+    pub fn publish_state(&self, limiter: &AimdLimiter, breaker: BreakerState) {
+        self.rps.set(limiter.current_rps());
         if let Some(tpm) = limiter.current_tpm() {
-            self.limiter_rate
-                .with_label_values(&[model, KIND_TPM])
+            let (vec, model, gauge) = &self.tpm;
+            gauge
+                .get_or_init(|| vec.with_label_values(&[model, KIND_TPM]))
                 .set(tpm);
         }
-        self.breaker_state
-            .with_label_values(&[model])
-            .set(breaker.as_gauge());
+        self.breaker.set(breaker.as_gauge());
     }
 }

@@ -114,6 +114,8 @@ impl CallFailure {
 #[derive(Debug, Clone)]
 pub struct LlmClient {
     endpoints: Arc<HashMap<String, ModelEndpoint>>,
+    /// Each endpoint's metric series, resolved once.
+    model_metrics: Arc<HashMap<String, metrics::ModelMetrics>>,
     retry: RetryPolicy,
     metrics: LlmMetrics,
 }
@@ -121,9 +123,14 @@ pub struct LlmClient {
 impl LlmClient {
     /// A client over explicit endpoints.
     pub fn new(endpoints: Vec<ModelEndpoint>, retry: RetryPolicy, metrics: LlmMetrics) -> Self {
+        let model_metrics = endpoints
+            .iter()
+            .map(|e| (e.name.clone(), metrics.for_model(&e.name)))
+            .collect();
         let endpoints = endpoints.into_iter().map(|e| (e.name.clone(), e)).collect();
         Self {
             endpoints: Arc::new(endpoints),
+            model_metrics: Arc::new(model_metrics),
             retry,
             metrics,
         }
@@ -185,7 +192,8 @@ impl LlmClient {
         mut request: ChatRequest,
         priority: Priority,
     ) -> Result<CallOutcome, CallFailure> {
-        let Some(ep) = self.endpoints.get(model) else {
+        let (Some(ep), Some(mm)) = (self.endpoints.get(model), self.model_metrics.get(model))
+        else {
             return Err(CallFailure {
                 error: LlmError::Config(format!("unknown model {model}")),
                 attempts: 0,
@@ -197,9 +205,8 @@ impl LlmClient {
         let mut attempts = 0u32;
         let mut slept = Duration::ZERO;
         loop {
-            let result = self.attempt(ep, &request, priority, est_tokens).await;
-            self.metrics
-                .publish_state(&ep.name, &ep.limiter, ep.breaker.state());
+            let result = self.attempt(ep, mm, &request, priority, est_tokens).await;
+            mm.publish_state(&ep.limiter, ep.breaker.state());
             let error = match result {
                 Attempt::Answered(response) => {
                     return Ok(CallOutcome {
@@ -228,6 +235,7 @@ impl LlmClient {
     async fn attempt(
         &self,
         ep: &ModelEndpoint,
+        mm: &metrics::ModelMetrics,
         request: &ChatRequest,
         priority: Priority,
         est_tokens: u32,
@@ -241,7 +249,7 @@ impl LlmClient {
             return refused();
         }
         let permit = ep.limiter.acquire(priority, est_tokens).await;
-        self.metrics.observe_admission(priority);
+        mm.observe_admission(priority);
         let Ok(probe) = ep.breaker.try_acquire() else {
             drop(permit);
             return refused();
@@ -260,8 +268,7 @@ impl LlmClient {
                     tokens_used: tokens,
                 });
                 probe.success();
-                self.metrics
-                    .observe_call(&ep.name, metrics::STATUS_OK, seconds);
+                mm.observe_ok(seconds);
                 Attempt::Answered(response)
             }
             Err(error) => {

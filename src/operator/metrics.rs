@@ -81,3 +81,23 @@ impl OperatorMetrics {
         Ok(m)
     }
 }
+
+/// One model's token and cost series, resolved once per model.
+#[derive(Clone)]
+pub(crate) struct ModelCounters {
+    pub(crate) input: IntCounter,
+    pub(crate) output: IntCounter,
+    pub(crate) cached: IntCounter,
+    pub(crate) cost: IntCounter,
+}
+
+impl OperatorMetrics {
+    pub(crate) fn model_counters(&self, model: &str) -> ModelCounters {
+        ModelCounters {
+            input: self.tokens.with_label_values(&[model, "input"]),
+            output: self.tokens.with_label_values(&[model, "output"]),
+            cached: self.tokens.with_label_values(&[model, "cached"]),
+            cost: self.cost.with_label_values(&[model]),
+        }
+    }
+}

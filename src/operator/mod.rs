@@ -72,11 +72,46 @@ pub struct Operator {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct StoredOutcome {
     /// The result, as JSON (as emitted).
+    #[serde(with = "byte_string")]
     pub result_json: Vec<u8>,
     /// Whether it went to the completed topic.
     pub success: bool,
     /// When the entry expires: minutes since the epoch.
     pub bucket: i64,
+}
+
+/// A `Vec<u8>` field as one byte string (a copy) instead of a sequence of
+/// bytes (a call per byte); bincode writes both the same way.
+mod byte_string {
+    use serde::{de, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(bytes: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bytes(bytes)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        struct Bytes;
+        impl<'de> de::Visitor<'de> for Bytes {
+            type Value = Vec<u8>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("bytes")
+            }
+            fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Vec<u8>, E> {
+                Ok(v.to_vec())
+            }
+            fn visit_byte_buf<E: de::Error>(self, v: Vec<u8>) -> Result<Vec<u8>, E> {
+                Ok(v)
+            }
+            fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u8>, A::Error> {
+                let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+                while let Some(b) = seq.next_element()? {
+                    out.push(b);
+                }
+                Ok(out)
+            }
+        }
+        d.deserialize_byte_buf(Bytes)
+    }
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -151,6 +186,8 @@ pub struct LlmTaskProcessor {
     last_probe_ms: i64,
     meta: Meta,
     meta_dirty: bool,
+    /// Token and cost series per model, resolved on first use.
+    counters: std::collections::HashMap<String, metrics::ModelCounters>,
     /// Where the expiry sweep of the completed store goes on from.
     sweep_cursor: Option<Vec<u8>>,
     last_sweep_ms: i64,
@@ -170,6 +207,7 @@ impl LlmTaskProcessor {
             last_probe_ms: 0,
             meta: Meta::default(),
             meta_dirty: false,
+            counters: Default::default(),
             sweep_cursor: None,
             last_sweep_ms: 0,
         }
@@ -382,19 +420,17 @@ impl LlmTaskProcessor {
                     cost_micros(&price, r.input_tokens, r.cached_tokens, r.output_tokens);
                 r.attempts = job.task.attempt_number - 1 + outcome.attempts;
                 r.output = output_value(&job.task.task_type, &outcome.response.content);
-                let m = &self.op.metrics;
-                m.tokens
-                    .with_label_values(&[&job.model, "input"])
-                    .inc_by(r.input_tokens);
-                m.tokens
-                    .with_label_values(&[&job.model, "output"])
-                    .inc_by(r.output_tokens);
-                m.tokens
-                    .with_label_values(&[&job.model, "cached"])
-                    .inc_by(r.cached_tokens);
-                m.cost
-                    .with_label_values(&[&job.model])
-                    .inc_by(r.cost_micros.max(0) as u64);
+                let m = match self.counters.get(&job.model) {
+                    Some(m) => m,
+                    None => self
+                        .counters
+                        .entry(job.model.clone())
+                        .or_insert_with(|| self.op.metrics.model_counters(&job.model)),
+                };
+                m.input.inc_by(r.input_tokens);
+                m.output.inc_by(r.output_tokens);
+                m.cached.inc_by(r.cached_tokens);
+                m.cost.inc_by(r.cost_micros.max(0) as u64);
                 self.emit_result(ctx, &job, &r)
             }
             Err(failure) => {
@@ -763,6 +799,34 @@ mod tests {
             output_value("summarize", "{\"a\":1}"),
             serde_json::json!("{\"a\":1}")
         );
+    }
+
+    #[test]
+    fn stored_outcomes_encode_as_before_and_round_trip() {
+        /// The encoding before `result_json` was a byte string.
+        #[derive(Serialize)]
+        struct Before {
+            result_json: Vec<u8>,
+            success: bool,
+            bucket: i64,
+        }
+        let json = br#"{"taskId":"t1","success":true}"#.to_vec();
+        let now = StoredOutcome {
+            result_json: json.clone(),
+            success: true,
+            bucket: 29_000_000,
+        };
+        let bytes = sluice_topology::to_bincode(&now);
+        let before = Before {
+            result_json: json.clone(),
+            success: true,
+            bucket: 29_000_000,
+        };
+        assert_eq!(bytes, sluice_topology::to_bincode(&before));
+        let back: StoredOutcome = sluice_topology::from_bincode(&bytes).unwrap();
+        assert_eq!(back.result_json, json);
+        assert!(back.success);
+        assert_eq!(back.bucket, 29_000_000);
     }
 
     #[test]
