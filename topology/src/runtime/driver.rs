@@ -1338,18 +1338,30 @@ impl Engine {
     }
 }
 
+/// The crash point configured by `SLUICE_FAILPOINT=<name>:<n>`, if any.
+fn failpoint_config() -> Option<&'static (String, i64)> {
+    static CONFIG: std::sync::OnceLock<Option<(String, i64)>> = std::sync::OnceLock::new();
+    CONFIG
+        .get_or_init(|| {
+            let v = std::env::var("SLUICE_FAILPOINT").ok()?;
+            let (p, n) = v.split_once(':')?;
+            Some((p.to_string(), n.parse().ok()?))
+        })
+        .as_ref()
+}
+
+/// Whether the crash point `name` is configured.
+fn failpoint_armed(name: &str) -> bool {
+    failpoint_config().is_some_and(|(point, _)| point == name)
+}
+
 /// A crash point for tests: with `SLUICE_FAILPOINT=<name>:<n>` in the
 /// environment, the process aborts (as if killed) the n-th time it reaches the
 /// point named `name`. Without the variable this is a no-op.
 fn failpoint(name: &str) {
     use std::sync::atomic::AtomicI64;
     static REMAINING: AtomicI64 = AtomicI64::new(i64::MIN);
-    static CONFIG: std::sync::OnceLock<Option<(String, i64)>> = std::sync::OnceLock::new();
-    let Some((point, n)) = CONFIG.get_or_init(|| {
-        let v = std::env::var("SLUICE_FAILPOINT").ok()?;
-        let (p, n) = v.split_once(':')?;
-        Some((p.to_string(), n.parse().ok()?))
-    }) else {
+    let Some((point, n)) = failpoint_config() else {
         return;
     };
     if point != name {
@@ -1362,8 +1374,9 @@ fn failpoint(name: &str) {
     }
 }
 
-/// Commits one task's transaction: outputs flushed, changelog records sent
-/// and flushed, offsets sent to the transaction, commit; then local state.
+/// Commits one task's transaction: outputs sent, offsets sent to the
+/// transaction, outputs flushed, changelog records sent, commit (which
+/// flushes them); then local state.
 fn commit_eos(
     task: &mut ActiveTask,
     meta: &rdkafka::consumer::ConsumerGroupMetadata,
@@ -1383,28 +1396,33 @@ fn commit_eos(
     }
     let t0 = Instant::now();
     produce_outputs(task, metrics, outputs)?;
+    // The offsets join the transaction while the outputs are on their way
+    // (they commit with it, or not at all).
+    if !offsets.is_empty() {
+        let tpl = offsets_tpl(&task.core, &offsets)?;
+        task.producer
+            .send_offsets_to_transaction(&tpl, meta, TXN_TIMEOUT)?;
+    }
     // Outputs first: a changelog record visible to a reader implies the
     // outputs that preceded it are visible too.
     flush(&task.producer, &task.delivery, FLUSH_TIMEOUT).map_err(RuntimeError::Other)?;
     let t1 = Instant::now();
     failpoint("eos_after_output_flush");
     send_changelog(task, app, dirty)?;
-    flush(&task.producer, &task.delivery, FLUSH_TIMEOUT).map_err(RuntimeError::Other)?;
-    failpoint("eos_after_changelog_flush");
-    let t2 = Instant::now();
-    if !offsets.is_empty() {
-        let tpl = offsets_tpl(&task.core, &offsets)?;
-        task.producer
-            .send_offsets_to_transaction(&tpl, meta, TXN_TIMEOUT)?;
+    // The commit flushes the changelog records; the crash point of the tests
+    // wants them acknowledged (visible on a broker that exposes interrupted
+    // transactions) before it.
+    if failpoint_armed("eos_after_changelog_flush") {
+        flush(&task.producer, &task.delivery, FLUSH_TIMEOUT).map_err(RuntimeError::Other)?;
+        failpoint("eos_after_changelog_flush");
     }
-    let t3 = Instant::now();
+    let t2 = Instant::now();
     commit_transaction(&task.producer, &task.delivery, TXN_TIMEOUT)?;
     tracing::trace!(
         task = %id,
         outputs_ms = (t1 - t0).as_millis() as u64,
         changelog_ms = (t2 - t1).as_millis() as u64,
-        offsets_ms = (t3 - t2).as_millis() as u64,
-        end_ms = t3.elapsed().as_millis() as u64,
+        end_ms = t2.elapsed().as_millis() as u64,
         "transaction committed"
     );
     task.txn_open = false;
