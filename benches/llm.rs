@@ -59,6 +59,18 @@ fn request(i: u64) -> ChatRequest {
     }
 }
 
+/// An LLM client with one model, `m`, on the simulator.
+fn sim_client(sim: &SimHandle, limiter: LimiterConfig) -> LlmClient {
+    let mut model = ModelConfig::new("m", "sim");
+    model.limiter = limiter;
+    let cfg = LlmConfig {
+        providers: vec![ProviderConfig::new("sim", sim.base_url())],
+        models: vec![model],
+        ..LlmConfig::default()
+    };
+    LlmClient::from_config(&cfg, &prometheus::Registry::new()).unwrap()
+}
+
 async fn quota_run(headers: bool) -> QuotaRun {
     let sim = sluice::sim::start(
         SimConfig::from_json_value(serde_json::json!({
@@ -69,17 +81,13 @@ async fn quota_run(headers: bool) -> QuotaRun {
     )
     .await
     .unwrap();
-    let mut model = ModelConfig::new("m", "sim");
-    model.limiter = LimiterConfig {
-        initial_rps: 20.0,
-        ..LimiterConfig::default()
-    };
-    let cfg = LlmConfig {
-        providers: vec![ProviderConfig::new("sim", sim.base_url())],
-        models: vec![model],
-        ..LlmConfig::default()
-    };
-    let client = LlmClient::from_config(&cfg, &prometheus::Registry::new()).unwrap();
+    let client = sim_client(
+        &sim,
+        LimiterConfig {
+            initial_rps: 20.0,
+            ..LimiterConfig::default()
+        },
+    );
     let stop = Arc::new(AtomicBool::new(false));
     let start = Instant::now();
     let total = 2 * HALF.as_secs() as usize;
@@ -439,19 +447,15 @@ async fn plain_rate(sim: &SimHandle, n: usize, concurrency: usize) -> f64 {
 /// Requests/s of the LLM client (its whole middleware, no Kafka) at
 /// `concurrency` against the simulator (`SLUICE_BENCH_CLIENT=1`; diagnostic).
 async fn client_rate(sim: &SimHandle, n: usize, concurrency: usize) -> f64 {
-    let mut model = ModelConfig::new("m", "sim");
-    model.limiter = LimiterConfig {
-        initial_rps: 1e6,
-        max_rps: 1e6,
-        max_concurrency: Some(concurrency),
-        ..LimiterConfig::default()
-    };
-    let cfg = LlmConfig {
-        providers: vec![ProviderConfig::new("sim", sim.base_url())],
-        models: vec![model],
-        ..LlmConfig::default()
-    };
-    let client = LlmClient::from_config(&cfg, &prometheus::Registry::new()).unwrap();
+    let client = sim_client(
+        sim,
+        LimiterConfig {
+            initial_rps: 1e6,
+            max_rps: 1e6,
+            max_concurrency: Some(concurrency),
+            ..LimiterConfig::default()
+        },
+    );
     let next = Arc::new(AtomicU64::new(0));
     let cpu0 = cpu_secs(std::process::id()).unwrap_or(f64::NAN);
     let start = Instant::now();
