@@ -408,70 +408,27 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Requests/s of a plain reqwest client at `concurrency` against the simulator.
-async fn plain_rate(sim: &SimHandle, n: usize, concurrency: usize) -> f64 {
-    let client = reqwest::Client::new();
-    let url = format!("{}/chat/completions", sim.base_url());
-    let next = Arc::new(AtomicU64::new(0));
-    let cpu = || cpu_secs(std::process::id()).unwrap_or(f64::NAN);
-    let cpu0 = cpu();
-    let start = Instant::now();
-    let mut workers = Vec::new();
-    for _ in 0..concurrency {
-        let (client, url, next) = (client.clone(), url.clone(), next.clone());
-        workers.push(tokio::spawn(async move {
-            loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                if i >= n as u64 {
-                    break;
-                }
-                let mut req = request(i);
-                req.model = "m".into();
-                let r = client.post(&url).json(&req).send().await.unwrap();
-                let _ = r.bytes().await.unwrap();
-            }
-        }));
-    }
-    for w in workers {
-        w.await.unwrap();
-    }
-    let secs = start.elapsed().as_secs_f64();
-    let cpu = cpu() - cpu0;
-    eprintln!(
-        "plain client: {n} requests in {secs:.2}s; CPU per request (client and simulator): {:.0} µs",
-        cpu * 1e6 / n as f64
-    );
-    n as f64 / secs
-}
-
-/// Requests/s of the LLM client (its whole middleware, no Kafka) at
-/// `concurrency` against the simulator (`SLUICE_BENCH_CLIENT=1`; diagnostic).
-async fn client_rate(sim: &SimHandle, n: usize, concurrency: usize) -> f64 {
-    let client = sim_client(
-        sim,
-        LimiterConfig {
-            initial_rps: 1e6,
-            max_rps: 1e6,
-            max_concurrency: Some(concurrency),
-            ..LimiterConfig::default()
-        },
-    );
+/// Requests/s of `concurrency` workers making `n` calls of `call` (the call's
+/// number) between them; prints them with this process's CPU per request
+/// (the caller's and the simulator's).
+async fn closed_loop<F, Fut>(label: &str, n: usize, concurrency: usize, call: F) -> f64
+where
+    F: Fn(u64) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
     let next = Arc::new(AtomicU64::new(0));
     let cpu0 = cpu_secs(std::process::id()).unwrap_or(f64::NAN);
     let start = Instant::now();
     let mut workers = Vec::new();
     for _ in 0..concurrency {
-        let (client, next) = (client.clone(), next.clone());
+        let (call, next) = (call.clone(), next.clone());
         workers.push(tokio::spawn(async move {
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 if i >= n as u64 {
                     break;
                 }
-                client
-                    .call("m", request(i), Priority::Normal)
-                    .await
-                    .unwrap();
+                call(i).await;
             }
         }));
     }
@@ -481,10 +438,53 @@ async fn client_rate(sim: &SimHandle, n: usize, concurrency: usize) -> f64 {
     let secs = start.elapsed().as_secs_f64();
     let cpu = cpu_secs(std::process::id()).unwrap_or(f64::NAN) - cpu0;
     eprintln!(
-        "llm client: {n} requests in {secs:.2}s; CPU per request (client and simulator): {:.0} µs",
+        "{label}: {n} requests in {secs:.2}s; CPU per request (client and simulator): {:.0} µs",
         cpu * 1e6 / n as f64
     );
     n as f64 / secs
+}
+
+/// Requests/s of a plain reqwest client at `concurrency` against the simulator.
+async fn plain_rate(sim: &SimHandle, n: usize, concurrency: usize) -> f64 {
+    let target = Arc::new((
+        reqwest::Client::new(),
+        format!("{}/chat/completions", sim.base_url()),
+    ));
+    closed_loop("plain client", n, concurrency, move |i| {
+        let target = target.clone();
+        async move {
+            let (client, url) = &*target;
+            let mut req = request(i);
+            req.model = "m".into();
+            let r = client.post(url).json(&req).send().await.unwrap();
+            let _ = r.bytes().await.unwrap();
+        }
+    })
+    .await
+}
+
+/// Requests/s of the LLM client (its whole middleware, no Kafka) at
+/// `concurrency` against the simulator (`SLUICE_BENCH_CLIENT=1`; diagnostic).
+async fn client_rate(sim: &SimHandle, n: usize, concurrency: usize) -> f64 {
+    let client = Arc::new(sim_client(
+        sim,
+        LimiterConfig {
+            initial_rps: 1e6,
+            max_rps: 1e6,
+            max_concurrency: Some(concurrency),
+            ..LimiterConfig::default()
+        },
+    ));
+    closed_loop("llm client", n, concurrency, move |i| {
+        let client = client.clone();
+        async move {
+            client
+                .call("m", request(i), Priority::Normal)
+                .await
+                .unwrap();
+        }
+    })
+    .await
 }
 
 fn main() {

@@ -129,12 +129,9 @@ impl LlmMetrics {
             ok: self.requests.with_label_values(&[model, STATUS_OK]),
             latency: self.latency.with_label_values(&[model]),
             rps: self.limiter_rate.with_label_values(&[model, KIND_RPS]),
-            // Resolved when the limiter first has a token rate to show.
-            tpm: (
-                self.limiter_rate.clone(),
-                model.to_string(),
-                Default::default(),
-            ),
+            limiter_rate: self.limiter_rate.clone(),
+            model: model.to_string(),
+            tpm: Default::default(),
             breaker: self.breaker_state.with_label_values(&[model]),
             served: Priority::ALL.map(|p| self.priority_served.with_label_values(&[p.as_str()])),
         }
@@ -163,7 +160,11 @@ pub struct ModelMetrics {
     ok: IntCounter,
     latency: Histogram,
     rps: Gauge,
-    tpm: (GaugeVec, String, std::sync::OnceLock<Gauge>),
+    /// The token-rate series is made (from these two) only once the limiter
+    /// paces tokens, which it may start doing at any time.
+    limiter_rate: GaugeVec,
+    model: String,
+    tpm: std::sync::OnceLock<Gauge>,
     breaker: IntGauge,
     served: [IntCounter; 3],
 }
@@ -184,9 +185,11 @@ impl ModelMetrics {
     pub fn publish_state(&self, limiter: &AimdLimiter, breaker: BreakerState) {
         self.rps.set(limiter.current_rps());
         if let Some(tpm) = limiter.current_tpm() {
-            let (vec, model, gauge) = &self.tpm;
-            gauge
-                .get_or_init(|| vec.with_label_values(&[model, KIND_TPM]))
+            self.tpm
+                .get_or_init(|| {
+                    self.limiter_rate
+                        .with_label_values(&[&self.model, KIND_TPM])
+                })
                 .set(tpm);
         }
         self.breaker.set(breaker.as_gauge());

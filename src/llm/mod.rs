@@ -113,9 +113,8 @@ impl CallFailure {
 /// The composed client over all configured models.
 #[derive(Debug, Clone)]
 pub struct LlmClient {
-    endpoints: Arc<HashMap<String, ModelEndpoint>>,
-    /// Each endpoint's metric series, resolved once.
-    model_metrics: Arc<HashMap<String, metrics::ModelMetrics>>,
+    /// Each model's endpoint, with its metric series resolved once.
+    endpoints: Arc<HashMap<String, (ModelEndpoint, metrics::ModelMetrics)>>,
     retry: RetryPolicy,
     metrics: LlmMetrics,
 }
@@ -123,14 +122,15 @@ pub struct LlmClient {
 impl LlmClient {
     /// A client over explicit endpoints.
     pub fn new(endpoints: Vec<ModelEndpoint>, retry: RetryPolicy, metrics: LlmMetrics) -> Self {
-        let model_metrics = endpoints
-            .iter()
-            .map(|e| (e.name.clone(), metrics.for_model(&e.name)))
+        let endpoints = endpoints
+            .into_iter()
+            .map(|e| {
+                let mm = metrics.for_model(&e.name);
+                (e.name.clone(), (e, mm))
+            })
             .collect();
-        let endpoints = endpoints.into_iter().map(|e| (e.name.clone(), e)).collect();
         Self {
             endpoints: Arc::new(endpoints),
-            model_metrics: Arc::new(model_metrics),
             retry,
             metrics,
         }
@@ -174,14 +174,14 @@ impl LlmClient {
 
     /// The endpoint of a model.
     pub fn endpoint(&self, model: &str) -> Option<&ModelEndpoint> {
-        self.endpoints.get(model)
+        self.endpoints.get(model).map(|(e, _)| e)
     }
 
     /// Whether the model's breaker refuses calls right now (route to a fallback).
     pub fn is_open(&self, model: &str) -> bool {
         self.endpoints
             .get(model)
-            .is_some_and(|e| e.breaker.is_open())
+            .is_some_and(|(e, _)| e.breaker.is_open())
     }
 
     /// Calls `model` with `request` (its `model` field is replaced by the upstream id),
@@ -192,8 +192,7 @@ impl LlmClient {
         mut request: ChatRequest,
         priority: Priority,
     ) -> Result<CallOutcome, CallFailure> {
-        let (Some(ep), Some(mm)) = (self.endpoints.get(model), self.model_metrics.get(model))
-        else {
+        let Some((ep, mm)) = self.endpoints.get(model) else {
             return Err(CallFailure {
                 error: LlmError::Config(format!("unknown model {model}")),
                 attempts: 0,

@@ -23,8 +23,8 @@ use sluice_state::{RocksEnv, TaskState};
 
 use super::config::{Guarantee, StreamsConfig};
 use super::kafka::{
-    client_config, commit_transaction, create_producer, flush, init_transactions, send,
-    DeliveryState, DeliveryTag, TrackedProducer,
+    client_config, create_producer, flush, init_transactions, send, DeliveryState, DeliveryTag,
+    TrackedProducer,
 };
 use super::metrics::EngineMetrics;
 use super::restore::restore_task;
@@ -1338,30 +1338,18 @@ impl Engine {
     }
 }
 
-/// The crash point configured by `SLUICE_FAILPOINT=<name>:<n>`, if any.
-fn failpoint_config() -> Option<&'static (String, i64)> {
-    static CONFIG: std::sync::OnceLock<Option<(String, i64)>> = std::sync::OnceLock::new();
-    CONFIG
-        .get_or_init(|| {
-            let v = std::env::var("SLUICE_FAILPOINT").ok()?;
-            let (p, n) = v.split_once(':')?;
-            Some((p.to_string(), n.parse().ok()?))
-        })
-        .as_ref()
-}
-
-/// Whether the crash point `name` is configured.
-fn failpoint_armed(name: &str) -> bool {
-    failpoint_config().is_some_and(|(point, _)| point == name)
-}
-
 /// A crash point for tests: with `SLUICE_FAILPOINT=<name>:<n>` in the
 /// environment, the process aborts (as if killed) the n-th time it reaches the
 /// point named `name`. Without the variable this is a no-op.
 fn failpoint(name: &str) {
     use std::sync::atomic::AtomicI64;
     static REMAINING: AtomicI64 = AtomicI64::new(i64::MIN);
-    let Some((point, n)) = failpoint_config() else {
+    static CONFIG: std::sync::OnceLock<Option<(String, i64)>> = std::sync::OnceLock::new();
+    let Some((point, n)) = CONFIG.get_or_init(|| {
+        let v = std::env::var("SLUICE_FAILPOINT").ok()?;
+        let (p, n) = v.split_once(':')?;
+        Some((p.to_string(), n.parse().ok()?))
+    }) else {
         return;
     };
     if point != name {
@@ -1375,8 +1363,8 @@ fn failpoint(name: &str) {
 }
 
 /// Commits one task's transaction: outputs sent, offsets sent to the
-/// transaction, outputs flushed, changelog records sent, commit (which
-/// flushes them); then local state.
+/// transaction, outputs flushed, changelog records sent and flushed, commit;
+/// then local state.
 fn commit_eos(
     task: &mut ActiveTask,
     meta: &rdkafka::consumer::ConsumerGroupMetadata,
@@ -1409,15 +1397,12 @@ fn commit_eos(
     let t1 = Instant::now();
     failpoint("eos_after_output_flush");
     send_changelog(task, app, dirty)?;
-    // The commit flushes the changelog records; the crash point of the tests
-    // wants them acknowledged (visible on a broker that exposes interrupted
-    // transactions) before it.
-    if failpoint_armed("eos_after_changelog_flush") {
-        flush(&task.producer, &task.delivery, FLUSH_TIMEOUT).map_err(RuntimeError::Other)?;
-        failpoint("eos_after_changelog_flush");
-    }
+    // The commit's own flush (see `kafka::commit_transaction`), with the
+    // tests' crash point between it and the commit.
+    flush(&task.producer, &task.delivery, FLUSH_TIMEOUT).map_err(RuntimeError::Other)?;
+    failpoint("eos_after_changelog_flush");
     let t2 = Instant::now();
-    commit_transaction(&task.producer, &task.delivery, TXN_TIMEOUT)?;
+    task.producer.commit_transaction(TXN_TIMEOUT)?;
     tracing::trace!(
         task = %id,
         outputs_ms = (t1 - t0).as_millis() as u64,
