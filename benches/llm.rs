@@ -7,9 +7,11 @@
 //!   lower of the two halves' steady-state rate over the limit.
 //! - overhead: a zero-latency provider; tasks/s through the whole operator
 //!   (Kafka in, HTTP call, Kafka out) against the rate a plain async HTTP
-//!   client reaches on the same simulator at the same concurrency. Each round
-//!   also prints the CPU time per task of the operator, the simulator (this
-//!   process) and the broker, between the first and the last result.
+//!   client (reqwest) reaches on the same simulator at the same concurrency.
+//!   Each round also times hyper's pooled client alone (the transport under
+//!   Sluice's provider client; printed, not in `RESULT`) and prints the CPU
+//!   time per task of the operator, the simulator (this process) and the
+//!   broker, between the first and the last result.
 //!
 //! Diagnostics (environment): `SLUICE_BENCH_SKIP_QUOTA` (overhead rounds only),
 //! `SLUICE_BENCH_TASKS` (tasks per round), `SLUICE_BENCH_LOG` (the operator's
@@ -463,6 +465,34 @@ async fn plain_rate(sim: &SimHandle, n: usize, concurrency: usize) -> f64 {
     .await
 }
 
+/// Requests/s of hyper's pooled client (the transport under Sluice's provider
+/// client, with the request prepared the same way) at `concurrency` against
+/// the simulator: the leanest plain client, printed beside the reqwest one.
+async fn plain_hyper_rate(sim: &SimHandle, n: usize, concurrency: usize) -> f64 {
+    use http_body_util::BodyExt as _;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Full<bytes::Bytes>>();
+    let uri: http::Uri = format!("{}/chat/completions", sim.base_url())
+        .parse()
+        .unwrap();
+    let target = Arc::new((client, uri));
+    closed_loop("plain hyper client", n, concurrency, move |i| {
+        let target = target.clone();
+        async move {
+            let (client, uri) = &*target;
+            let mut req = request(i);
+            req.model = "m".into();
+            let req = http::Request::post(uri.clone())
+                .header(http::header::CONTENT_TYPE, "application/json")
+                .body(serde_json::to_vec(&req).unwrap().into())
+                .unwrap();
+            let r = client.request(req).await.unwrap();
+            let _ = r.into_body().collect().await.unwrap().to_bytes();
+        }
+    })
+    .await
+}
+
 /// Requests/s of the LLM client (its whole middleware, no Kafka) at
 /// `concurrency` against the simulator (`SLUICE_BENCH_CLIENT=1`; diagnostic).
 async fn client_rate(sim: &SimHandle, n: usize, concurrency: usize) -> f64 {
@@ -521,9 +551,10 @@ fn main() {
         .unwrap_or(20_000);
     let concurrency = 64;
     // Three interleaved rounds; the medians are compared (the machine is noisy).
-    let (mut plain, mut op) = (Vec::new(), Vec::new());
+    let (mut plain, mut hyper, mut op) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..ROUNDS {
         plain.push(rt.block_on(plain_rate(&sim, n, concurrency)));
+        hyper.push(rt.block_on(plain_hyper_rate(&sim, n, concurrency)));
         if std::env::var("SLUICE_BENCH_CLIENT").is_ok() {
             rt.block_on(client_rate(&sim, n, concurrency));
         }
@@ -541,8 +572,11 @@ fn main() {
             operator_rate(&other, &bootstrap, &sim, n, concurrency);
         }
     }
-    let (plain, op) = (median(plain), median(op));
-    eprintln!("overhead: medians plain {plain:.0} requests/s, operator {op:.0} tasks/s");
+    let (plain, hyper, op) = (median(plain), median(hyper), median(op));
+    eprintln!(
+        "overhead: medians plain {plain:.0} requests/s, plain hyper {hyper:.0} requests/s, operator {op:.0} tasks/s ({:.2} of plain hyper)",
+        op / hyper
+    );
     println!(
         "RESULT util_hdr={:.3} rate_429_hdr={:.4} util_nohdr={:.3} rate_429_nohdr={:.4} reconverge_s={:.0} overhead_ratio={:.2}",
         hdr.util,
