@@ -554,6 +554,15 @@ fn a_redelivered_completed_task_is_answered_without_a_second_call() {
         "one provider call"
     );
     assert!(p.metric(&app, "sluice_duplicates_skipped_total") >= 1.0);
+    // One result produced by a call; the re-emitted one is a duplicate.
+    assert_eq!(
+        p.metric(&app, "sluice_results_total{status=\"completed\"}"),
+        1.0
+    );
+    assert_eq!(
+        p.metric(&app, "sluice_results_total{status=\"failed\"}"),
+        0.0
+    );
     app.proc.stop();
 }
 

@@ -161,7 +161,7 @@ pub struct PromptBuilder {
 
 /// One line of text without line breaks.
 fn one_line(s: &str) -> String {
-    s.split(['\r', '\n']).collect::<Vec<_>>().join(" ")
+    s.replace(['\r', '\n'], " ")
 }
 
 impl PromptBuilder {

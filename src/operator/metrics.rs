@@ -26,7 +26,8 @@ pub mod names {
 /// The operator's metric handles.
 #[derive(Clone)]
 pub struct OperatorMetrics {
-    pub(crate) results: IntCounterVec,
+    /// `sluice_results_total{status="completed"}` and `{status="failed"}`.
+    pub(crate) results: [IntCounter; 2],
     pub(crate) duplicates: IntCounter,
     pub(crate) republished: IntCounter,
     pub(crate) parked: IntGauge,
@@ -39,11 +40,13 @@ pub struct OperatorMetrics {
 impl OperatorMetrics {
     /// Creates and registers the metrics.
     pub fn register(registry: &Registry) -> prometheus::Result<Self> {
+        let results = IntCounterVec::new(
+            Opts::new(names::RESULTS, "Results emitted by status"),
+            &["status"],
+        )?;
+        registry.register(Box::new(results.clone()))?;
         let m = OperatorMetrics {
-            results: IntCounterVec::new(
-                Opts::new(names::RESULTS, "Results emitted by status"),
-                &["status"],
-            )?,
+            results: ["completed", "failed"].map(|s| results.with_label_values(&[s])),
             duplicates: IntCounter::new(
                 names::DUPLICATES,
                 "Redelivered tasks answered from the idempotency store",
@@ -70,7 +73,6 @@ impl OperatorMetrics {
                 "Results recovered from the results topics on takeover",
             )?,
         };
-        registry.register(Box::new(m.results.clone()))?;
         registry.register(Box::new(m.duplicates.clone()))?;
         registry.register(Box::new(m.republished.clone()))?;
         registry.register(Box::new(m.parked.clone()))?;
@@ -79,6 +81,13 @@ impl OperatorMetrics {
         registry.register(Box::new(m.fallbacks.clone()))?;
         registry.register(Box::new(m.recovered.clone()))?;
         Ok(m)
+    }
+}
+
+impl OperatorMetrics {
+    /// The results counter of a status.
+    pub(crate) fn result(&self, success: bool) -> &IntCounter {
+        &self.results[usize::from(!success)]
     }
 }
 

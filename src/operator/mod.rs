@@ -284,15 +284,7 @@ impl LlmTaskProcessor {
                 bucket,
             },
         );
-        self.op
-            .metrics
-            .results
-            .with_label_values(&[if result.success {
-                "completed"
-            } else {
-                "failed"
-            }])
-            .inc();
+        self.op.metrics.result(result.success).inc();
         // Redeliveries that arrived while the call was under way get the same
         // result, without a call of their own.
         for (waiter, headers) in self.in_flight.remove(&result.task_id).unwrap_or_default() {
