@@ -61,6 +61,14 @@ fn request(i: u64) -> ChatRequest {
     }
 }
 
+/// `request(i)` for model `m`, as a plain client sends it.
+fn plain_request(i: u64) -> ChatRequest {
+    ChatRequest {
+        model: "m".into(),
+        ..request(i)
+    }
+}
+
 /// An LLM client with one model, `m`, on the simulator.
 fn sim_client(sim: &SimHandle, limiter: LimiterConfig) -> LlmClient {
     let mut model = ModelConfig::new("m", "sim");
@@ -456,9 +464,12 @@ async fn plain_rate(sim: &SimHandle, n: usize, concurrency: usize) -> f64 {
         let target = target.clone();
         async move {
             let (client, url) = &*target;
-            let mut req = request(i);
-            req.model = "m".into();
-            let r = client.post(url).json(&req).send().await.unwrap();
+            let r = client
+                .post(url)
+                .json(&plain_request(i))
+                .send()
+                .await
+                .unwrap();
             let _ = r.bytes().await.unwrap();
         }
     })
@@ -480,11 +491,9 @@ async fn plain_hyper_rate(sim: &SimHandle, n: usize, concurrency: usize) -> f64 
         let target = target.clone();
         async move {
             let (client, uri) = &*target;
-            let mut req = request(i);
-            req.model = "m".into();
             let req = http::Request::post(uri.clone())
                 .header(http::header::CONTENT_TYPE, "application/json")
-                .body(serde_json::to_vec(&req).unwrap().into())
+                .body(serde_json::to_vec(&plain_request(i)).unwrap().into())
                 .unwrap();
             let r = client.request(req).await.unwrap();
             let _ = r.into_body().collect().await.unwrap().to_bytes();
