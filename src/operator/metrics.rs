@@ -82,12 +82,20 @@ impl OperatorMetrics {
         registry.register(Box::new(m.recovered.clone()))?;
         Ok(m)
     }
-}
 
-impl OperatorMetrics {
     /// The results counter of a status.
     pub(crate) fn result(&self, success: bool) -> &IntCounter {
         &self.results[usize::from(!success)]
+    }
+
+    /// One model's token and cost series (resolved once per model by the caller).
+    pub(crate) fn model_counters(&self, model: &str) -> ModelCounters {
+        ModelCounters {
+            input: self.tokens.with_label_values(&[model, "input"]),
+            output: self.tokens.with_label_values(&[model, "output"]),
+            cached: self.tokens.with_label_values(&[model, "cached"]),
+            cost: self.cost.with_label_values(&[model]),
+        }
     }
 }
 
@@ -98,15 +106,4 @@ pub(crate) struct ModelCounters {
     pub(crate) output: IntCounter,
     pub(crate) cached: IntCounter,
     pub(crate) cost: IntCounter,
-}
-
-impl OperatorMetrics {
-    pub(crate) fn model_counters(&self, model: &str) -> ModelCounters {
-        ModelCounters {
-            input: self.tokens.with_label_values(&[model, "input"]),
-            output: self.tokens.with_label_values(&[model, "output"]),
-            cached: self.tokens.with_label_values(&[model, "cached"]),
-            cost: self.cost.with_label_values(&[model]),
-        }
-    }
 }
