@@ -2,8 +2,10 @@
 //! (a) the raw rate a plain rdkafka consumer reads it at (the faster of reading
 //! through the consumer queue and through one queue per partition); (b) a windowed per-key
 //! count of it (10,000 keys, 1-minute tumbling windows) under at-least-once and
-//! under exactly-once; (c) the restore rate of the resulting changelog. Prints
-//! the ratios against the raw rate on the last line.
+//! under exactly-once; (c) the restore rate of the resulting changelog; (d) the
+//! same count behind an async pass-through whose completions arrive out of
+//! order (delays drawn from 0–2 ms), under exactly-once. Prints the ratios
+//! against the raw rate on the last line.
 
 /// The same allocator as the `sluice` binary.
 #[global_allocator]
@@ -13,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
-use sluice::examples::windowed_count;
+use sluice::examples::{async_windowed_count, windowed_count};
 use sluice::kafka::{create_topics, produce, OutRecord};
 use sluice_topology::runtime::{
     AppState, EngineMetrics, Guarantee, RunningApp, StreamsApp, StreamsConfig,
@@ -98,21 +100,32 @@ fn raw_read(bootstrap: &str, topic: &str, n: usize, split: bool) -> f64 {
     seen as f64 / secs
 }
 
+/// The topologies measured.
+#[derive(Clone, Copy, Debug)]
+enum Counting {
+    /// The windowed count.
+    Direct,
+    /// The windowed count behind an out-of-order async pass-through.
+    BehindAsync,
+}
+
 fn aggregate(
     bootstrap: &str,
     topic: &str,
     n: usize,
     guarantee: Guarantee,
+    counting: Counting,
     state: &std::path::Path,
 ) -> (f64, String) {
     let app_id = format!(
-        "bench-{:?}-{}",
+        "bench-{:?}-{:?}-{}",
         guarantee,
+        counting,
         &uuid::Uuid::new_v4().simple().to_string()[..8]
     )
     .to_lowercase();
     create_topics(bootstrap, &[(&format!("{app_id}-out"), PARTITIONS, &[])]).unwrap();
-    let (app, metrics) = start_count(bootstrap, &app_id, topic, guarantee, state);
+    let (app, metrics) = start_count(bootstrap, &app_id, topic, guarantee, counting, state);
     // The clock starts at the assignment, as the plain read's starts at its
     // assign: restore, position lookup and first fetch count.
     while app.status().state() == AppState::Starting {
@@ -133,7 +146,7 @@ fn aggregate(
     app.shutdown();
     app.join().expect("clean stop");
     eprintln!(
-        "{guarantee:?}: {n} records in {secs:.2}s (first after {:.2}s; {} commits taking {:.2}s)",
+        "{guarantee:?} {counting:?}: {n} records in {secs:.2}s (first after {:.2}s; {} commits taking {:.2}s)",
         first.unwrap_or_default().as_secs_f64(),
         metrics.commit_count(),
         metrics.commit_seconds_sum()
@@ -147,6 +160,7 @@ fn start_count(
     app_id: &str,
     topic: &str,
     guarantee: Guarantee,
+    counting: Counting,
     state: &std::path::Path,
 ) -> (RunningApp, EngineMetrics) {
     let mut cfg = StreamsConfig::new(app_id, bootstrap, state);
@@ -158,18 +172,26 @@ fn start_count(
     }
     let metrics = EngineMetrics::unregistered();
     let output = format!("{app_id}-out");
-    let app = StreamsApp::new(
-        windowed_count(&[topic], &output, None, Duration::from_secs(3600)),
-        cfg,
-        metrics.clone(),
-    )
-    .start()
-    .expect("start");
+    let grace = Duration::from_secs(3600);
+    let topology = match counting {
+        Counting::Direct => windowed_count(&[topic], &output, None, grace),
+        Counting::BehindAsync => async_windowed_count(&[topic], &output, grace, 0, 2),
+    };
+    let app = StreamsApp::new(topology, cfg, metrics.clone())
+        .start()
+        .expect("start");
     (app, metrics)
 }
 
 fn restore(bootstrap: &str, app_id: &str, topic: &str, state: &std::path::Path) -> (f64, u64) {
-    let (app, metrics) = start_count(bootstrap, app_id, topic, Guarantee::ExactlyOnce, state);
+    let (app, metrics) = start_count(
+        bootstrap,
+        app_id,
+        topic,
+        Guarantee::ExactlyOnce,
+        Counting::Direct,
+        state,
+    );
     while !app.status().is_ready() {
         std::thread::sleep(Duration::from_millis(5));
     }
@@ -219,8 +241,8 @@ fn main() {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    let (mut raws, mut splits, mut aloss, mut eoss) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut raws, mut splits, mut aloss, mut eoss, mut asyncs) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut eos_app = String::new();
     for round in 0..3 {
         raws.push(raw_read(&bootstrap, &topic, n, false));
@@ -232,6 +254,7 @@ fn main() {
                 &topic,
                 n,
                 Guarantee::AtLeastOnce,
+                Counting::Direct,
                 &dir_round.join("alos"),
             )
             .0,
@@ -241,19 +264,32 @@ fn main() {
             &topic,
             n,
             Guarantee::ExactlyOnce,
+            Counting::Direct,
             &dir_round.join("eos"),
         );
         eoss.push(eos);
         eos_app = app;
+        asyncs.push(
+            aggregate(
+                &bootstrap,
+                &topic,
+                n,
+                Guarantee::ExactlyOnce,
+                Counting::BehindAsync,
+                &dir_round.join("async-eos"),
+            )
+            .0,
+        );
     }
     // The faster of the two plain reads is the baseline.
     let raw = median(raws).max(median(splits));
-    let (alos, eos) = (median(aloss), median(eoss));
+    let (alos, eos, async_eos) = (median(aloss), median(eoss), median(asyncs));
     let (restore_rps, _) = restore(&bootstrap, &eos_app, &topic, &dir.path().join("restore"));
     println!(
-        "RESULT raw_rps={raw:.0} alos_rps={alos:.0} eos_rps={eos:.0} restore_rps={restore_rps:.0} alos_ratio={:.2} eos_ratio={:.2} restore_ratio={:.2}",
+        "RESULT raw_rps={raw:.0} alos_rps={alos:.0} eos_rps={eos:.0} restore_rps={restore_rps:.0} async_eos_rps={async_eos:.0} alos_ratio={:.2} eos_ratio={:.2} restore_ratio={:.2} async_eos_ratio={:.2}",
         alos / raw,
         eos / raw,
-        restore_rps / raw
+        restore_rps / raw,
+        async_eos / raw
     );
 }

@@ -12,10 +12,16 @@ die() { echo "setup: $*" >&2; exit 1; }
 command -v cargo >/dev/null || die "cargo not found: install a Rust toolchain (https://rustup.rs)"
 command -v python3 >/dev/null || die "python3 not found (needed to fetch the broker wheel)"
 
+# The library bindgen loads is libclang.so or libclang-<version>.so; libclang-cpp
+# (often present without it) is a different library and does not count.
 have_libclang() {
-  ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 \
-    || ls /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1 \
-    || { [ -n "${LIBCLANG_PATH:-}" ] && ls "$LIBCLANG_PATH"/libclang*.so* >/dev/null 2>&1; }
+  local dir
+  for dir in /usr/lib/llvm-*/lib /usr/lib/x86_64-linux-gnu /usr/lib/aarch64-linux-gnu /usr/lib64 \
+    ${LIBCLANG_PATH:-}; do
+    compgen -G "$dir/libclang.so*" >/dev/null && return 0
+    compgen -G "$dir/libclang-[0-9]*.so*" >/dev/null && return 0
+  done
+  return 1
 }
 
 missing=()

@@ -11,8 +11,8 @@ use rand::Rng;
 use serde::{Deserialize, Serialize};
 use sluice_topology::runtime::{EngineMetrics, Guarantee, RunningApp, StreamsApp, StreamsConfig};
 use sluice_topology::{
-    JsonCodec, ProcessError, Processor, ProcessorContext, Record, SourceOptions, StreamBuilder,
-    StringCodec, TimeWindows, Topology, Windowed,
+    JsonCodec, KStream, ProcessError, Processor, ProcessorContext, Record, SourceOptions,
+    StreamBuilder, StringCodec, TimeWindows, Topology, Windowed,
 };
 
 /// Which example topology to run.
@@ -25,6 +25,10 @@ pub enum ExampleKind {
     AsyncEcho,
     /// Two co-partitioned inputs merged and counted per key.
     MergedCount,
+    /// Each record passed on after an async delay drawn uniformly from
+    /// [min-delay-ms, max-delay-ms] (completions out of order), then counted
+    /// per key in the same sub-topology.
+    AsyncCount,
 }
 
 /// Arguments of `sluice example`.
@@ -104,24 +108,31 @@ pub fn windowed_count(
     grace: Duration,
 ) -> Topology {
     let b = StreamBuilder::new();
-    b.stream_with(
+    let records = b.stream_with(
         input,
         StringCodec,
         sluice_topology::UnitCodec,
         SourceOptions {
             dead_letter_topic: dlq,
         },
-    )
-    .group_by_key()
-    .windowed_by(TimeWindows::tumbling(Duration::from_secs(60)).grace(grace))
-    .count("counts")
-    .to_stream()
-    .to(
-        output,
-        JsonCodec::<Windowed<String>>::default(),
-        JsonCodec::<u64>::default(),
     );
+    count_per_minute(&records, output, grace);
     b.build().expect("the windowed-count topology is valid")
+}
+
+/// Per-key counts in 1-minute tumbling windows (store `counts`), written to
+/// `output` as JSON on every commit.
+fn count_per_minute(records: &KStream<String, ()>, output: &str, grace: Duration) {
+    records
+        .group_by_key()
+        .windowed_by(TimeWindows::tumbling(Duration::from_secs(60)).grace(grace))
+        .count("counts")
+        .to_stream()
+        .to(
+            output,
+            JsonCodec::<Windowed<String>>::default(),
+            JsonCodec::<u64>::default(),
+        );
 }
 
 /// Output of the async echo: the input value and where it came from.
@@ -138,6 +149,15 @@ struct AsyncEcho {
     max: u64,
 }
 
+/// A delay drawn uniformly from `[min, max]` ms.
+fn random_delay(min: u64, max: u64) -> u64 {
+    if max > min {
+        rand::rng().random_range(min..=max)
+    } else {
+        min
+    }
+}
+
 impl Processor<String, String> for AsyncEcho {
     type OutKey = String;
     type OutValue = Echo;
@@ -148,11 +168,7 @@ impl Processor<String, String> for AsyncEcho {
         r: Record<String, String>,
         ctx: &mut ProcessorContext<'_, String, Echo, Self::Output>,
     ) -> Result<(), ProcessError> {
-        let delay = if self.max > self.min {
-            rand::rng().random_range(self.min..=self.max)
-        } else {
-            self.min
-        };
+        let delay = random_delay(self.min, self.max);
         ctx.spawn(async move {
             tokio::time::sleep(Duration::from_millis(delay)).await;
             (r, delay)
@@ -175,6 +191,73 @@ impl Processor<String, String> for AsyncEcho {
             headers: r.headers,
         })
     }
+}
+
+/// Passes each record on unchanged after an async delay drawn uniformly from
+/// `[min, max]` ms, so completions arrive out of order.
+struct AsyncDelay {
+    min: u64,
+    max: u64,
+}
+
+impl<V: sluice_topology::Data> Processor<String, V> for AsyncDelay {
+    type OutKey = String;
+    type OutValue = V;
+    type Output = Record<String, V>;
+
+    fn process(
+        &mut self,
+        r: Record<String, V>,
+        ctx: &mut ProcessorContext<'_, String, V, Self::Output>,
+    ) -> Result<(), ProcessError> {
+        let delay = random_delay(self.min, self.max);
+        ctx.spawn(async move {
+            if delay > 0 {
+                tokio::time::sleep(Duration::from_millis(delay)).await;
+            }
+            r
+        });
+        Ok(())
+    }
+
+    fn complete(
+        &mut self,
+        r: Self::Output,
+        ctx: &mut ProcessorContext<'_, String, V, Self::Output>,
+    ) -> Result<(), ProcessError> {
+        ctx.forward(r)
+    }
+}
+
+/// The windowed count of [`windowed_count`] behind an async pass-through
+/// whose completions arrive out of order (delays drawn from `[min, max]` ms).
+pub fn async_windowed_count(
+    input: &[&str],
+    output: &str,
+    grace: Duration,
+    min: u64,
+    max: u64,
+) -> Topology {
+    let b = StreamBuilder::new();
+    let delayed = b
+        .stream(input, StringCodec, sluice_topology::UnitCodec)
+        .process("delay", &[], move || AsyncDelay { min, max });
+    count_per_minute(&delayed, output, grace);
+    b.build()
+        .expect("the async windowed-count topology is valid")
+}
+
+/// An async pass-through completing out of order into a per-key count (no
+/// window) in the same sub-topology; counts go out keyed by the record key.
+fn async_count(input: &[&str], output: &str, min: u64, max: u64) -> Topology {
+    let b = StreamBuilder::new();
+    b.stream(input, StringCodec, sluice_topology::BytesCodec)
+        .process("delay", &[], move || AsyncDelay { min, max })
+        .group_by_key()
+        .count("async-counts")
+        .to_stream()
+        .to(output, StringCodec, JsonCodec::<u64>::default());
+    b.build().expect("the async-count topology is valid")
 }
 
 fn async_echo(input: &[&str], output: &str, min: u64, max: u64) -> Topology {
@@ -224,6 +307,7 @@ pub fn example_topology(a: &ExampleArgs) -> Topology {
         ),
         ExampleKind::AsyncEcho => async_echo(&inputs, &a.output, a.min_delay_ms, a.max_delay_ms),
         ExampleKind::MergedCount => merged_count(&inputs, &a.output),
+        ExampleKind::AsyncCount => async_count(&inputs, &a.output, a.min_delay_ms, a.max_delay_ms),
     }
 }
 

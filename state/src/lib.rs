@@ -19,7 +19,7 @@ mod task_state;
 mod value;
 mod window;
 
-pub use checkpoint::Checkpoint;
+pub use checkpoint::{Checkpoint, LoadedCheckpoint};
 pub use error::StateError;
 pub use rocks::{RocksEnv, RocksSettings};
 pub use task_state::{ChangelogRecord, RestoreStats, StoreId, StoreKind, StoreSpec, TaskState};

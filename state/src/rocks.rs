@@ -77,6 +77,10 @@ impl RocksEnv {
         opts.create_missing_column_families(true);
         opts.set_max_background_jobs(self.settings.max_background_jobs);
         opts.set_write_buffer_manager(&self.write_buffers);
+        // The WAL is written and synced at each checkpoint (see
+        // `TaskState::commit_local`), not at each write: writes between
+        // checkpoints are re-applied from the changelog after a crash anyway.
+        opts.set_manual_wal_flush(true);
         opts.set_keep_log_file_num(2);
         opts.set_max_log_file_size(1 << 20);
         opts

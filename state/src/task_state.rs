@@ -25,7 +25,9 @@ use crate::value::encode_parts;
 use crate::window::{
     decode_window_key, encode_window_key, window_key_prefix_len, window_start_bytes,
 };
-use crate::{Checkpoint, Position, RocksEnv, StateError, StoredValue, WindowEntry};
+use crate::{
+    Checkpoint, LoadedCheckpoint, Position, RocksEnv, StateError, StoredValue, WindowEntry,
+};
 
 /// What kind of store.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -88,6 +90,12 @@ struct Store {
     /// Window stores: every window in RocksDB starts at or before this
     /// (`i64::MIN`: none does).
     newest_window: i64,
+    /// Window stores: windows starting before this are expired. Reads ignore
+    /// them at once; RocksDB drops them at the next local commit, like every
+    /// other write (`i64::MIN`: nothing to expire).
+    expire_before: i64,
+    /// What RocksDB has already dropped (the last expiry committed).
+    expired_in_db: i64,
 }
 
 /// Calls `f` with the store key of a window, built on the stack when short.
@@ -115,7 +123,15 @@ impl Store {
             clean: FxHashMap::default(),
             clean_bytes: 0,
             newest_window: i64::MAX,
+            expire_before: i64::MIN,
+            expired_in_db: i64::MIN,
         }
+    }
+
+    /// True for a window key that expiry has removed (committed or not).
+    fn is_expired(&self, key: &[u8]) -> bool {
+        self.expire_before > i64::MIN
+            && decode_window_key(key).is_some_and(|(start, _)| start < self.expire_before)
     }
 
     fn is_window(&self) -> bool {
@@ -189,6 +205,8 @@ pub struct TaskState {
     /// The instance's record-cache budget and fill, shared by its tasks.
     cache_budget: usize,
     cache_fill: Arc<AtomicUsize>,
+    /// See [`TaskState::set_write_floor`].
+    write_floor: i64,
 }
 
 impl Drop for TaskState {
@@ -221,7 +239,11 @@ impl TaskState {
                 source,
             }
         })?;
-        let checkpoint = Checkpoint::load(dir);
+        let loaded = Checkpoint::load(dir);
+        let checkpoint = match &loaded {
+            LoadedCheckpoint::Found(cp) => cp.clone(),
+            _ => Checkpoint::default(),
+        };
         let reflected = checkpoint.positions.clone();
         let (cache_budget, cache_fill) = env.record_cache();
         let mut state = TaskState {
@@ -232,11 +254,38 @@ impl TaskState {
             reflected: reflected.into_iter().collect(),
             cache_budget,
             cache_fill,
+            write_floor: i64::MAX,
         };
-        for i in 0..state.stores.len() {
-            state.find_newest_window(StoreId(i))?;
+        for (i, spec) in specs.iter().enumerate() {
+            let id = StoreId(i);
+            // Without a checkpoint that names it, a changelogged store's local
+            // data is not known to match its changelog: it is restored in
+            // full, and never on top of what is there.
+            let trusted = match &loaded {
+                LoadedCheckpoint::Found(cp) => cp.offsets.contains_key(&spec.name),
+                LoadedCheckpoint::Missing => false,
+                LoadedCheckpoint::Unreadable(reason) => {
+                    tracing::warn!(dir = %dir.display(), %reason, "unreadable checkpoint: restoring the task's stores in full");
+                    false
+                }
+            };
+            if spec.changelogged && !trusted && !state.is_empty(id)? {
+                state.wipe_store(id)?;
+            }
+            state.find_newest_window(id)?;
         }
         Ok(state)
+    }
+
+    /// True when RocksDB holds nothing for the store.
+    fn is_empty(&self, id: StoreId) -> Result<bool, StateError> {
+        let first = self
+            .db
+            .iterator_cf(self.cf(id), IteratorMode::Start)
+            .next()
+            .transpose()
+            .map_err(|e| self.rocks_err(e))?;
+        Ok(first.is_none())
     }
 
     /// Reads the newest window start a window store holds in RocksDB (its
@@ -305,6 +354,9 @@ impl TaskState {
     ) -> Result<Option<StoredValue>, StateError> {
         let store = &self.stores[id.0];
         let name = &store.spec.name;
+        if store.is_expired(key) {
+            return Ok(None);
+        }
         if let Some(entry) = store.dirty.get(key) {
             return entry
                 .as_deref()
@@ -332,12 +384,21 @@ impl TaskState {
         self.write(id, Cow::Owned(key), value, position)
     }
 
+    /// Sets what the next writes stamp as their floor: every input record at
+    /// or below `floor` of the writing record's source has finished
+    /// (`i64::MAX` when the writer is the lowest unfinished record, i.e. in
+    /// input order). The runtime sets it before each record and completion.
+    pub fn set_write_floor(&mut self, floor: i64) {
+        self.write_floor = floor;
+    }
+
     fn write(&mut self, id: StoreId, key: Cow<'_, [u8]>, value: &[u8], position: Option<Position>) {
         if let Some(p) = position {
             let max = self.reflected.entry(p.source).or_insert(p.offset);
             *max = (*max).max(p.offset);
         }
-        self.stores[id.0].set_dirty(key, Some(encode_parts(position, value)));
+        let floor = position.map_or(-1, |p| self.write_floor.min(p.offset - 1));
+        self.stores[id.0].set_dirty(key, Some(encode_parts(position, floor, value)));
     }
 
     /// Deletes a key.
@@ -402,10 +463,11 @@ impl TaskState {
                 None => merged.remove(k),
             };
         }
-        let name = &self.stores[id.0].spec.name;
+        let store = &self.stores[id.0];
+        let name = &store.spec.name;
         merged
             .into_iter()
-            .filter(|(k, _)| k.len() >= window_key_prefix_len())
+            .filter(|(k, _)| k.len() >= window_key_prefix_len() && !store.is_expired(k))
             .map(|(k, v)| {
                 let (start_ms, key) = decode_window_key(&k).expect("length checked");
                 Ok(WindowEntry {
@@ -502,14 +564,17 @@ impl TaskState {
             .collect()
     }
 
-    /// Drops windows that started before `before_ms` from the cache and the
-    /// database. Windowed changelogs expire by topic retention, so no
-    /// tombstones are written.
+    /// Expires windows that started before `before_ms`: they leave the
+    /// caches and reads at once, and RocksDB at the next local commit (so
+    /// local state never runs ahead of the commit). Windowed changelogs expire
+    /// by topic retention, so no tombstones are written.
     pub fn expire_windows(&mut self, id: StoreId, before_ms: i64) -> Result<(), StateError> {
-        let lo = encode_window_key(i64::MIN, b"");
-        let hi = encode_window_key(before_ms, b"");
-        let expired = |k: &[u8]| decode_window_key(k).is_some_and(|(start, _)| start < before_ms);
         let store = &mut self.stores[id.0];
+        if before_ms <= store.expire_before {
+            return Ok(());
+        }
+        store.expire_before = before_ms;
+        let expired = |k: &[u8]| decode_window_key(k).is_some_and(|(start, _)| start < before_ms);
         store.dirty.retain(|k, _| !expired(k));
         let before = store.clean_bytes;
         store.clean.retain(|k, v| {
@@ -521,9 +586,7 @@ impl TaskState {
         });
         self.cache_fill
             .fetch_sub(before - store.clean_bytes, Ordering::Relaxed);
-        self.db
-            .delete_range_cf(self.cf(id), &lo, &hi)
-            .map_err(|e| self.rocks_err(e))
+        Ok(())
     }
 
     /// Number of dirty entries across stores (the write cache fill).
@@ -557,11 +620,19 @@ impl TaskState {
         changelog_next: &HashMap<StoreId, i64>,
     ) -> Result<(), StateError> {
         let mut batch = WriteBatch::default();
-        for store in &self.stores {
+        for store in &mut self.stores {
             let cf = self
                 .db
                 .cf_handle(&store.spec.name)
                 .expect("column family opened with the database");
+            if store.expire_before > store.expired_in_db {
+                batch.delete_range_cf(
+                    cf,
+                    encode_window_key(i64::MIN, b""),
+                    encode_window_key(store.expire_before, b""),
+                );
+                store.expired_in_db = store.expire_before;
+            }
             for (k, v) in store.sorted_dirty() {
                 match v {
                     Some(v) => batch.put_cf(cf, k, v),
@@ -620,7 +691,10 @@ impl TaskState {
         }
     }
 
+    /// Writes the checkpoint, after syncing RocksDB's WAL: the checkpoint
+    /// must never claim writes a power loss could still take away.
     fn write_checkpoint(&mut self) -> Result<(), StateError> {
+        self.db.flush_wal(true).map_err(|e| self.rocks_err(e))?;
         self.checkpoint.positions = self.reflected.iter().map(|(s, o)| (*s, *o)).collect();
         self.checkpoint.store(&self.dir)
     }
@@ -650,6 +724,8 @@ impl TaskState {
         let freed = store.drop_clean();
         self.cache_fill.fetch_sub(freed, Ordering::Relaxed);
         store.newest_window = i64::MIN;
+        store.expire_before = i64::MIN;
+        store.expired_in_db = i64::MIN;
         self.checkpoint.offsets.remove(&name);
         self.reflected.clear();
         self.checkpoint.positions.clear();
@@ -813,12 +889,111 @@ mod tests {
     }
 
     #[test]
+    fn expiry_reaches_rocksdb_only_at_the_local_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = RocksEnv::new(Default::default());
+        let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
+        let w = st.store_id("win").unwrap();
+        let kv = st.store_id("kv").unwrap();
+        st.window_put(w, b"k", 0, b"a", pos(1));
+        st.window_put(w, b"k", 60_000, b"b", pos(2));
+        // A key just below every window key (as aggregation metadata uses).
+        st.put(w, b"\0".to_vec(), b"meta", pos(2));
+        st.commit_local(&HashMap::from([(kv, 1), (w, 3)])).unwrap();
+        st.expire_windows(w, 60_000).unwrap();
+        assert_eq!(
+            st.window_get(w, b"k", 0).unwrap(),
+            None,
+            "reads skip it at once"
+        );
+        assert_eq!(st.window_range(w, i64::MIN, i64::MAX).unwrap().len(), 1);
+        // A crash before the commit: RocksDB still holds the window.
+        drop(st);
+        let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
+        assert_eq!(st.window_get(w, b"k", 0).unwrap().unwrap().value, b"a");
+        st.expire_windows(w, 60_000).unwrap();
+        st.commit_local(&HashMap::from([(w, 3)])).unwrap();
+        drop(st);
+        let st = TaskState::open(dir.path(), &specs(), &env).unwrap();
+        assert_eq!(st.window_get(w, b"k", 0).unwrap(), None);
+        assert_eq!(st.window_get(w, b"k", 60_000).unwrap().unwrap().value, b"b");
+        assert_eq!(
+            st.get(w, b"\0").unwrap().unwrap().value,
+            b"meta",
+            "expiry keeps the metadata"
+        );
+    }
+
+    #[test]
+    fn state_without_a_checkpoint_naming_it_is_wiped_not_restored_over() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = RocksEnv::new(Default::default());
+        let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
+        let kv = st.store_id("kv").unwrap();
+        let scratch = st.store_id("scratch").unwrap();
+        st.put(kv, b"a".to_vec(), b"1", pos(1));
+        st.put(scratch, b"s".to_vec(), b"1", None);
+        st.commit_local(&HashMap::from([(kv, 1)])).unwrap();
+        drop(st);
+        // An unreadable checkpoint: the changelogged store starts empty (it is
+        // restored in full); the store without a changelog keeps its data.
+        std::fs::write(dir.path().join("checkpoint.json"), b"{torn").unwrap();
+        let st = TaskState::open(dir.path(), &specs(), &env).unwrap();
+        assert_eq!(st.get(kv, b"a").unwrap(), None);
+        assert_eq!(st.restore_offset(kv), 0);
+        assert_eq!(st.get(scratch, b"s").unwrap().unwrap().value, b"1");
+        drop(st);
+        // No checkpoint at all, data present: the same.
+        let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
+        st.put(kv, b"b".to_vec(), b"2", pos(2));
+        st.commit_local(&HashMap::new()).unwrap();
+        drop(st);
+        std::fs::remove_file(dir.path().join("checkpoint.json")).unwrap();
+        let st = TaskState::open(dir.path(), &specs(), &env).unwrap();
+        assert_eq!(st.get(kv, b"b").unwrap(), None);
+    }
+
+    /// Copies a directory as the disk holds it (a power loss keeps what was
+    /// written to files; what RocksDB still buffers is gone).
+    fn copy_dir(from: &Path, to: &Path) {
+        std::fs::create_dir_all(to).unwrap();
+        for entry in std::fs::read_dir(from).unwrap() {
+            let entry = entry.unwrap();
+            if entry.file_type().unwrap().is_file() {
+                std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn a_checkpoint_never_claims_writes_the_wal_does_not_hold() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = RocksEnv::new(Default::default());
+        let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
+        let kv = st.store_id("kv").unwrap();
+        st.put(kv, b"a".to_vec(), b"1", pos(1));
+        st.commit_local(&HashMap::from([(kv, 1)])).unwrap();
+        st.put(kv, b"b".to_vec(), b"2", pos(2));
+        st.commit_local(&HashMap::from([(kv, 2)])).unwrap();
+        // Written after the last checkpoint: may be lost, and is not claimed.
+        st.put(kv, b"c".to_vec(), b"3", pos(3));
+        st.commit_local(&HashMap::new()).unwrap();
+        let copy = tempfile::tempdir().unwrap();
+        copy_dir(dir.path(), copy.path());
+        drop(st);
+        let st = TaskState::open(copy.path(), &specs(), &env).unwrap();
+        assert_eq!(st.restore_offset(kv), 2);
+        assert_eq!(st.get(kv, b"a").unwrap().unwrap().value, b"1");
+        assert_eq!(st.get(kv, b"b").unwrap().unwrap().value, b"2");
+    }
+
+    #[test]
     fn restore_applies_records_and_tracks_positions() {
         let dir = tempfile::tempdir().unwrap();
         let env = RocksEnv::new(Default::default());
         let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
         let kv = st.store_id("kv").unwrap();
-        let v = |o| Some(encode_parts(pos(o), b"v"));
+        let v = |o| Some(encode_parts(pos(o), o - 1, b"v"));
         let mut stats = RestoreStats::default();
         st.apply_restored(
             kv,
@@ -897,11 +1072,12 @@ mod tests {
         let w = st.store_id("win").unwrap();
         st.window_put(w, b"k", 60_000, b"a", pos(1));
         st.window_put(w, b"k", 120_000, b"b", pos(2));
-        st.commit_local(&HashMap::new()).unwrap();
+        st.commit_local(&HashMap::from([(w, 2)])).unwrap();
         assert_eq!(st.window_get(w, b"k", 60_000).unwrap().unwrap().value, b"a");
         // Expired windows leave the record cache as well as RocksDB.
         st.expire_windows(w, 120_000).unwrap();
         assert_eq!(st.window_get(w, b"k", 60_000).unwrap(), None);
+        st.commit_local(&HashMap::new()).unwrap();
         drop(st);
 
         // Reopened: the newest window is found in RocksDB and still read.
@@ -918,7 +1094,7 @@ mod tests {
         assert_eq!(st.window_get(w, b"k", 180_000).unwrap(), None);
         // Restored windows move the newest window forward and are read.
         let mut stats = RestoreStats::default();
-        let restored = encode_parts(pos(9), b"r");
+        let restored = encode_parts(pos(9), 8, b"r");
         st.apply_restored(
             w,
             &[(encode_window_key(240_000, b"k"), Some(restored))],

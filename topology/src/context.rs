@@ -123,6 +123,9 @@ pub struct TaskCtx {
     pub(crate) out: Vec<OutputRecord>,
     pub(crate) current: Option<Arc<RecordToken>>,
     pub(crate) stream_time: i64,
+    /// The stream time windows close and expire by (see
+    /// `TaskCore::update_closing_time`): at most `stream_time`.
+    pub(crate) closing_time: i64,
     pub(crate) wall_clock_ms: i64,
     pub(crate) spawner: Spawner,
     pub(crate) counters: TaskCounters,
@@ -151,6 +154,7 @@ impl TaskCtx {
             out: Vec::new(),
             current: None,
             stream_time: i64::MIN,
+            closing_time: i64::MIN,
             wall_clock_ms: 0,
             spawner,
             counters: TaskCounters::default(),
@@ -163,6 +167,14 @@ impl TaskCtx {
     /// The position of the record being processed.
     pub(crate) fn position(&self) -> Option<Position> {
         self.current.as_ref().map(|t| t.position)
+    }
+
+    /// The stream time the current record is judged by: the task's stream
+    /// time when it arrived (input order), not when its async call ended.
+    pub(crate) fn record_stream_time(&self) -> i64 {
+        self.current
+            .as_ref()
+            .map_or(self.stream_time, |t| t.stream_time)
     }
 
     /// True when the current record may already be reflected in state.

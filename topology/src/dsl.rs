@@ -46,6 +46,9 @@ struct BuilderInner {
     parent: Vec<usize>,
     names: HashSet<String>,
     errors: Vec<String>,
+    /// Groups that run a custom processor (whose async calls may complete
+    /// out of order).
+    processor_groups: Vec<usize>,
 }
 
 impl BuilderInner {
@@ -278,6 +281,32 @@ impl StreamBuilder {
             };
             subtopologies[id].stores.push(spec);
         }
+        // A sub-topology whose records can finish out of order (a processor)
+        // or that keeps state gets a progress store: its commits record which
+        // records above the committed offset they already cover.
+        let processor_roots: Vec<usize> = inner
+            .processor_groups
+            .clone()
+            .into_iter()
+            .map(|g| inner.find(g))
+            .collect();
+        for (id, sub) in subtopologies.iter_mut().enumerate() {
+            if sub.stores.is_empty() && !processor_roots.contains(&roots[id]) {
+                continue;
+            }
+            let name = Topology::progress_store(id);
+            if sub.stores.iter().any(|s| s.name == name) {
+                return Err(TopologyError::Invalid(format!(
+                    "store name {name} is reserved for the engine"
+                )));
+            }
+            sub.stores.push(StoreSpec {
+                name,
+                kind: StoreKind::KeyValue,
+                changelogged: true,
+                cached: false,
+            });
+        }
         Ok(Topology { subtopologies })
     }
 }
@@ -504,6 +533,7 @@ impl<K: Data, V: Data> KStream<K, V> {
         {
             let mut inner = self.builder.inner.lock();
             inner.claim_name(name);
+            inner.processor_groups.push(self.group);
             for s in stores {
                 inner.attach_store(s, self.group);
             }

@@ -30,10 +30,10 @@ pub use dsl::{KGroupedStream, KStream, KTable, SourceOptions, StreamBuilder, Tim
 pub use error::{ProcessError, TopologyError};
 pub use node::{Data, Punctuation};
 pub use offsets::{InFlight, OffsetTracker};
-pub use processor::{KvStore, Processor, ProcessorContext};
+pub use processor::{KvStore, Processor, ProcessorContext, WindowStore};
 pub use record::{header, message_headers, Headers, OutputRecord, RawRecord, Record};
 pub use sluice_state::{Position, RocksSettings};
 pub use task::{dlq_headers, source_id, TaskId};
-pub use test_driver::TopologyTestDriver;
+pub use test_driver::{CommitStep, TopologyTestDriver};
 pub use topology::{SubTopology, Topology};
 pub use window::{EmitMode, TimeWindows, Window, Windowed};

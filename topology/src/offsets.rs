@@ -1,12 +1,14 @@
 //! Tracking which input records are finished, so that only the contiguous
 //! prefix of finished records is ever committed, however out of order async
-//! operators complete.
+//! operators complete; and the progress record that tells a restarted task
+//! which records above its committed offset a commit already covered.
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crossbeam_channel::Sender;
+use serde::{Deserialize, Serialize};
 use sluice_state::Position;
 
 /// Keeps one input record "in flight" while alive. Clones travel with the
@@ -22,6 +24,9 @@ pub struct RecordToken {
     /// True when the record is in the replay zone (its effect may already be
     /// reflected in restored state).
     pub(crate) replay: bool,
+    /// The task's stream time once this record arrived (input order): the
+    /// time its lateness is judged by, however late its async call ends.
+    pub(crate) stream_time: i64,
     done: Sender<(usize, i64)>,
     silent: bool,
     /// Set when the task abandoned its in-flight work: such records must
@@ -41,6 +46,7 @@ impl RecordToken {
         position: Position,
         raw: Option<Arc<crate::RawRecord>>,
         replay: bool,
+        stream_time: i64,
         done: Sender<(usize, i64)>,
         abandoned: Arc<AtomicBool>,
     ) -> Arc<Self> {
@@ -49,6 +55,7 @@ impl RecordToken {
             position,
             raw,
             replay,
+            stream_time,
             done,
             silent: false,
             abandoned,
@@ -87,7 +94,8 @@ impl std::fmt::Debug for InFlight {
 /// Offsets of one input partition: received, finished, committable.
 #[derive(Debug, Default)]
 pub struct OffsetTracker {
-    in_flight: BTreeSet<i64>,
+    /// Unfinished offsets, each with the task's stream time before it arrived.
+    in_flight: BTreeMap<i64, i64>,
     /// Next offset after the highest received.
     next_received: Option<i64>,
     /// The offset last committed (next to read).
@@ -95,9 +103,10 @@ pub struct OffsetTracker {
 }
 
 impl OffsetTracker {
-    /// A record was received.
-    pub fn received(&mut self, offset: i64) {
-        self.in_flight.insert(offset);
+    /// A record was received (and stays in flight); `stream_time` is the
+    /// task's stream time before it arrived.
+    pub fn received(&mut self, offset: i64, stream_time: i64) {
+        self.in_flight.insert(offset, stream_time);
         self.next_received = Some(self.next_received.map_or(offset + 1, |n| n.max(offset + 1)));
     }
 
@@ -111,6 +120,12 @@ impl OffsetTracker {
         self.next_received = Some(self.next_received.map_or(offset + 1, |n| n.max(offset + 1)));
     }
 
+    /// The stream time before the oldest unfinished record arrived: no record
+    /// still in flight was judged against an earlier one.
+    pub(crate) fn oldest_in_flight_stream_time(&self) -> Option<i64> {
+        self.in_flight.first_key_value().map(|(_, st)| *st)
+    }
+
     /// Records received and not finished.
     pub fn in_flight(&self) -> usize {
         self.in_flight.len()
@@ -119,8 +134,8 @@ impl OffsetTracker {
     /// The offset to commit: the lowest unfinished offset, or past the highest
     /// received when all are finished. `None` when nothing was received.
     pub fn committable(&self) -> Option<i64> {
-        match self.in_flight.first() {
-            Some(first) => Some(*first),
+        match self.in_flight.first_key_value() {
+            Some((first, _)) => Some(*first),
             None => self.next_received,
         }
     }
@@ -140,6 +155,49 @@ impl OffsetTracker {
     pub fn mark_committed(&mut self, offset: i64) {
         self.committed = Some(offset);
     }
+
+    /// Where this partition stands for a commit now: the offset to commit,
+    /// and which records above it are finished (`None` before any record).
+    pub(crate) fn progress(&self, source: u32) -> Option<SlotProgress> {
+        Some(SlotProgress {
+            source,
+            committed: self.committable()?,
+            end: self.next_received?,
+            unfinished: self.in_flight.keys().copied().collect(),
+        })
+    }
+}
+
+/// Where one input partition of a task stood at a commit. Records between
+/// the committed offset and `end` that are not `unfinished` had finished:
+/// their effects (state and outputs) are in that commit, so a task restarted
+/// from it must neither apply nor emit them again, and must process every
+/// other record. Kept in the task's changelogged progress store, written in
+/// the same commit as the effects it describes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct SlotProgress {
+    /// Stable id of the source topic (the partition is the task's).
+    pub(crate) source: u32,
+    /// The offset committed: every record below it had finished.
+    pub(crate) committed: i64,
+    /// Past the highest offset received before the commit.
+    pub(crate) end: i64,
+    /// Offsets in `[committed, end)` still in flight at the commit, ascending.
+    pub(crate) unfinished: Vec<i64>,
+}
+
+impl SlotProgress {
+    /// True when the record at `offset` had finished before the commit.
+    pub(crate) fn finished(&self, offset: i64) -> bool {
+        offset < self.committed
+            || (offset < self.end && self.unfinished.binary_search(&offset).is_err())
+    }
+
+    /// True when no record above the committed offset had finished (the
+    /// committed offset alone says everything).
+    pub(crate) fn is_prefix(&self) -> bool {
+        self.end - self.committed <= self.unfinished.len() as i64
+    }
 }
 
 #[cfg(test)]
@@ -151,7 +209,7 @@ mod tests {
         let mut t = OffsetTracker::default();
         assert_eq!(t.committable(), None);
         for o in 10..15 {
-            t.received(o);
+            t.received(o, 0);
         }
         t.finished(10);
         t.finished(12);
@@ -164,10 +222,36 @@ mod tests {
         t.mark_committed(15);
         assert_eq!(t.to_commit(), None);
         // gaps (e.g. transaction markers) are skipped
-        t.received(17);
+        t.received(17, 0);
         assert_eq!(t.to_commit(), Some(17));
         t.finished(17);
         assert_eq!(t.to_commit(), Some(18));
+    }
+
+    #[test]
+    fn progress_names_exactly_the_finished_records_above_the_committed_offset() {
+        let mut t = OffsetTracker::default();
+        assert_eq!(t.progress(9), None);
+        for o in 5..10 {
+            t.received(o, 0);
+        }
+        t.finished(8);
+        t.finished(6);
+        let p = t.progress(9).unwrap();
+        assert_eq!(
+            (p.committed, p.end, &p.unfinished[..]),
+            (5, 10, &[5, 7, 9][..])
+        );
+        assert!(!p.is_prefix());
+        let finished: Vec<i64> = (0..12).filter(|o| p.finished(*o)).collect();
+        assert_eq!(finished, vec![0, 1, 2, 3, 4, 6, 8]);
+        // In order: nothing above the committed offset is finished.
+        t.finished(5);
+        t.finished(7);
+        t.finished(9);
+        let p = t.progress(9).unwrap();
+        assert!(p.is_prefix());
+        assert_eq!((p.committed, p.end), (10, 10));
     }
 
     #[test]
@@ -181,6 +265,7 @@ mod tests {
             },
             None,
             false,
+            0,
             tx,
             Default::default(),
         );
@@ -203,6 +288,7 @@ mod tests {
             },
             None,
             false,
+            0,
             tx,
             abandoned.clone(),
         );

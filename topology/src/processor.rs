@@ -196,6 +196,117 @@ impl<K: Data, V: Data, O: Send + 'static> ProcessorContext<'_, K, V, O> {
             _types: PhantomData,
         })
     }
+
+    /// Typed access to a window store attached to this processor (declared
+    /// with `StreamBuilder::add_window_store`).
+    pub fn window<SK: Serialize + DeserializeOwned, SV: Serialize + DeserializeOwned>(
+        &mut self,
+        name: &str,
+    ) -> Result<WindowStore<'_, SK, SV>, ProcessError> {
+        let id = self.ctx.store(name).ok_or_else(|| {
+            ProcessError::Fatal(format!("store {name} is not attached to this processor"))
+        })?;
+        let position = self.ctx.position();
+        let state = self.ctx.state_mut();
+        if !state
+            .specs()
+            .nth(id.0)
+            .is_some_and(|s| matches!(s.kind, sluice_state::StoreKind::Window { .. }))
+        {
+            return Err(ProcessError::Fatal(format!(
+                "store {name} is not a window store"
+            )));
+        }
+        Ok(WindowStore {
+            state,
+            id,
+            position,
+            _types: PhantomData,
+        })
+    }
+}
+
+/// A typed view of a window store: values per (key, window start); keys and
+/// values are bincode-encoded. Windows older than the store's retention
+/// behind stream time are expired by the aggregations that share the store,
+/// or by [`WindowStore::expire_before`].
+pub struct WindowStore<'a, K, V> {
+    state: &'a mut TaskState,
+    id: StoreId,
+    position: Option<Position>,
+    _types: PhantomData<fn(K, V)>,
+}
+
+impl<K: Serialize + DeserializeOwned, V: Serialize + DeserializeOwned> WindowStore<'_, K, V> {
+    /// Reads the value of one window of a key.
+    pub fn get(&self, key: &K, window_start: i64) -> Result<Option<V>, ProcessError> {
+        self.state
+            .window_get(self.id, &to_bincode(key), window_start)?
+            .map(|s| {
+                from_bincode(&s.value)
+                    .map_err(|e| ProcessError::Fatal(format!("corrupt window value: {e}")))
+            })
+            .transpose()
+    }
+
+    /// True when the stored window already reflects the current record.
+    pub fn reflects_current(&self, key: &K, window_start: i64) -> Result<bool, ProcessError> {
+        let Some(cur) = self.position else {
+            return Ok(false);
+        };
+        Ok(self
+            .state
+            .window_get(self.id, &to_bincode(key), window_start)?
+            .is_some_and(|s| s.covers(&cur)))
+    }
+
+    /// Writes one window of a key, stamped with the current record's position.
+    pub fn put(&mut self, key: &K, window_start: i64, value: &V) {
+        self.state.window_put(
+            self.id,
+            &to_bincode(key),
+            window_start,
+            &to_bincode(value),
+            self.position,
+        );
+    }
+
+    /// The windows of `key` that start in `[from, to)`, oldest first.
+    pub fn fetch(&self, key: &K, from: i64, to: i64) -> Result<Vec<(i64, V)>, ProcessError> {
+        let key = to_bincode(key);
+        self.state
+            .window_range(self.id, from, to)?
+            .into_iter()
+            .filter(|e| e.key == key)
+            .map(|e| {
+                let v = from_bincode(&e.value.value)
+                    .map_err(|e| ProcessError::Fatal(format!("corrupt window value: {e}")))?;
+                Ok((e.start_ms, v))
+            })
+            .collect()
+    }
+
+    /// Every window of every key that starts in `[from, to)`, in (start, key)
+    /// order.
+    pub fn fetch_all(&self, from: i64, to: i64) -> Result<Vec<(i64, K, V)>, ProcessError> {
+        self.state
+            .window_range(self.id, from, to)?
+            .into_iter()
+            .map(|e| {
+                let k = from_bincode(&e.key)
+                    .map_err(|e| ProcessError::Fatal(format!("corrupt window key: {e}")))?;
+                let v = from_bincode(&e.value.value)
+                    .map_err(|e| ProcessError::Fatal(format!("corrupt window value: {e}")))?;
+                Ok((e.start_ms, k, v))
+            })
+            .collect()
+    }
+
+    /// Expires the windows that start before `before` (they leave reads at
+    /// once, and RocksDB at the next commit).
+    pub fn expire_before(&mut self, before: i64) -> Result<(), ProcessError> {
+        Ok(self.state.expire_windows(self.id, before)?)
+    }
 }
 
 /// A typed view of a key-value store; keys and values are bincode-encoded.
@@ -228,7 +339,7 @@ impl<K: Serialize + DeserializeOwned, V: Serialize + DeserializeOwned> KvStore<'
     }
 
     /// True when the stored value of `key` already reflects the current record
-    /// (same source, stamped at or after its offset).
+    /// (it wrote the value, or had finished before the record that did).
     pub fn reflects_current(&self, key: &K) -> Result<bool, ProcessError> {
         let Some(cur) = self.position else {
             return Ok(false);
@@ -236,8 +347,7 @@ impl<K: Serialize + DeserializeOwned, V: Serialize + DeserializeOwned> KvStore<'
         Ok(self
             .state
             .get(self.id, &to_bincode(key))?
-            .and_then(|s| s.position)
-            .is_some_and(|p| p.covers(&cur)))
+            .is_some_and(|s| s.covers(&cur)))
     }
 
     /// Writes a value, stamped with the current record's position.

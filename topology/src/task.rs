@@ -8,11 +8,12 @@ use std::sync::Arc;
 
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
-use sluice_state::{Position, TaskState};
+use sluice_state::{ChangelogRecord, Position, StoreId, StoredValue, TaskState};
 
+use crate::codec::{from_bincode, to_bincode};
 use crate::context::{CompletionMsg, Spawner, TaskCtx};
 use crate::node::{CompletionTarget, Punctuation};
-use crate::offsets::{OffsetTracker, RecordToken};
+use crate::offsets::{OffsetTracker, RecordToken, SlotProgress};
 use crate::record::{Headers, OutputRecord, RawRecord};
 use crate::topology::{RawView, SourceNode, SubTopology};
 use crate::{ProcessError, TopologyError};
@@ -90,8 +91,32 @@ pub(crate) struct TaskCore {
     done_tx: Sender<(usize, i64)>,
     done_rx: Receiver<(usize, i64)>,
     replay_until: rustc_hash::FxHashMap<u32, i64>,
+    /// Per slot, the progress of the commit this task restarted from: records
+    /// it names finished are skipped.
+    resume: Vec<Option<SlotProgress>>,
+    /// The store the task's progress record lives in.
+    progress_store: Option<StoreId>,
+    /// The progress record last written (an unchanged one is not written
+    /// again: a long call holding the offset back costs no transaction).
+    last_progress: Vec<u8>,
+    /// An async call completed in this task: records may finish out of
+    /// order, and replayed records may be in flight while others write, so
+    /// per-value positions alone cannot say what state reflects; every commit
+    /// that moves the offsets writes a progress record.
+    asynchronous: bool,
     abandoned: Arc<std::sync::atomic::AtomicBool>,
 }
+
+/// What one commit of a task covers, taken at one instant: the changelog
+/// records of the state changed since the last commit (with the progress
+/// record when asked for) and the offsets to commit.
+pub(crate) struct PreparedCommit {
+    pub(crate) changelog: Vec<ChangelogRecord>,
+    pub(crate) offsets: Vec<(usize, i64)>,
+}
+
+/// The key of a task's progress record in its progress store.
+const PROGRESS_KEY: &[u8] = b"progress";
 
 impl TaskCore {
     /// Instantiates the operators of `sub` for `partition` over restored `state`.
@@ -139,6 +164,20 @@ impl TaskCore {
                 (s.topic.clone(), dlq)
             })
             .collect();
+        let progress_store = ctx.store(&crate::Topology::progress_store(sub.id));
+        let restored: Vec<SlotProgress> = match (progress_store, ctx.state.as_ref()) {
+            (Some(store), Some(state)) => match state.get(store, PROGRESS_KEY)? {
+                Some(stored) => from_bincode(&stored.value).map_err(|e| {
+                    TopologyError::Invalid(format!("task {id}: corrupt progress record: {e}"))
+                })?,
+                None => Vec::new(),
+            },
+            _ => Vec::new(),
+        };
+        let resume = slots
+            .iter()
+            .map(|s| restored.iter().find(|p| p.source == s.source_id).cloned())
+            .collect();
         let mut task = TaskCore {
             id,
             ctx,
@@ -149,6 +188,10 @@ impl TaskCore {
             done_tx,
             done_rx,
             replay_until,
+            resume,
+            progress_store,
+            last_progress: Vec::new(),
+            asynchronous: false,
             abandoned: Default::default(),
         };
         for t in task.targets.clone() {
@@ -167,6 +210,11 @@ impl TaskCore {
     /// Processes one input record. Dead letters are queued as output; other
     /// errors are returned and stop the task.
     pub(crate) fn process(&mut self, slot: usize, input: Input<'_>) -> Result<(), ProcessError> {
+        // Stream time advances in input order, with every record read,
+        // skipped or not, so a record is judged late or not the same way in
+        // every run, whatever the completion order or crashes.
+        let stream_time_before = self.ctx.stream_time;
+        self.ctx.stream_time = self.ctx.stream_time.max(input.timestamp);
         // Below the offset this task committed, every record was processed by
         // this very task: a broker that delivers it again (its committed offset
         // lagging an applied-late commit) must not have it applied twice.
@@ -182,10 +230,25 @@ impl TaskCore {
             source: info.source_id,
             offset: input.offset,
         };
-        let replay = self
-            .replay_until
-            .get(&info.source_id)
-            .is_some_and(|until| input.offset <= *until);
+        let replay = match &self.resume[slot] {
+            // Finished before the commit this task restarted from: its state
+            // and outputs are in that commit.
+            Some(p) if p.finished(input.offset) => {
+                self.ctx.counters.replay_skipped += 1;
+                self.trackers[slot].received_finished(input.offset);
+                return Ok(());
+            }
+            // Anything else may be reflected in restored state only when it
+            // ran ahead of the progress record: an at-least-once instance
+            // died between a commit's changelog writes and its offsets, or a
+            // broker exposed a transaction that never committed. The
+            // per-value positions then say which records a value reflects
+            // (never one that had not finished when it was written).
+            _ => self
+                .replay_until
+                .get(&info.source_id)
+                .is_some_and(|until| input.offset <= *until),
+        };
         let raw = info.dead_letter.as_ref().map(|_| {
             Arc::new(RawRecord {
                 topic: info.topic.clone(),
@@ -203,11 +266,13 @@ impl TaskCore {
             position,
             raw,
             replay,
+            self.ctx.stream_time,
             self.done_tx.clone(),
             self.abandoned.clone(),
         );
         self.ctx.current = Some(token);
-        self.ctx.stream_time = self.ctx.stream_time.max(input.timestamp);
+        self.set_write_floor(slot, input.offset);
+        self.update_closing_time();
         let view = RawView {
             key: input.key,
             value: input.value,
@@ -224,12 +289,29 @@ impl TaskCore {
                 self.trackers[slot].received_finished(input.offset);
             }
             Some(Err(shared)) => {
-                self.trackers[slot].received(input.offset);
+                self.trackers[slot].received(input.offset, stream_time_before);
                 drop(shared);
             }
-            None => self.trackers[slot].received(input.offset),
+            None => self.trackers[slot].received(input.offset, stream_time_before),
         }
         result
+    }
+
+    /// Sets the stream time windows may close and expire by: the task's
+    /// stream time, held back to just before the oldest record still in
+    /// flight arrived, so no window closes while a record that may still
+    /// update it is in an async call.
+    fn update_closing_time(&mut self) {
+        if self.trackers.iter().any(|t| t.in_flight() > 0) {
+            self.drain_done();
+        }
+        let oldest = self
+            .trackers
+            .iter()
+            .filter_map(OffsetTracker::oldest_in_flight_stream_time)
+            .min();
+        self.ctx.closing_time =
+            oldest.map_or(self.ctx.stream_time, |o| o.min(self.ctx.stream_time));
     }
 
     /// Handles the completion of an async call.
@@ -237,6 +319,7 @@ impl TaskCore {
         let Some(tokens) = self.ctx.spawner.finish(msg.call) else {
             return Ok(());
         };
+        self.asynchronous = true;
         let Some(target) = self.targets.get(msg.node).cloned() else {
             return Err(ProcessError::Fatal(format!(
                 "completion for unknown node {}",
@@ -248,11 +331,26 @@ impl TaskCore {
             .map(|t| (t.slot, t.position.offset))
             .unwrap_or((usize::MAX, -1));
         self.ctx.current = (tokens.len() == 1).then(|| tokens[0].clone());
+        if slot != usize::MAX {
+            self.set_write_floor(slot, offset);
+        }
+        self.update_closing_time();
         let result = target.lock().complete(msg.output, &mut self.ctx);
         let result = self.handle(result, slot, offset);
         self.ctx.current = None;
         drop(tokens);
         result
+    }
+
+    /// Tells the state what the writes of the record at `offset` of `slot`
+    /// may claim: every record of the slot below the lowest unfinished one
+    /// (or below this one) has finished. Finished reports not drained yet
+    /// only make the floor lower, never wrong.
+    fn set_write_floor(&mut self, slot: usize, offset: i64) {
+        if let Some(state) = self.ctx.state.as_mut() {
+            let lowest = self.trackers[slot].committable().unwrap_or(offset);
+            state.set_write_floor(lowest.min(offset) - 1);
+        }
     }
 
     fn handle(
@@ -279,6 +377,8 @@ impl TaskCore {
     /// Calls every operator's punctuation.
     pub(crate) fn punctuate(&mut self, wall_clock_ms: i64) -> Result<(), ProcessError> {
         self.ctx.wall_clock_ms = wall_clock_ms;
+        self.drain_done();
+        self.update_closing_time();
         let p = Punctuation {
             wall_clock_ms,
             stream_time: self.ctx.stream_time,
@@ -314,6 +414,81 @@ impl TaskCore {
     /// Takes the queued output records.
     pub(crate) fn take_output(&mut self) -> Vec<OutputRecord> {
         std::mem::take(&mut self.ctx.out)
+    }
+
+    /// Writes the task's progress record (the offsets to commit and which
+    /// records above them have finished) into its progress store, and returns
+    /// the changelog record for it. Written when some record above the
+    /// offsets finished (the offsets alone would understate the commit), and
+    /// whenever the offsets move in a task with async calls or merged inputs
+    /// (one position per value cannot speak for several partitions) or, with
+    /// `with_offsets`, in any task (a commit that is atomic with its state:
+    /// the record then supersedes the per-value positions for everything
+    /// below its end, whatever the group's offsets say). Call right before
+    /// taking the offsets to commit.
+    pub(crate) fn write_progress(&mut self, with_offsets: bool) -> Option<ChangelogRecord> {
+        let store = self.progress_store?;
+        let progress: Vec<SlotProgress> = self
+            .slots
+            .iter()
+            .zip(&self.trackers)
+            .filter_map(|(s, t)| t.progress(s.source_id))
+            .collect();
+        let needed = progress.iter().any(|p| !p.is_prefix())
+            || ((with_offsets || self.asynchronous || self.slots.len() > 1)
+                && !self.offsets_to_commit().is_empty());
+        if !needed {
+            return None;
+        }
+        let value = to_bincode(&progress);
+        if value == self.last_progress {
+            return None;
+        }
+        self.last_progress.clone_from(&value);
+        let state = self.ctx.state.as_mut()?;
+        state.put(store, PROGRESS_KEY.to_vec(), &value, None);
+        Some(ChangelogRecord {
+            store,
+            key: PROGRESS_KEY.to_vec(),
+            value: Some(StoredValue::in_order(None, value).encode()),
+        })
+    }
+
+    /// First step of every commit (both guarantees and the test driver):
+    /// takes the finished records into account and returns what the commit
+    /// covers. With `with_progress` (a commit atomic with its state) the
+    /// progress record is among the changelog records.
+    pub(crate) fn prepare_commit(&mut self, with_progress: bool) -> PreparedCommit {
+        self.drain_done();
+        self.ctx.commit_requested = false;
+        if with_progress {
+            self.write_progress(true);
+        }
+        PreparedCommit {
+            changelog: self
+                .ctx
+                .state
+                .as_ref()
+                .map(TaskState::flush_changelog)
+                .unwrap_or_default(),
+            offsets: self.offsets_to_commit(),
+        }
+    }
+
+    /// Last step of every commit, once its changelog records (and, under
+    /// exactly-once, its transaction) are committed: writes the state to
+    /// RocksDB with the changelogs' next offsets (`changelog_next`) as its
+    /// checkpoint, and notes the offsets committed.
+    pub(crate) fn finish_commit(
+        &mut self,
+        offsets: &[(usize, i64)],
+        changelog_next: &HashMap<StoreId, i64>,
+    ) -> Result<(), sluice_state::StateError> {
+        if let Some(state) = self.ctx.state.as_mut() {
+            state.commit_local(changelog_next)?;
+        }
+        self.mark_committed(offsets);
+        Ok(())
     }
 
     /// Offsets that moved since the last commit: (slot, offset to commit).

@@ -14,16 +14,48 @@ use crate::context::CompletionMsg;
 use crate::task::{Input, TaskCore};
 use crate::{Codec, OutputRecord, ProcessError, TaskCounters, Topology, TopologyError};
 
+/// A record kept in a topic's log (so a crashed driver can replay it).
+#[derive(Clone)]
+struct Logged {
+    /// Order of arrival across all topics.
+    seq: u64,
+    key: Option<Vec<u8>>,
+    value: Option<Vec<u8>>,
+    timestamp: i64,
+    headers: crate::record::Headers,
+}
+
 /// Drives a topology in process (the counterpart of Kafka Streams'
 /// `TopologyTestDriver`).
+///
+/// It can also crash ([`TopologyTestDriver::crash`]): everything since the
+/// last [`TopologyTestDriver::commit`] is dropped — in-flight async calls,
+/// uncommitted state, outputs and internal-topic records — the stores are
+/// restored from the changelogs the commits recorded, and the input is
+/// replayed from the committed offsets, as a restarted instance would.
 pub struct TopologyTestDriver {
+    topology: Topology,
+    env: RocksEnv,
     tasks: Vec<TaskCore>,
     runtime: tokio::runtime::Runtime,
+    completions_tx: crossbeam_channel::Sender<CompletionMsg>,
     completions: Receiver<CompletionMsg>,
     outputs: HashMap<String, VecDeque<OutputRecord>>,
-    next_offset: HashMap<String, i64>,
+    /// Every record of every topic the topology reads, by offset.
+    logs: HashMap<String, Vec<Logged>>,
+    seq: u64,
+    /// Committed offsets (next to read) of the topics tasks read.
+    committed_offsets: HashMap<String, i64>,
+    /// Length of each internal topic at the last commit.
+    committed_len: HashMap<String, usize>,
+    /// Topics tasks write and read (repartition topics).
+    internal: std::collections::HashSet<String>,
+    /// Outputs of external topics as `read_committed` readers see them.
+    committed_outputs: HashMap<String, Vec<OutputRecord>>,
+    uncommitted_outputs: Vec<OutputRecord>,
     changelog: Vec<(String, ChangelogRecord)>,
     dir: PathBuf,
+    generation: u32,
 }
 
 impl Drop for TopologyTestDriver {
@@ -33,10 +65,20 @@ impl Drop for TopologyTestDriver {
     }
 }
 
+/// Where in a commit [`TopologyTestDriver::crash_during_commit`] crashes,
+/// as at-least-once commits see it (outputs first, then the changelog
+/// records, then the progress record, then the offsets).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CommitStep {
+    /// Outputs and changelog records were written; nothing else.
+    AfterChangelog,
+    /// Outputs, changelog and progress records were written; not the offsets.
+    AfterProgress,
+}
+
 impl TopologyTestDriver {
     /// Instantiates every sub-topology as one task (partition 0).
     pub fn new(topology: Topology) -> Result<Self, TopologyError> {
-        let app_id = "test";
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -51,36 +93,66 @@ impl TopologyTestDriver {
             max_background_jobs: 1,
             record_cache_bytes: 8 << 20,
         });
+        let mut driver = TopologyTestDriver {
+            topology,
+            env,
+            tasks: Vec::new(),
+            runtime,
+            completions_tx: tx,
+            completions: rx,
+            outputs: HashMap::new(),
+            logs: HashMap::new(),
+            seq: 0,
+            committed_offsets: HashMap::new(),
+            committed_len: HashMap::new(),
+            internal: Default::default(),
+            committed_outputs: HashMap::new(),
+            uncommitted_outputs: Vec::new(),
+            changelog: Vec::new(),
+            dir,
+            generation: 0,
+        };
+        driver.start_tasks()?;
+        Ok(driver)
+    }
+
+    /// Opens every task's state (restored from the recorded changelogs) and
+    /// instantiates its operators.
+    fn start_tasks(&mut self) -> Result<(), TopologyError> {
+        let app_id = "test";
         let mut tasks = Vec::new();
-        for sub in &topology.subtopologies {
+        for sub in &self.topology.subtopologies {
             let state = if sub.stores.is_empty() {
                 None
             } else {
-                Some(TaskState::open(
-                    &dir.join(format!("{}_0", sub.id)),
-                    &sub.stores,
-                    &env,
-                )?)
+                let dir = self.dir.join(format!("{}_0.{}", sub.id, self.generation));
+                let mut state = TaskState::open(&dir, &sub.stores, &self.env)?;
+                for spec in &sub.stores {
+                    let id = state.store_id(&spec.name)?;
+                    let records: Vec<(Vec<u8>, Option<Vec<u8>>)> = self
+                        .changelog
+                        .iter()
+                        .filter(|(name, _)| *name == spec.name)
+                        .map(|(_, r)| (r.key.clone(), r.value.clone()))
+                        .collect();
+                    let mut stats = sluice_state::RestoreStats::default();
+                    state.apply_restored(id, &records, &mut stats)?;
+                    state.finish_restore(id, records.len() as i64)?;
+                }
+                Some(state)
             };
             tasks.push(TaskCore::new(
                 sub,
                 0,
                 app_id,
                 state,
-                runtime.handle().clone(),
-                tx.clone(),
+                self.runtime.handle().clone(),
+                self.completions_tx.clone(),
                 &HashMap::new(),
             )?);
         }
-        Ok(TopologyTestDriver {
-            tasks,
-            runtime,
-            completions: rx,
-            outputs: HashMap::new(),
-            next_offset: HashMap::new(),
-            changelog: Vec::new(),
-            dir,
-        })
+        self.tasks = tasks;
+        Ok(())
     }
 
     /// Pipes an encoded record into a topic.
@@ -91,47 +163,75 @@ impl TopologyTestDriver {
         value: Option<&[u8]>,
         timestamp: i64,
     ) -> Result<(), ProcessError> {
-        let mut queue = VecDeque::from([OutputRecord {
-            topic: topic.to_string(),
-            partition: None,
-            key: key.map(<[u8]>::to_vec),
-            value: value.map(<[u8]>::to_vec),
-            timestamp,
-            headers: Vec::new(),
-        }]);
-        while let Some(rec) = queue.pop_front() {
-            let target = self
-                .tasks
-                .iter()
-                .position(|t| t.slot_of(&rec.topic).is_some());
-            match target {
-                Some(i) => {
-                    let offset = self.next_offset.entry(rec.topic.clone()).or_insert(0);
-                    let this = *offset;
-                    *offset += 1;
-                    let task = &mut self.tasks[i];
-                    let slot = task.slot_of(&rec.topic).expect("checked");
-                    task.process(
-                        slot,
-                        Input {
-                            offset: this,
-                            key: rec.key.as_deref(),
-                            value: rec.value.as_deref(),
-                            timestamp: rec.timestamp,
-                            headers: rec.headers.clone(),
-                        },
-                    )?;
-                    task.flush()?;
-                    queue.extend(task.take_output());
+        self.route(
+            vec![OutputRecord {
+                topic: topic.to_string(),
+                partition: None,
+                key: key.map(<[u8]>::to_vec),
+                value: value.map(<[u8]>::to_vec),
+                timestamp,
+                headers: Vec::new(),
+            }],
+            true,
+        )
+    }
+
+    /// Delivers records: those of topics a task reads are logged and
+    /// processed at once (with whatever they produce); the rest are output.
+    /// Records piped in from outside are `external`; the rest (and whatever
+    /// they lead to) were written by tasks, so a crash drops those written
+    /// since the last commit.
+    fn route(&mut self, records: Vec<OutputRecord>, external: bool) -> Result<(), ProcessError> {
+        let mut queue: VecDeque<(OutputRecord, bool)> =
+            records.into_iter().map(|r| (r, external)).collect();
+        while let Some((rec, external)) = queue.pop_front() {
+            if self.tasks.iter().any(|t| t.slot_of(&rec.topic).is_some()) {
+                if !external {
+                    self.internal.insert(rec.topic.clone());
                 }
-                None => self
-                    .outputs
+                let log = self.logs.entry(rec.topic.clone()).or_default();
+                log.push(Logged {
+                    seq: self.seq,
+                    key: rec.key,
+                    value: rec.value,
+                    timestamp: rec.timestamp,
+                    headers: rec.headers,
+                });
+                self.seq += 1;
+                let offset = log.len() as i64 - 1;
+                let out = self.deliver(&rec.topic, offset)?;
+                queue.extend(out.into_iter().map(|r| (r, false)));
+            } else {
+                self.outputs
                     .entry(rec.topic.clone())
                     .or_default()
-                    .push_back(rec),
+                    .push_back(rec.clone());
+                self.uncommitted_outputs.push(rec);
             }
         }
         Ok(())
+    }
+
+    /// Processes one logged record on the task that reads its topic; returns
+    /// what the task produced.
+    fn deliver(&mut self, topic: &str, offset: i64) -> Result<Vec<OutputRecord>, ProcessError> {
+        let rec = &self.logs[topic][offset as usize];
+        let Some(task) = self.tasks.iter_mut().find(|t| t.slot_of(topic).is_some()) else {
+            return Ok(Vec::new());
+        };
+        let slot = task.slot_of(topic).expect("checked");
+        task.process(
+            slot,
+            Input {
+                offset,
+                key: rec.key.as_deref(),
+                value: rec.value.as_deref(),
+                timestamp: rec.timestamp,
+                headers: rec.headers.clone(),
+            },
+        )?;
+        task.flush()?;
+        Ok(task.take_output())
     }
 
     /// Pipes a typed record into a topic.
@@ -158,22 +258,7 @@ impl TopologyTestDriver {
         for t in &mut self.tasks {
             pending.extend(t.take_output());
         }
-        for rec in pending {
-            if self.tasks.iter().any(|t| t.slot_of(&rec.topic).is_some()) {
-                self.pipe_raw(
-                    &rec.topic,
-                    rec.key.as_deref(),
-                    rec.value.as_deref(),
-                    rec.timestamp,
-                )?;
-            } else {
-                self.outputs
-                    .entry(rec.topic.clone())
-                    .or_default()
-                    .push_back(rec);
-            }
-        }
-        Ok(())
+        self.route(pending, false)
     }
 
     /// Runs a punctuation tick at `wall_clock_ms` on every task.
@@ -194,18 +279,41 @@ impl TopologyTestDriver {
             if pending == 0 {
                 return Ok(0);
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.completions.recv_timeout(left) {
-                Ok(msg) => {
-                    if let Some(t) = self.tasks.iter_mut().find(|t| t.id == msg.task) {
-                        t.complete(msg)?;
-                        t.flush()?;
-                    }
-                    self.route_outputs()?;
-                }
-                Err(_) => return Ok(pending),
+            if self.handle_completion(deadline)? {
+                continue;
+            }
+            return Ok(pending);
+        }
+    }
+
+    /// Handles up to `n` async completions, waiting for each until `timeout`
+    /// passed. Returns how many were handled.
+    pub fn handle_completions(
+        &mut self,
+        n: usize,
+        timeout: Duration,
+    ) -> Result<usize, ProcessError> {
+        let deadline = Instant::now() + timeout;
+        for done in 0..n {
+            if !self.handle_completion(deadline)? {
+                return Ok(done);
             }
         }
+        Ok(n)
+    }
+
+    /// Waits for one completion until `deadline` and hands it to its task.
+    fn handle_completion(&mut self, deadline: Instant) -> Result<bool, ProcessError> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let Ok(msg) = self.completions.recv_timeout(left) else {
+            return Ok(false);
+        };
+        if let Some(t) = self.tasks.iter_mut().find(|t| t.id == msg.task) {
+            t.complete(msg)?;
+            t.flush()?;
+        }
+        self.route_outputs()?;
+        Ok(true)
     }
 
     /// Takes the records written to an output topic so far.
@@ -234,24 +342,117 @@ impl TopologyTestDriver {
             .collect()
     }
 
-    /// Simulates a commit: flushes the write caches into the (recorded)
-    /// changelogs and the local stores. Returns the number of changelog records.
+    /// Simulates an exactly-once commit: forwards what operators hold back,
+    /// then atomically records every task's changelog records (with its
+    /// progress record), offsets and outputs, and writes the local stores.
+    /// Returns the number of changelog records.
     pub fn commit(&mut self) -> Result<usize, ProcessError> {
+        self.flush_all()?;
         let mut n = 0;
-        for t in &mut self.tasks {
-            t.drain_done();
-            if let Some(state) = t.ctx.state.as_mut() {
-                let records = state.flush_changelog();
-                n += records.len();
-                let names: Vec<String> = state.specs().map(|s| s.name.clone()).collect();
-                self.changelog
-                    .extend(records.into_iter().map(|r| (names[r.store.0].clone(), r)));
-                state.commit_local(&HashMap::new())?;
+        for i in 0..self.tasks.len() {
+            let prepared = self.tasks[i].prepare_commit(true);
+            n += self.record_changelog(i, prepared.changelog);
+            for (slot, offset) in &prepared.offsets {
+                let topic = self.tasks[i].slots[*slot].topic.clone();
+                self.committed_offsets.insert(topic, *offset);
             }
-            let offsets = t.offsets_to_commit();
-            t.mark_committed(&offsets);
+            self.tasks[i].finish_commit(&prepared.offsets, &HashMap::new())?;
         }
+        self.commit_outputs();
         Ok(n)
+    }
+
+    /// Crashes in the middle of an at-least-once commit, after `step`, and
+    /// restarts (see [`TopologyTestDriver::crash`]). Under at-least-once
+    /// outputs go first, so the crash keeps them.
+    pub fn crash_during_commit(&mut self, step: CommitStep) -> Result<(), ProcessError> {
+        self.flush_all()?;
+        for i in 0..self.tasks.len() {
+            let prepared = self.tasks[i].prepare_commit(false);
+            self.record_changelog(i, prepared.changelog);
+            if step == CommitStep::AfterProgress {
+                let progress = self.tasks[i].write_progress(false);
+                self.record_changelog(i, progress.into_iter().collect());
+            }
+        }
+        self.commit_outputs();
+        self.crash()
+    }
+
+    /// Forwards what every task holds back until a commit.
+    fn flush_all(&mut self) -> Result<(), ProcessError> {
+        for t in &mut self.tasks {
+            t.flush()?;
+        }
+        self.route_outputs()
+    }
+
+    fn record_changelog(&mut self, task: usize, records: Vec<ChangelogRecord>) -> usize {
+        let n = records.len();
+        if let Some(state) = self.tasks[task].ctx.state.as_ref() {
+            let names: Vec<String> = state.specs().map(|s| s.name.clone()).collect();
+            self.changelog
+                .extend(records.into_iter().map(|r| (names[r.store.0].clone(), r)));
+        }
+        n
+    }
+
+    fn commit_outputs(&mut self) {
+        for rec in self.uncommitted_outputs.drain(..) {
+            self.committed_outputs
+                .entry(rec.topic.clone())
+                .or_default()
+                .push(rec);
+        }
+        for (topic, log) in &self.logs {
+            self.committed_len.insert(topic.clone(), log.len());
+        }
+    }
+
+    /// Crashes and restarts: in-flight async calls are abandoned; state,
+    /// outputs and internal-topic records written since the last commit are
+    /// dropped; the stores are restored from the recorded changelogs into a
+    /// fresh directory; the input is replayed from the committed offsets.
+    pub fn crash(&mut self) -> Result<(), ProcessError> {
+        for t in &mut self.tasks {
+            t.abandon();
+        }
+        self.tasks.clear();
+        // Completions of abandoned calls must not reach the new tasks.
+        let (tx, rx) = crossbeam_channel::unbounded();
+        self.completions_tx = tx;
+        self.completions = rx;
+        self.uncommitted_outputs.clear();
+        for (topic, log) in &mut self.logs {
+            if self.internal.contains(topic) {
+                log.truncate(self.committed_len.get(topic).copied().unwrap_or(0));
+            }
+        }
+        self.generation += 1;
+        self.start_tasks()
+            .map_err(|e| ProcessError::Fatal(format!("restart failed: {e}")))?;
+        let mut replay: Vec<(u64, String, i64)> = Vec::new();
+        for (topic, log) in &self.logs {
+            let from = self.committed_offsets.get(topic).copied().unwrap_or(0);
+            for (offset, rec) in log.iter().enumerate().skip(from as usize) {
+                replay.push((rec.seq, topic.clone(), offset as i64));
+            }
+        }
+        replay.sort_unstable();
+        for (_, topic, offset) in replay {
+            let out = self.deliver(&topic, offset)?;
+            self.route(out, false)?;
+        }
+        Ok(())
+    }
+
+    /// Every record written to an external topic by committed work, in order
+    /// (what a `read_committed` reader sees).
+    pub fn committed_output(&self, topic: &str) -> Vec<OutputRecord> {
+        self.committed_outputs
+            .get(topic)
+            .cloned()
+            .unwrap_or_default()
     }
 
     /// Changelog records written by [`TopologyTestDriver::commit`], with store names.

@@ -131,6 +131,12 @@ impl Topology {
         &self.subtopologies
     }
 
+    /// Name of the engine's progress store of a sub-topology (see
+    /// `SlotProgress`): which records above a commit's offsets it covered.
+    pub fn progress_store(subtopology: usize) -> String {
+        format!("sluice-progress-{subtopology}")
+    }
+
     /// Name of a store's changelog topic.
     pub fn changelog_topic(app_id: &str, store: &str) -> String {
         format!("{app_id}-{store}-changelog")

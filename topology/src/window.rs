@@ -111,15 +111,21 @@ pub enum EmitMode {
 }
 
 /// Stream time and emission progress of a windowed aggregation, kept in its
-/// store under a key no window key can have (shorter than a window key).
+/// store under a key outside every window-key range (see [`META_KEY`]).
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
 pub(crate) struct AggMeta {
+    /// The closing time reached (see `TaskCtx::closing_time`).
     stream_time: i64,
     /// Every window whose end is at or before this was emitted (final mode).
     emitted_until: i64,
 }
 
-const META_KEY: &[u8] = b"\0meta";
+/// The metadata key: one zero byte sorts before every window key (the
+/// smallest is eight zero bytes), so no window range read or expiry, which
+/// span `[encode_window_key(from), encode_window_key(to))`, ever covers it.
+const META_KEY: &[u8] = b"\0";
+/// Where earlier versions kept the metadata (inside the expiry range).
+const LEGACY_META_KEY: &[u8] = b"\0meta";
 
 /// True (and counted) when the current record is being replayed and the stored
 /// value already reflects it: applying it again would count it twice.
@@ -127,8 +133,8 @@ fn already_applied(ctx: &mut TaskCtx, stored: Option<&sluice_state::StoredValue>
     if !ctx.replaying() {
         return false;
     }
-    let applied = match (ctx.position(), stored.and_then(|s| s.position)) {
-        (Some(cur), Some(p)) => p.covers(&cur),
+    let applied = match (ctx.position(), stored) {
+        (Some(cur), Some(s)) => s.covers(&cur),
         _ => false,
     };
     if applied {
@@ -215,7 +221,11 @@ where
         if let Some(m) = self.meta {
             return Ok(m);
         }
-        let m = match ctx.state().get(self.store, META_KEY)? {
+        let stored = match ctx.state().get(self.store, META_KEY)? {
+            Some(stored) => Some(stored),
+            None => ctx.state().get(self.store, LEGACY_META_KEY)?,
+        };
+        let m = match stored {
             Some(stored) => from_bincode(&stored.value)
                 .map_err(|e| ProcessError::Fatal(format!("corrupt aggregation metadata: {e}")))?,
             None => AggMeta {
@@ -224,6 +234,7 @@ where
             },
         };
         ctx.stream_time = ctx.stream_time.max(m.stream_time);
+        ctx.closing_time = ctx.closing_time.max(m.stream_time);
         self.meta = Some(m);
         Ok(m)
     }
@@ -249,14 +260,13 @@ where
         let Some(cur) = ctx.position() else {
             return Ok(false);
         };
-        let reflected = match self.meta_unsaved {
-            Some(pos) => pos,
-            None => match ctx.state().get(self.store, META_KEY)? {
-                Some(stored) => stored.position,
-                None => return Ok(false),
-            },
-        };
-        Ok(reflected.is_some_and(|p| p.covers(&cur)))
+        match self.meta_unsaved {
+            Some(pos) => Ok(pos.is_some_and(|p| p.covers(&cur))),
+            None => Ok(ctx
+                .state()
+                .get(self.store, META_KEY)?
+                .is_some_and(|stored| stored.covers(&cur))),
+        }
     }
 
     /// Emits every window closed by stream time and not emitted yet.
@@ -265,7 +275,7 @@ where
         ctx: &mut TaskCtx,
         mut meta: AggMeta,
     ) -> Result<AggMeta, ProcessError> {
-        let closed_until = ctx.stream_time.saturating_sub(self.windows.grace_ms);
+        let closed_until = ctx.closing_time.saturating_sub(self.windows.grace_ms);
         if closed_until <= meta.emitted_until {
             return Ok(meta);
         }
@@ -297,7 +307,7 @@ where
     }
 
     fn expire(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
-        let st = ctx.stream_time;
+        let st = ctx.closing_time;
         if st == i64::MIN || st < self.last_expiry.saturating_add(self.windows.advance_ms) {
             return Ok(());
         }
@@ -316,7 +326,9 @@ where
 {
     fn process(&mut self, rec: Record<K, V>, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
         let mut meta = self.load_meta(ctx)?;
-        let stream_time = ctx.stream_time;
+        // Late or not by the stream time when the record arrived: the same
+        // answer whatever the order async calls before this node end in.
+        let stream_time = ctx.record_stream_time();
         let mut key_bytes = to_bincode(&rec.key);
         let position = ctx.position();
         for window in self.windows.windows_for(rec.timestamp) {
@@ -374,8 +386,10 @@ where
             }
         }
         let before = meta;
-        if stream_time > meta.stream_time {
-            meta.stream_time = stream_time;
+        // Windows close by the closing time: held back while records that
+        // arrived before it are still in flight.
+        if ctx.closing_time > meta.stream_time {
+            meta.stream_time = ctx.closing_time;
         }
         if self.emit == EmitMode::OnWindowClose {
             meta = self.emit_closed(ctx, meta)?;

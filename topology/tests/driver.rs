@@ -271,7 +271,11 @@ fn async_processor_completes_out_of_order_and_commits_only_the_finished_prefix()
     assert_eq!(out.len(), 5);
     assert_ne!(out[0].0, "k0", "completions arrive in completion order");
     assert_eq!(d.committable_offset("in"), Some(5));
-    assert_eq!(d.commit().unwrap(), 5, "one changelog record per key");
+    assert_eq!(
+        d.commit().unwrap(),
+        6,
+        "one changelog record per key, and the progress record"
+    );
 }
 
 #[test]
@@ -333,4 +337,73 @@ fn bad_topologies_fail_to_build() {
     s.group_by_key().count("dup");
     s.group_by_key().count("dup");
     assert!(b.build().is_err());
+}
+
+/// Counts per key and minute in a window store, and forwards the key's
+/// windows so far as `start:count` pairs.
+struct MinuteTally;
+
+impl Processor<String, String> for MinuteTally {
+    type OutKey = String;
+    type OutValue = String;
+    type Output = ();
+
+    fn process(
+        &mut self,
+        r: Record<String, String>,
+        ctx: &mut ProcessorContext<'_, String, String, ()>,
+    ) -> Result<(), ProcessError> {
+        let start = r.timestamp - r.timestamp % MIN;
+        let mut w = ctx.window::<String, u64>("tally")?;
+        let n = w.get(&r.key, start)?.unwrap_or(0) + 1;
+        w.put(&r.key, start, &n);
+        let windows = w.fetch(&r.key, 0, i64::MAX)?;
+        let all = w.fetch_all(0, i64::MAX)?.len();
+        let text: Vec<String> = windows
+            .iter()
+            .map(|(s, n)| format!("{}:{n}", s / MIN))
+            .collect();
+        ctx.forward(Record::new(
+            r.key,
+            format!("{} of {all}", text.join(",")),
+            r.timestamp,
+        ))
+    }
+
+    fn complete(
+        &mut self,
+        _: (),
+        _: &mut ProcessorContext<'_, String, String, ()>,
+    ) -> Result<(), ProcessError> {
+        Ok(())
+    }
+}
+
+#[test]
+fn processors_read_and_write_window_stores_through_their_context() {
+    let b = StreamBuilder::new();
+    b.add_window_store("tally", Duration::from_secs(3600));
+    b.stream(&["in"], StringCodec, StringCodec)
+        .process("minute-tally", &["tally"], || MinuteTally)
+        .to("out", StringCodec, StringCodec);
+    let mut d = TopologyTestDriver::new(b.build().unwrap()).unwrap();
+    for (k, ts) in [("a", 1_000), ("a", 2_000), ("b", 3_000), ("a", MIN + 5)] {
+        pipe(&mut d, k, ts);
+    }
+    d.commit().unwrap();
+    let out: Vec<(String, String)> = d.read_typed("out", &StringCodec, &StringCodec).unwrap();
+    assert_eq!(
+        out,
+        vec![
+            ("a".into(), "0:1 of 1".into()),
+            ("a".into(), "0:2 of 1".into()),
+            ("b".into(), "0:1 of 2".into()),
+            ("a".into(), "0:2,1:1 of 3".into()),
+        ]
+    );
+    // The windows survive a crash: restored from the changelog.
+    d.crash().unwrap();
+    pipe(&mut d, "a", MIN + 6);
+    let out: Vec<(String, String)> = d.read_typed("out", &StringCodec, &StringCodec).unwrap();
+    assert_eq!(out.last().unwrap().1, "0:2,1:2 of 3");
 }

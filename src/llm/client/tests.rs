@@ -430,3 +430,21 @@ async fn connection_refused_is_transient() {
     assert!(matches!(err, LlmError::Connect(_)), "{err:?}");
     assert_eq!(err.class(), ErrorClass::Transient);
 }
+
+#[test]
+fn unusable_base_urls_and_keys_are_config_errors_at_start() {
+    for base in ["ftp://example.com/v1", "not a url", "/v1"] {
+        let err = HttpProvider::new(&ProviderConfig::new("p", base)).unwrap_err();
+        assert!(matches!(err, LlmError::Config(_)), "{base}: {err:?}");
+        assert!(err.to_string().contains("base_url"), "{base}: {err}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("key");
+    std::fs::write(&path, "sk-sec\u{7f}ret").unwrap();
+    let mut cfg = ProviderConfig::new("p", "https://example.com/v1");
+    cfg.api_key_file = Some(path);
+    let err = HttpProvider::new(&cfg).unwrap_err();
+    assert!(matches!(err, LlmError::Config(_)), "{err:?}");
+    assert!(err.to_string().contains("API key"), "{err}");
+    assert!(!err.to_string().contains("sk-sec"), "{err}");
+}

@@ -31,7 +31,7 @@ use super::restore::restore_task;
 use super::{AppState, AppStatus, IntakeControl, RuntimeError};
 use crate::context::CompletionMsg;
 use crate::record::OutputRecord;
-use crate::task::{Input, TaskCore};
+use crate::task::{Input, PreparedCommit, TaskCore};
 use crate::{TaskId, Topology, TopologyError};
 
 const TXN_TIMEOUT: Duration = Duration::from_secs(60);
@@ -96,19 +96,6 @@ impl ActiveTask {
     /// in its backlog and its in-flight records are under `max`.
     fn has_room(&self, slot: usize, max: usize) -> bool {
         self.backlog[slot].is_empty() && self.core.trackers[slot].in_flight() < max
-    }
-
-    /// Starts a commit: takes the finished records into account and returns
-    /// the changelog records of what the state changed since the last commit.
-    fn start_commit(&mut self) -> Vec<sluice_state::ChangelogRecord> {
-        self.core.drain_done();
-        self.core.ctx.commit_requested = false;
-        self.core
-            .ctx
-            .state
-            .as_ref()
-            .map(|s| s.flush_changelog())
-            .unwrap_or_default()
     }
 
     /// Processes a record now if the in-flight bound allows, else queues it.
@@ -280,6 +267,8 @@ struct PendingTask {
 
 /// Everything the driver and the rebalance callbacks share.
 struct Engine {
+    /// A task was fenced: leave and rejoin the group after this tick.
+    rejoin: bool,
     topology: Arc<Topology>,
     cfg: Arc<StreamsConfig>,
     metrics: EngineMetrics,
@@ -518,6 +507,7 @@ impl Driver {
             paused: HashSet::new(),
             queues: HashMap::new(),
             drains: 0,
+            rejoin: false,
             unsplit: HashSet::new(),
             last_commit: Instant::now(),
             last_punctuate: Instant::now(),
@@ -633,6 +623,16 @@ impl Driver {
                 engine.drains += 1;
             }
             engine.tick(&self.consumer)?;
+            if std::mem::take(&mut engine.rejoin) {
+                // As Kafka Streams does for a migrated task: leave and join
+                // the group again, so the coordinator's assignment decides.
+                drop(engine);
+                let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
+                self.consumer.unsubscribe();
+                self.consumer.subscribe(&topics)?;
+                more = true;
+                continue;
+            }
             // Records may be left where the wake-up already fired.
             more = engine.feed()? || n == batch;
         }
@@ -814,6 +814,7 @@ impl Engine {
             .values_mut()
             .filter(|t| ids.contains(&t.core.id))
             .collect();
+        let order: Vec<TaskId> = tasks.iter().map(|t| t.core.id).collect();
         let results: Vec<Result<(), RuntimeError>> =
             if tasks.len() <= 1 || !self.cfg.parallel_commits {
                 tasks
@@ -839,7 +840,34 @@ impl Engine {
                         .collect()
                 })
             };
-        results.into_iter().collect()
+        let mut migrated = Vec::new();
+        for (id, result) in order.into_iter().zip(results) {
+            match result {
+                Ok(()) => {}
+                Err(e) if e.task_migrated() => {
+                    tracing::warn!(task = %id, error = %e, "task fenced or its transaction must abort: closing it dirty and rejoining");
+                    migrated.push(id);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        if !migrated.is_empty() {
+            let mut paused = TopicPartitionList::new();
+            for id in &migrated {
+                if let Some(t) = self.tasks.get(id) {
+                    for (topic, partition) in &t.partitions {
+                        paused.add_partition(topic, *partition);
+                    }
+                }
+            }
+            self.close_dirty(&migrated);
+            // Nothing is read for them until the group says who owns them.
+            if let Err(e) = consumer.pause(&paused) {
+                tracing::debug!(error = %e, "pausing a closed task's partitions failed");
+            }
+            self.rejoin = true;
+        }
+        Ok(())
     }
 
     fn commit_alos(
@@ -855,16 +883,31 @@ impl Engine {
         flush(&producer, &delivery, FLUSH_TIMEOUT).map_err(RuntimeError::Other)?;
         let work: Vec<(TaskId, Vec<(usize, i64)>)> =
             in_parallel(self.tasks_mut(ids), threads, |task| {
-                let dirty = task.start_commit();
-                send_changelog(task, &app, dirty)?;
-                Ok((task.core.id, task.core.offsets_to_commit()))
+                let prepared = task.core.prepare_commit(false);
+                send_changelog(task, &app, prepared.changelog)?;
+                Ok((task.core.id, prepared.offsets))
             })?;
         flush(&producer, &delivery, FLUSH_TIMEOUT).map_err(RuntimeError::Other)?;
+        failpoint("alos_after_changelog_flush");
+        // Progress records go last, once the state they describe is in the
+        // changelogs: a progress record read back implies its state was
+        // written (without transactions nothing else orders them).
+        let progress: Vec<bool> = in_parallel(self.tasks_mut(ids), threads, |task| {
+            let rec = task.core.write_progress(false);
+            let some = rec.is_some();
+            send_changelog(task, &app, rec.into_iter().collect())?;
+            Ok(some)
+        })?;
+        if progress.contains(&true) {
+            flush(&producer, &delivery, FLUSH_TIMEOUT).map_err(RuntimeError::Other)?;
+        }
+        failpoint("alos_before_offset_commit");
+        let offsets_of: HashMap<TaskId, &[(usize, i64)]> =
+            work.iter().map(|(id, o)| (*id, o.as_slice())).collect();
         in_parallel(self.tasks_mut(ids), threads, |task| {
             let next = delivery.take_changelog_next(task.core.id);
-            if let Some(state) = task.core.ctx.state.as_mut() {
-                state.commit_local(&next)?;
-            }
+            let offsets = offsets_of.get(&task.core.id).copied().unwrap_or_default();
+            task.core.finish_commit(offsets, &next)?;
             let ends = delivery.take_output_next(task.core.id);
             task.core.ctx.output_ends.extend(ends);
             Ok(())
@@ -882,15 +925,19 @@ impl Engine {
             }
         }
         if tpl.count() > 0 {
-            consumer.commit(&tpl, CommitMode::Sync)?;
-        }
-        for (id, offsets) in &work {
-            if let Some(task) = self
-                .tasks
-                .get_mut(id)
-                .or_else(|| self.suspended.get_mut(id))
-            {
-                task.core.mark_committed(offsets);
+            if let Err(e) = consumer.commit(&tpl, CommitMode::Sync) {
+                let e = RuntimeError::from(e);
+                if !e.task_migrated() {
+                    return Err(e);
+                }
+                // The group moved on without this member: its tasks' state is
+                // in the changelogs already; their offsets are another
+                // owner's to commit.
+                tracing::warn!(error = %e, "offset commit refused: closing the tasks and rejoining");
+                let ids: Vec<TaskId> = work.iter().map(|(id, _)| *id).collect();
+                self.close_dirty(&ids);
+                self.rejoin = true;
+                return Ok(());
             }
         }
         self.metrics.commits.inc();
@@ -1099,6 +1146,14 @@ impl Engine {
             }
             return Ok(());
         }
+        if consumer.assignment_lost() {
+            // Another instance may own these partitions already (this one
+            // missed its session timeout, or was fenced): nothing of theirs
+            // since the last commit may reach the changelogs or local state.
+            tracing::warn!(tasks = ?ids, "partitions lost: closing their tasks dirty");
+            self.close_dirty(&ids);
+            return Ok(());
+        }
         self.drain(&ids)?;
         self.commit_tasks(consumer, &ids)?;
         for id in ids {
@@ -1115,6 +1170,32 @@ impl Engine {
         }
         self.status.set_tasks(self.tasks.keys().copied());
         Ok(())
+    }
+
+    /// Closes tasks without committing: in-flight calls abandoned, an open
+    /// transaction aborted, uncommitted state and held outputs dropped (the
+    /// local store keeps what the last commit wrote). A task that comes back
+    /// restores from its changelogs like any new one.
+    fn close_dirty(&mut self, ids: &[TaskId]) {
+        for id in ids {
+            let Some(mut task) = self.tasks.remove(id).or_else(|| self.suspended.remove(id)) else {
+                continue;
+            };
+            task.count_in(&self.metrics);
+            task.core.abandon();
+            if task.txn_open {
+                if let Err(e) = task.producer.abort_transaction(TXN_TIMEOUT) {
+                    tracing::debug!(task = %id, error = %e, "abort of a closed task's transaction failed");
+                }
+                self.metrics.aborted.inc();
+            }
+            for tp in &task.partitions {
+                self.paused.remove(tp);
+                self.queues.remove(tp);
+            }
+            tracing::info!(task = %id, "task closed dirty");
+        }
+        self.status.set_tasks(self.tasks.keys().copied());
     }
 
     /// Waits for the in-flight async calls of `ids` (handling completions of all
@@ -1372,8 +1453,10 @@ fn commit_eos(
     metrics: &EngineMetrics,
 ) -> Result<(), RuntimeError> {
     let id = task.core.id;
-    let dirty = task.start_commit();
-    let offsets = task.core.offsets_to_commit();
+    let PreparedCommit {
+        changelog: dirty,
+        offsets,
+    } = task.core.prepare_commit(true);
     let outputs = task.core.take_output();
     if offsets.is_empty() && dirty.is_empty() && outputs.is_empty() && !task.txn_open {
         return Ok(());
@@ -1412,14 +1495,11 @@ fn commit_eos(
     );
     task.txn_open = false;
     let next = task.delivery.take_changelog_next(id);
-    if let Some(state) = task.core.ctx.state.as_mut() {
-        state.commit_local(&next)?;
-    }
+    task.core.finish_commit(&offsets, &next)?;
     task.core
         .ctx
         .output_ends
         .extend(task.delivery.take_output_next(id));
-    task.core.mark_committed(&offsets);
     metrics.commits.inc();
     Ok(())
 }

@@ -74,6 +74,41 @@ pub enum RuntimeError {
     Other(String),
 }
 
+impl RuntimeError {
+    /// True when the error means another instance owns the task now (its
+    /// producer was fenced) or its transaction must be aborted: the task is
+    /// closed dirty and the instance carries on, as Kafka Streams does with a
+    /// migrated task.
+    pub(crate) fn task_migrated(&self) -> bool {
+        use rdkafka::error::{KafkaError, RDKafkaErrorCode as C};
+        let code = match self {
+            RuntimeError::Kafka(KafkaError::Transaction(e)) => {
+                if e.txn_requires_abort() {
+                    return true;
+                }
+                e.code()
+            }
+            RuntimeError::Kafka(e) => match e.rdkafka_error_code() {
+                Some(c) => c,
+                None => return false,
+            },
+            _ => return false,
+        };
+        matches!(
+            code,
+            C::ProducerFenced
+                | C::Fenced
+                | C::InvalidProducerEpoch
+                | C::InvalidProducerIdMapping
+                | C::UnknownProducerId
+                | C::OutOfOrderSequenceNumber
+                | C::IllegalGeneration
+                | C::UnknownMemberId
+                | C::RebalanceInProgress
+        )
+    }
+}
+
 /// Life-cycle state of an instance.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum AppState {

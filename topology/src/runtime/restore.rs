@@ -21,8 +21,8 @@ type RestoredRecord = (Vec<u8>, Option<Vec<u8>>);
 
 use super::config::{Guarantee, StreamsConfig};
 use super::kafka::{
-    client_config, close_in_background, commit_transaction, flush, send, DeliveryState,
-    DeliveryTag, TrackedProducer,
+    client_config, close_in_background, commit_transaction, send, DeliveryState, DeliveryTag,
+    TrackedProducer,
 };
 use super::RuntimeError;
 use crate::{TaskId, Topology};
@@ -191,10 +191,11 @@ fn write_barriers(
         )?;
         receivers.push(rx);
     }
+    // Under at-least-once the producer is shared by every task: flushing it
+    // would wait for their traffic too. The barriers' own acknowledgements
+    // are all a restore waits for.
     if eos {
         commit_transaction(producer, delivery, timeout)?;
-    } else {
-        flush(producer, delivery, timeout).map_err(RuntimeError::Other)?;
     }
     receivers
         .into_iter()
