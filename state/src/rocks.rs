@@ -22,6 +22,11 @@ pub struct RocksSettings {
     /// over their stores (the record cache): repeated reads of recently
     /// written keys are answered without a RocksDB lookup. 0 turns it off.
     pub record_cache_bytes: usize,
+    /// Least time between two checkpoints of a task (each syncs RocksDB's
+    /// WAL and the checkpoint file to disk). Commits in between write RocksDB
+    /// without syncing; after a crash the changelog tail since the last
+    /// checkpoint is restored again. Zero checkpoints at every commit.
+    pub checkpoint_interval: std::time::Duration,
 }
 
 impl Default for RocksSettings {
@@ -32,6 +37,7 @@ impl Default for RocksSettings {
             write_buffer_bytes: 8 << 20,
             max_background_jobs: 2,
             record_cache_bytes: 16 << 20,
+            checkpoint_interval: std::time::Duration::from_secs(5),
         }
     }
 }
@@ -103,6 +109,11 @@ impl RocksEnv {
         opts.set_max_write_buffer_number(3);
         opts.set_compression_type(DBCompressionType::Lz4);
         opts
+    }
+
+    /// Least time between two checkpoints of a task.
+    pub(crate) fn checkpoint_interval(&self) -> std::time::Duration {
+        self.settings.checkpoint_interval
     }
 
     /// The instance-wide budget of the record cache and its current fill.

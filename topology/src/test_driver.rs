@@ -92,6 +92,7 @@ impl TopologyTestDriver {
             write_buffer_bytes: 1 << 20,
             max_background_jobs: 1,
             record_cache_bytes: 8 << 20,
+            checkpoint_interval: Duration::from_secs(5),
         });
         let mut driver = TopologyTestDriver {
             topology,

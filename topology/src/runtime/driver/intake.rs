@@ -1,0 +1,219 @@
+//! Intake: feeding records from the partition queues to their tasks under
+//! the in-flight bound, and pausing or resuming partitions.
+
+use super::*;
+
+impl Engine {
+    /// Gives each assigned input partition its own fetch queue, right after the
+    /// assignment, so librdkafka fetches into it while the task restores.
+    /// Records of the partition that reached the consumer's queue before the
+    /// split go to the task from there; the split queue is read only after the
+    /// consumer's queue ran empty once more (`split_at`), so they come first.
+    pub(super) fn attach_queues(
+        &mut self,
+        consumer: &Arc<DriverConsumer>,
+    ) -> Result<(), RuntimeError> {
+        let new: Vec<Tp> = self
+            .tasks
+            .values()
+            .map(|t| &t.partitions)
+            .chain(self.pending.values().map(|p| &p.partitions))
+            .flatten()
+            .filter(|tp| !self.queues.contains_key(*tp) && !self.unsplit.contains(*tp))
+            .cloned()
+            .collect();
+        for tp in new {
+            match consumer.split_partition_queue(&tp.0, tp.1) {
+                Some(mut q) => {
+                    q.set_nonempty_callback(waker(&self.wake_tx));
+                    let split_at = self.drains;
+                    self.queues.insert(tp, SplitQueue { queue: q, split_at });
+                }
+                None => {
+                    tracing::warn!(
+                        topic = tp.0,
+                        partition = tp.1,
+                        "cannot split the partition's queue"
+                    );
+                    self.unsplit.insert(tp);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes records from the split queues while their tasks have room under the
+    /// in-flight bound (and no backlog, which holds older records). What is left
+    /// stays in librdkafka's bounded prefetch: backpressure without a pause.
+    /// Returns whether any record was taken.
+    pub(super) fn feed(&mut self) -> Result<bool, RuntimeError> {
+        if self.intake.is_held() || self.queues.is_empty() {
+            return Ok(false);
+        }
+        let queues = std::mem::take(&mut self.queues);
+        let result = self.feed_from(&queues);
+        self.queues = queues;
+        result
+    }
+
+    pub(super) fn feed_from(
+        &mut self,
+        queues: &HashMap<Tp, SplitQueue>,
+    ) -> Result<bool, RuntimeError> {
+        let (eos, max) = (self.eos(), self.cfg.max_in_flight_per_partition);
+        let mut by_task: HashMap<TaskId, TaskQueues<'_>> = HashMap::new();
+        for ((topic, partition), SplitQueue { queue, split_at }) in queues {
+            if *split_at >= self.drains {
+                continue;
+            }
+            let Some(id) = self.task_of(topic, *partition) else {
+                continue;
+            };
+            let Some(slot) = self.tasks.get(&id).and_then(|t| t.core.slot_of(topic)) else {
+                continue;
+            };
+            by_task.entry(id).or_default().push((slot, queue));
+        }
+        // A first record of each task is taken here; the tasks that had one
+        // go on in parallel when there are several.
+        let metrics = &self.metrics;
+        let mut busy: Vec<(&mut ActiveTask, TaskQueues<'_>)> = Vec::new();
+        for (id, task) in self.tasks.iter_mut() {
+            let Some(qs) = by_task.remove(id) else {
+                continue;
+            };
+            task.core.drain_done();
+            if feed_task(task, &qs, metrics, eos, max, 1)? {
+                busy.push((task, qs));
+            }
+        }
+        let fed = !busy.is_empty();
+        in_parallel(busy, self.cfg.processing_threads, |(task, qs)| {
+            feed_task(task, &qs, metrics, eos, max, FEED_BATCH)
+        })?;
+        Ok(fed)
+    }
+
+    /// Feeds queued records to the tasks, then pauses every partition while
+    /// intake is held, and a partition without a split queue whose backlog holds
+    /// a full in-flight bound until the backlog ran down; polling never stops.
+    pub(super) fn update_pauses(&mut self, consumer: &DriverConsumer) -> Result<(), RuntimeError> {
+        let held = self.intake.is_held();
+        let max = self.cfg.max_in_flight_per_partition;
+        let eos = self.eos();
+        let mut to_pause = TopicPartitionList::new();
+        let mut to_resume = TopicPartitionList::new();
+        // A restoring task buffers up to the in-flight bound per partition.
+        for p in self.pending.values() {
+            if p.buffered.len() >= max * p.partitions.len() {
+                for tp in &p.partitions {
+                    if self.paused.insert(tp.clone()) {
+                        to_pause.add_partition(&tp.0, tp.1);
+                    }
+                }
+            }
+        }
+        for task in self.tasks.values_mut() {
+            if held {
+                task.core.drain_done();
+            } else {
+                task.drain_backlog(&self.metrics, eos, max)?;
+            }
+            for (i, slot) in task.core.slots.iter().enumerate() {
+                let tp = (slot.topic.clone(), slot.partition);
+                let queued = task.backlog[i].len();
+                let paused = self.paused.contains(&tp);
+                // A split queue is read only while its task has room.
+                let split = self.queues.contains_key(&tp);
+                if !paused && (held || (!split && queued >= max)) {
+                    to_pause.add_partition(&tp.0, tp.1);
+                    self.paused.insert(tp);
+                } else if paused && !held && (split || queued <= max / 2) {
+                    to_resume.add_partition(&tp.0, tp.1);
+                    self.paused.remove(&tp);
+                }
+            }
+        }
+        if to_pause.count() > 0 {
+            consumer.pause(&to_pause)?;
+        }
+        if to_resume.count() > 0 {
+            consumer.resume(&to_resume)?;
+        }
+        Ok(())
+    }
+}
+
+/// Takes up to `limit` records from each of a task's queues while the task has
+/// room. Returns whether any record was taken.
+pub(super) fn feed_task(
+    task: &mut ActiveTask,
+    queues: &TaskQueues<'_>,
+    metrics: &EngineMetrics,
+    eos: bool,
+    max: usize,
+    limit: usize,
+) -> Result<bool, RuntimeError> {
+    let mut fed = false;
+    for &(slot, queue) in queues {
+        let mut taken = 0;
+        while taken < limit && task.has_room(slot, max) {
+            match queue.poll(Duration::ZERO) {
+                None => break,
+                Some(Ok(msg)) => {
+                    // Room was checked just above: no backlog to join.
+                    process_record(task, &msg, metrics, eos)?;
+                    taken += 1;
+                    fed = true;
+                }
+                Some(Err(e)) => tracing::warn!(
+                    topic = %task.core.slots[slot].topic,
+                    partition = task.core.slots[slot].partition,
+                    error = %e,
+                    "consumer error"
+                ),
+            }
+        }
+    }
+    task.count_in(metrics);
+    Ok(fed)
+}
+
+pub(super) fn process_record(
+    task: &mut ActiveTask,
+    msg: &impl Message,
+    metrics: &EngineMetrics,
+    eos: bool,
+) -> Result<(), RuntimeError> {
+    let Some(slot) = task.core.slot_of(msg.topic()) else {
+        return Ok(());
+    };
+    // Time one record in 32: the histogram stays representative and the clock
+    // stays off the hot path.
+    let offset = msg.offset();
+    let started = (offset & 31 == 0).then(Instant::now);
+    let input = Input {
+        offset,
+        key: msg.key(),
+        value: msg.payload(),
+        timestamp: timestamp_of(msg),
+        headers: crate::record::message_headers(msg),
+    };
+    task.core
+        .process(slot, input)
+        .map_err(|error| RuntimeError::Process {
+            task: task.core.id,
+            error,
+        })?;
+    task.uncounted += 1;
+    if let Some(started) = started {
+        metrics
+            .process_seconds
+            .observe(started.elapsed().as_secs_f64());
+    }
+    send_outputs(task, metrics, eos)
+}
+
+/// Records taken from one partition queue per feeding round, so commits,
+/// punctuation and completions keep their pace under a steady stream.
+pub(super) const FEED_BATCH: usize = 10_000;

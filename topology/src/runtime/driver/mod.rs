@@ -1,0 +1,861 @@
+//! The driver thread: consumer, tasks, commits, rebalances (see the module
+//! documentation of [`crate::runtime`]). This module holds the driver's types,
+//! its main loop and the per-tick work; the phases live beside it: `intake`
+//! (feeding tasks, pauses), `commit`, `rebalance` (revoke, lose, assign) and
+//! `startup` (restore on helper threads, activation).
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use crossbeam_channel::{Receiver, Sender};
+use parking_lot::Mutex;
+use rdkafka::consumer::{
+    base_consumer::PartitionQueue, BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance,
+    RebalanceProtocol,
+};
+use rdkafka::error::KafkaError;
+use rdkafka::message::{BorrowedMessage, OwnedMessage};
+use rdkafka::producer::Producer;
+use rdkafka::statistics::Statistics;
+use rdkafka::types::RDKafkaRespErr;
+use rdkafka::{ClientContext, Message, Offset, TopicPartitionList};
+use sluice_state::{RocksEnv, TaskState};
+
+use super::config::{Guarantee, StreamsConfig};
+use super::kafka::{
+    client_config, create_producer, flush, init_transactions, send, DeliveryState, DeliveryTag,
+    TrackedProducer,
+};
+use super::metrics::EngineMetrics;
+use super::restore::restore_task;
+use super::{AppState, AppStatus, IntakeControl, RuntimeError};
+use crate::context::CompletionMsg;
+use crate::record::OutputRecord;
+use crate::task::{Input, PreparedCommit, TaskCore};
+use crate::{TaskId, Topology, TopologyError};
+
+mod commit;
+mod intake;
+mod rebalance;
+mod startup;
+
+use commit::*;
+use intake::*;
+use rebalance::*;
+
+const TXN_TIMEOUT: Duration = Duration::from_secs(60);
+/// librdkafka's prefetch per input partition (overridable by client properties).
+const PREFETCH_KBYTES_PER_PARTITION: &str = "16384";
+const FLUSH_TIMEOUT: Duration = Duration::from_secs(60);
+/// Completions handed over at once from which tasks take theirs side by side
+/// (below it, starting threads costs more than it saves).
+const PARALLEL_COMPLETIONS: usize = 256;
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+type Tp = (String, i32);
+
+/// A task that is processing (or suspended between revoke and assign).
+struct ActiveTask {
+    core: TaskCore,
+    producer: Arc<TrackedProducer>,
+    delivery: Arc<DeliveryState>,
+    txn_open: bool,
+    partitions: Vec<Tp>,
+    /// Fetched records of each input slot waiting for room under the in-flight
+    /// bound. Keeping them (rather than letting a pause drop the consumer's
+    /// prefetch) keeps the operators fed while the partition is paused.
+    backlog: Vec<VecDeque<OwnedMessage>>,
+    /// Records processed and not yet added to the shared `records_in` counter
+    /// (one atomic add per round, not per record, when tasks run side by side).
+    uncounted: u64,
+}
+
+impl ActiveTask {
+    fn new(
+        core: TaskCore,
+        producer: Arc<TrackedProducer>,
+        delivery: Arc<DeliveryState>,
+        partitions: Vec<Tp>,
+    ) -> Self {
+        let backlog = core.slots.iter().map(|_| VecDeque::new()).collect();
+        ActiveTask {
+            core,
+            producer,
+            delivery,
+            txn_open: false,
+            partitions,
+            backlog,
+            uncounted: 0,
+        }
+    }
+
+    /// Adds the records processed since the last call to the metrics.
+    fn count_in(&mut self, metrics: &EngineMetrics) {
+        if self.uncounted > 0 {
+            metrics
+                .records_in
+                .inc_by(std::mem::take(&mut self.uncounted));
+        }
+    }
+
+    /// Whether a new record of `slot` may be processed now: nothing older waits
+    /// in its backlog and its in-flight records are under `max`.
+    fn has_room(&self, slot: usize, max: usize) -> bool {
+        self.backlog[slot].is_empty() && self.core.trackers[slot].in_flight() < max
+    }
+
+    /// Processes a record now if the in-flight bound allows, else queues it.
+    fn offer(
+        &mut self,
+        msg: &(impl Message + DetachOwned),
+        metrics: &EngineMetrics,
+        eos: bool,
+        max: usize,
+    ) -> Result<(), RuntimeError> {
+        let Some(slot) = self.core.slot_of(msg.topic()) else {
+            return Ok(());
+        };
+        if self.has_room(slot, max) {
+            process_record(self, msg, metrics, eos)
+        } else {
+            self.backlog[slot].push_back(msg.detach_owned());
+            Ok(())
+        }
+    }
+
+    /// Processes queued records while the in-flight bound allows.
+    fn drain_backlog(
+        &mut self,
+        metrics: &EngineMetrics,
+        eos: bool,
+        max: usize,
+    ) -> Result<(), RuntimeError> {
+        self.core.drain_done();
+        for slot in 0..self.backlog.len() {
+            while self.core.trackers[slot].in_flight() < max {
+                let Some(msg) = self.backlog[slot].pop_front() else {
+                    break;
+                };
+                process_record(self, &msg, metrics, eos)?;
+                self.core.drain_done();
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Runs `f` on every item, spreading the items over up to `threads` threads
+/// (the calling thread is one of them); the results come back in item order.
+/// The driver's per-task work — processing, forwarding cached results,
+/// changelog writes, local state commits — touches only the task itself, so
+/// tasks run side by side.
+fn in_parallel<I: Send, T: Send>(
+    items: Vec<I>,
+    threads: usize,
+    f: impl Fn(I) -> Result<T, RuntimeError> + Sync,
+) -> Result<Vec<T>, RuntimeError> {
+    let threads = threads.clamp(1, items.len().max(1));
+    if threads == 1 {
+        return items.into_iter().map(f).collect();
+    }
+    let mut groups: Vec<Vec<(usize, I)>> = (0..threads).map(|_| Vec::new()).collect();
+    for (i, item) in items.into_iter().enumerate() {
+        groups[i % threads].push((i, item));
+    }
+    let run = |group: Vec<(usize, I)>| -> Vec<(usize, Result<T, RuntimeError>)> {
+        group.into_iter().map(|(i, item)| (i, f(item))).collect()
+    };
+    let mut results = std::thread::scope(|s| {
+        let mut groups = groups.into_iter();
+        let own = groups.next().unwrap_or_default();
+        let helpers: Vec<_> = groups.map(|g| s.spawn(|| run(g))).collect();
+        let mut results = run(own);
+        for h in helpers {
+            match h.join() {
+                Ok(r) => results.extend(r),
+                Err(_) => results.push((
+                    usize::MAX,
+                    Err(RuntimeError::Other("task thread panicked".into())),
+                )),
+            }
+        }
+        results
+    });
+    results.sort_by_key(|(i, _)| *i);
+    results.into_iter().map(|(_, r)| r).collect()
+}
+
+/// A partition's own fetch queue.
+struct SplitQueue {
+    queue: PartitionQueue<DriverContext>,
+    /// The engine's `drains` when the queue was split: it is read only once the
+    /// consumer's queue ran empty after that, when no record of the partition
+    /// can be left there.
+    split_at: u64,
+}
+
+/// The split queues of one task, by input slot.
+type TaskQueues<'a> = Vec<(usize, &'a PartitionQueue<DriverContext>)>;
+
+/// A message that can be kept past the poll that returned it.
+trait DetachOwned {
+    fn detach_owned(&self) -> OwnedMessage;
+}
+
+impl DetachOwned for BorrowedMessage<'_> {
+    fn detach_owned(&self) -> OwnedMessage {
+        self.detach()
+    }
+}
+
+impl DetachOwned for OwnedMessage {
+    fn detach_owned(&self) -> OwnedMessage {
+        self.clone()
+    }
+}
+
+/// What a restore thread hands back.
+struct Restored {
+    state: Option<TaskState>,
+    producer: Arc<TrackedProducer>,
+    delivery: Arc<DeliveryState>,
+}
+
+/// A task being restored on a helper thread. Its records wait in its split
+/// queues; those that reached the consumer's queue before the split (or all of
+/// them, for a partition whose queue could not be split) are buffered here, and
+/// such a partition is paused once the buffer holds the in-flight bound.
+struct PendingTask {
+    handle: Option<JoinHandle<Result<Restored, RuntimeError>>>,
+    cancel: Arc<AtomicBool>,
+    buffered: Vec<OwnedMessage>,
+    partitions: Vec<Tp>,
+}
+
+/// Everything the driver and the rebalance callbacks share.
+struct Engine {
+    /// A task was fenced: leave and rejoin the group after this tick.
+    rejoin: bool,
+    topology: Arc<Topology>,
+    cfg: Arc<StreamsConfig>,
+    metrics: EngineMetrics,
+    dlq_partitions: super::admin::DeadLetterPartitions,
+    env: RocksEnv,
+    runtime: tokio::runtime::Handle,
+    completions_tx: Sender<CompletionMsg>,
+    completions_rx: Receiver<CompletionMsg>,
+    /// Signalled when the consumer's queue or a partition queue becomes non-empty.
+    wake_tx: Sender<()>,
+    topic_sub: HashMap<String, usize>,
+    tasks: BTreeMap<TaskId, ActiveTask>,
+    suspended: BTreeMap<TaskId, ActiveTask>,
+    pending: BTreeMap<TaskId, PendingTask>,
+    shared_producer: Option<(Arc<TrackedProducer>, Arc<DeliveryState>)>,
+    paused: HashSet<Tp>,
+    /// The fetch queue of each assigned input partition, split from the
+    /// consumer's queue (see [`Engine::attach_queues`]).
+    queues: HashMap<Tp, SplitQueue>,
+    /// How many times a poll found the consumer's queue empty.
+    drains: u64,
+    /// Partitions whose queue could not be split; they are fed by the consumer's
+    /// queue and paused for backpressure.
+    unsplit: HashSet<Tp>,
+    last_commit: Instant,
+    last_punctuate: Instant,
+    status: Arc<AppStatus>,
+    intake: IntakeControl,
+    joined: bool,
+    fatal: Option<RuntimeError>,
+}
+
+/// The consumer context: rebalance callbacks run the engine's revoke/assign.
+pub(crate) struct DriverContext {
+    engine: Arc<Mutex<Engine>>,
+    metrics: EngineMetrics,
+    /// Where a partition without a committed offset starts (`auto.offset.reset`);
+    /// `None` leaves it to librdkafka.
+    reset: Option<Offset>,
+}
+
+impl ClientContext for DriverContext {
+    fn stats(&self, stats: Statistics) {
+        for (name, topic) in &stats.topics {
+            let lag: i64 = topic
+                .partitions
+                .values()
+                .filter(|p| p.partition >= 0)
+                .map(|p| p.consumer_lag.max(0))
+                .sum();
+            self.metrics.lag.with_label_values(&[name]).set(lag);
+        }
+    }
+}
+
+impl ConsumerContext for DriverContext {
+    /// As rdkafka's own, with start positions set on assignment
+    /// ([`set_start_positions`]).
+    fn rebalance(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        err: RDKafkaRespErr,
+        tpl: &mut TopicPartitionList,
+    ) {
+        let cooperative = matches!(
+            consumer.rebalance_protocol(),
+            RebalanceProtocol::Cooperative
+        );
+        match err {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
+                set_start_positions(consumer, tpl, self.reset);
+                let assigned = if cooperative {
+                    consumer.incremental_assign(tpl)
+                } else {
+                    consumer.assign(tpl)
+                };
+                if let Err(e) = assigned {
+                    tracing::warn!(error = %e, "assignment failed");
+                }
+                self.post_rebalance(consumer, &Rebalance::Assign(tpl));
+            }
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
+                self.pre_rebalance(consumer, &Rebalance::Revoke(tpl));
+                let revoked = if cooperative {
+                    consumer.incremental_unassign(tpl)
+                } else {
+                    consumer.unassign()
+                };
+                if let Err(e) = revoked {
+                    tracing::warn!(error = %e, "unassignment failed");
+                }
+                self.post_rebalance(consumer, &Rebalance::Revoke(tpl));
+            }
+            other => {
+                let e = KafkaError::Rebalance(other.into());
+                self.post_rebalance(consumer, &Rebalance::Error(e));
+            }
+        }
+    }
+
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(tpl) = rebalance {
+            let mut engine = self.engine.lock();
+            if let Err(e) = engine.on_revoke(consumer, tpl) {
+                engine.fail(e);
+            }
+        }
+    }
+
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Assign(tpl) => {
+                let mut engine = self.engine.lock();
+                if let Err(e) = engine.on_assign(consumer, tpl) {
+                    engine.fail(e);
+                }
+            }
+            Rebalance::Revoke(_) => {}
+            Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
+        }
+    }
+}
+
+type DriverConsumer = BaseConsumer<DriverContext>;
+
+/// The driver: owns the consumer; runs on its own thread.
+pub(crate) struct Driver {
+    engine: Arc<Mutex<Engine>>,
+    consumer: Arc<DriverConsumer>,
+    topics: Vec<String>,
+    /// Wake-ups from the consumer's and the partition queues (see `main_loop`).
+    wake_rx: Receiver<()>,
+    /// Completions of async calls (also a reason to wake).
+    completions: Receiver<CompletionMsg>,
+}
+
+/// A callback for librdkafka's "queue became non-empty" event that wakes the
+/// driver (from a librdkafka thread).
+fn waker(tx: &Sender<()>) -> impl Fn() + Send + Sync + 'static {
+    let tx = tx.clone();
+    move || {
+        let _ = tx.try_send(());
+    }
+}
+
+impl Driver {
+    pub(crate) fn new(
+        topology: Arc<Topology>,
+        cfg: Arc<StreamsConfig>,
+        metrics: EngineMetrics,
+        dlq_partitions: super::admin::DeadLetterPartitions,
+        runtime: tokio::runtime::Handle,
+        status: Arc<AppStatus>,
+        intake: IntakeControl,
+    ) -> Result<Self, TopologyError> {
+        let app = cfg.application_id.clone();
+        let mut topic_sub = HashMap::new();
+        let mut topics = Vec::new();
+        for st in topology.subtopologies() {
+            for t in st.source_topics(&app) {
+                topic_sub.insert(t.clone(), st.id);
+                topics.push(t);
+            }
+        }
+        let shared_producer = match cfg.guarantee {
+            Guarantee::AtLeastOnce => Some(create_producer(&cfg, None)?),
+            Guarantee::ExactlyOnce => None,
+        };
+        let (completions_tx, completions_rx) = crossbeam_channel::unbounded();
+        let (wake_tx, wake_rx) = crossbeam_channel::bounded(1);
+        let env = RocksEnv::new(cfg.rocksdb.clone());
+        let engine = Arc::new(Mutex::new(Engine {
+            topology,
+            cfg: cfg.clone(),
+            metrics: metrics.clone(),
+            dlq_partitions,
+            env,
+            runtime,
+            completions_tx,
+            completions_rx: completions_rx.clone(),
+            wake_tx: wake_tx.clone(),
+            topic_sub,
+            tasks: BTreeMap::new(),
+            suspended: BTreeMap::new(),
+            pending: BTreeMap::new(),
+            shared_producer,
+            paused: HashSet::new(),
+            queues: HashMap::new(),
+            drains: 0,
+            rejoin: false,
+            unsplit: HashSet::new(),
+            last_commit: Instant::now(),
+            last_punctuate: Instant::now(),
+            status,
+            intake,
+            joined: false,
+            fatal: None,
+        }));
+
+        let mut c = client_config(&cfg);
+        let session_ms = cfg.session_timeout.as_millis();
+        c.set("group.id", &app)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.offset.reset", "earliest")
+            .set("partition.assignment.strategy", "range")
+            .set("session.timeout.ms", session_ms.to_string())
+            .set(
+                "heartbeat.interval.ms",
+                (session_ms / 3).max(100).to_string(),
+            )
+            .set(
+                "max.poll.interval.ms",
+                cfg.max_poll_interval.as_millis().to_string(),
+            )
+            .set("statistics.interval.ms", "5000")
+            // Split partition queues apply the prefetch bound per partition.
+            .set("queued.max.messages.kbytes", PREFETCH_KBYTES_PER_PARTITION)
+            .set(
+                "isolation.level",
+                match cfg.guarantee {
+                    Guarantee::ExactlyOnce => "read_committed",
+                    Guarantee::AtLeastOnce => "read_uncommitted",
+                },
+            );
+        for (k, v) in &cfg.consumer_overrides {
+            c.set(k, v);
+        }
+        let reset = reset_offset(c.get("auto.offset.reset"));
+        let mut consumer: DriverConsumer = c.create_with_context(DriverContext {
+            engine: engine.clone(),
+            metrics,
+            reset,
+        })?;
+        consumer.set_nonempty_callback(waker(&wake_tx));
+        Ok(Driver {
+            engine,
+            consumer: Arc::new(consumer),
+            topics,
+            wake_rx,
+            completions: completions_rx,
+        })
+    }
+
+    /// Runs until `stop` is set or an error stops the instance.
+    pub(crate) fn run(self, stop: &AtomicBool) -> Result<(), RuntimeError> {
+        let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
+        self.consumer.subscribe(&topics)?;
+        let result = self.main_loop(stop);
+        let mut engine = self.engine.lock();
+        let result = match (result, engine.fatal.take()) {
+            (Err(e), _) | (Ok(()), Some(e)) => Err(e),
+            (Ok(()), None) => Ok(()),
+        };
+        match &result {
+            // Clean stop: drain, commit and close every task.
+            Ok(()) => engine.close_all(&self.consumer, true)?,
+            // Crash semantics: commit nothing more.
+            Err(_) => engine.close_all(&self.consumer, false)?,
+        }
+        drop(engine);
+        self.consumer.unsubscribe();
+        result
+    }
+
+    /// Waits for work — a record or event in the consumer's queue, a record in a
+    /// partition queue, a completed async call — or the next tick, then takes
+    /// what is there without blocking: records reaching a partition queue
+    /// could not end a blocking poll of the consumer's queue.
+    fn main_loop(&self, stop: &AtomicBool) -> Result<(), RuntimeError> {
+        let batch = 2_000;
+        let tick = Duration::from_millis(10);
+        let mut more = false;
+        while !stop.load(Ordering::SeqCst) {
+            if !more {
+                let mut sel = crossbeam_channel::Select::new();
+                sel.recv(&self.wake_rx);
+                sel.recv(&self.completions);
+                let _ = sel.ready_timeout(tick);
+                while self.wake_rx.try_recv().is_ok() {}
+            }
+            let mut n = 0;
+            let mut drained = false;
+            while n < batch {
+                let Some(msg) = self.consumer.poll(Duration::ZERO) else {
+                    drained = true;
+                    break;
+                };
+                match msg {
+                    Ok(m) => {
+                        let mut engine = self.engine.lock();
+                        engine.on_message(&m)?;
+                    }
+                    Err(e) => tracing::warn!(error = %e, "consumer error"),
+                }
+                n += 1;
+            }
+            let mut engine = self.engine.lock();
+            if let Some(e) = engine.fatal.take() {
+                return Err(e);
+            }
+            if drained {
+                engine.drains += 1;
+            }
+            engine.tick(&self.consumer)?;
+            if std::mem::take(&mut engine.rejoin) {
+                // As Kafka Streams does for a migrated task: leave and join
+                // the group again, so the coordinator's assignment decides.
+                drop(engine);
+                let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
+                self.consumer.unsubscribe();
+                self.consumer.subscribe(&topics)?;
+                more = true;
+                continue;
+            }
+            // Records may be left where the wake-up already fired.
+            more = engine.feed()? || n == batch;
+        }
+        Ok(())
+    }
+}
+
+fn timestamp_of(msg: &impl Message) -> i64 {
+    msg.timestamp()
+        .to_millis()
+        .filter(|t| *t >= 0)
+        .unwrap_or_else(now_ms)
+}
+
+impl Engine {
+    fn fail(&mut self, e: RuntimeError) {
+        tracing::error!(error = %e, "stream task failed");
+        if self.fatal.is_none() {
+            self.fatal = Some(e);
+        }
+    }
+
+    fn eos(&self) -> bool {
+        self.cfg.guarantee == Guarantee::ExactlyOnce
+    }
+
+    /// The task that reads `partition` of `topic`, if the topology reads it.
+    fn task_of(&self, topic: &str, partition: i32) -> Option<TaskId> {
+        self.topic_sub.get(topic).map(|&sub| TaskId {
+            subtopology: sub as u32,
+            partition,
+        })
+    }
+
+    fn on_message(&mut self, msg: &BorrowedMessage<'_>) -> Result<(), RuntimeError> {
+        let Some(id) = self.task_of(msg.topic(), msg.partition()) else {
+            return Ok(());
+        };
+        if let Some(p) = self.pending.get_mut(&id) {
+            p.buffered.push(msg.detach());
+            return Ok(());
+        }
+        let eos = self.eos();
+        let max = self.cfg.max_in_flight_per_partition;
+        let Some(task) = self.tasks.get_mut(&id) else {
+            tracing::debug!(
+                topic = msg.topic(),
+                partition = msg.partition(),
+                "record for a task not assigned here"
+            );
+            return Ok(());
+        };
+        task.offer(msg, &self.metrics, eos, max)
+    }
+
+    /// Everything between polls: completions, restores, punctuation, commits,
+    /// pause/resume, status.
+    fn tick(&mut self, consumer: &Arc<DriverConsumer>) -> Result<(), RuntimeError> {
+        self.handle_completions()?;
+        self.check_restores()?;
+        self.attach_queues(consumer)?;
+        if self.last_punctuate.elapsed() >= self.cfg.punctuate_interval {
+            self.last_punctuate = Instant::now();
+            let now = now_ms();
+            let (metrics, eos) = (self.metrics.clone(), self.eos());
+            for task in self.tasks.values_mut() {
+                task.core
+                    .punctuate(now)
+                    .map_err(|error| RuntimeError::Process {
+                        task: task.core.id,
+                        error,
+                    })?;
+                send_outputs(task, &metrics, eos)?;
+            }
+        }
+        let cache_full = self.tasks.values().any(|t| {
+            t.core.ctx.commit_requested
+                || t.core
+                    .ctx
+                    .state
+                    .as_ref()
+                    .is_some_and(|s| s.dirty_len() >= self.cfg.cache_max_entries)
+        });
+        if cache_full || self.last_commit.elapsed() >= self.cfg.commit_interval() {
+            self.commit_all(consumer)?;
+        }
+        self.update_pauses(consumer)?;
+        for task in self.tasks.values_mut().chain(self.suspended.values_mut()) {
+            task.count_in(&self.metrics);
+        }
+        self.update_metrics();
+        Ok(())
+    }
+
+    /// Hands the async completions that arrived to their tasks: in arrival
+    /// order per task, tasks side by side when there are many.
+    fn handle_completions(&mut self) -> Result<(), RuntimeError> {
+        let msgs: Vec<CompletionMsg> = self.completions_rx.try_iter().collect();
+        let threads = self.cfg.processing_threads;
+        if msgs.len() < PARALLEL_COMPLETIONS || threads <= 1 {
+            for msg in msgs {
+                self.complete(msg)?;
+            }
+            return Ok(());
+        }
+        let mut by_task: HashMap<TaskId, Vec<CompletionMsg>> = HashMap::new();
+        for msg in msgs {
+            by_task.entry(msg.task).or_default().push(msg);
+        }
+        let (metrics, eos) = (self.metrics.clone(), self.eos());
+        let work: Vec<(&mut ActiveTask, Vec<CompletionMsg>)> = self
+            .tasks
+            .iter_mut()
+            .filter_map(|(id, t)| by_task.remove(id).map(|m| (t, m)))
+            .collect();
+        in_parallel(work, threads, |(task, msgs)| {
+            for msg in msgs {
+                task.core
+                    .complete(msg)
+                    .map_err(|error| RuntimeError::Process {
+                        task: task.core.id,
+                        error,
+                    })?;
+            }
+            send_outputs(task, &metrics, eos)
+        })?;
+        Ok(())
+    }
+
+    /// Hands an async completion to its task (if the task is still here).
+    fn complete(&mut self, msg: CompletionMsg) -> Result<(), RuntimeError> {
+        let eos = self.eos();
+        if let Some(task) = self.tasks.get_mut(&msg.task) {
+            task.core
+                .complete(msg)
+                .map_err(|error| RuntimeError::Process {
+                    task: task.core.id,
+                    error,
+                })?;
+            send_outputs(task, &self.metrics, eos)?;
+        }
+        Ok(())
+    }
+
+    /// Forwards cached results of tasks (before a commit).
+    fn flush_tasks(&mut self, ids: &[TaskId]) -> Result<(), RuntimeError> {
+        let (metrics, eos) = (self.metrics.clone(), self.eos());
+        let threads = self.cfg.processing_threads;
+        let tasks: Vec<&mut ActiveTask> = self
+            .tasks
+            .iter_mut()
+            .filter(|(id, _)| ids.contains(id))
+            .map(|(_, t)| t)
+            .collect();
+        in_parallel(tasks, threads, |task| {
+            task.core.flush().map_err(|error| RuntimeError::Process {
+                task: task.core.id,
+                error,
+            })?;
+            send_outputs(task, &metrics, eos)
+        })?;
+        Ok(())
+    }
+
+    /// The listed tasks, active or suspended.
+    fn tasks_mut(&mut self, ids: &[TaskId]) -> Vec<&mut ActiveTask> {
+        self.tasks
+            .iter_mut()
+            .chain(self.suspended.iter_mut())
+            .filter(|(id, _)| ids.contains(id))
+            .map(|(_, t)| t)
+            .collect()
+    }
+
+    fn update_metrics(&self) {
+        let in_flight: usize = self.tasks.values().map(|t| t.core.in_flight()).sum();
+        self.metrics.in_flight.set(in_flight as i64);
+        self.metrics.paused.set(self.paused.len() as i64);
+        self.metrics
+            .tasks
+            .with_label_values(&["running"])
+            .set(self.tasks.len() as i64);
+        self.metrics
+            .tasks
+            .with_label_values(&["restoring"])
+            .set(self.pending.len() as i64);
+        let state = if !self.joined {
+            AppState::Starting
+        } else if self.pending.is_empty() {
+            AppState::Running
+        } else {
+            AppState::Restoring
+        };
+        if self.fatal.is_none() {
+            self.status.set(state);
+        }
+    }
+
+    /// Closes every task: with `commit`, drains and commits first.
+    fn close_all(&mut self, consumer: &DriverConsumer, commit: bool) -> Result<(), RuntimeError> {
+        // The queues hold the consumer; the engine must not.
+        self.queues.clear();
+        for (_, mut p) in std::mem::take(&mut self.pending) {
+            p.cancel.store(true, Ordering::SeqCst);
+            if let Some(h) = p.handle.take() {
+                let _ = h.join();
+            }
+        }
+        let ids: Vec<TaskId> = self.tasks.keys().copied().collect();
+        if commit && !ids.is_empty() {
+            self.drain(&ids)?;
+            self.commit_all(consumer)?;
+        }
+        for (_, mut t) in std::mem::take(&mut self.tasks) {
+            t.count_in(&self.metrics);
+            t.core.abandon();
+            if t.txn_open {
+                let _ = t.producer.abort_transaction(TXN_TIMEOUT);
+                self.metrics.aborted.inc();
+            }
+        }
+        self.suspended.clear();
+        self.status.set_tasks([]);
+        Ok(())
+    }
+}
+
+/// A crash point for tests: with `SLUICE_FAILPOINT=<name>:<n>` in the
+/// environment, the process aborts (as if killed) the n-th time it reaches the
+/// point named `name`. Without the variable this is a no-op.
+fn failpoint(name: &str) {
+    use std::sync::atomic::AtomicI64;
+    static REMAINING: AtomicI64 = AtomicI64::new(i64::MIN);
+    static CONFIG: std::sync::OnceLock<Option<(String, i64)>> = std::sync::OnceLock::new();
+    let Some((point, n)) = CONFIG.get_or_init(|| {
+        let v = std::env::var("SLUICE_FAILPOINT").ok()?;
+        let (p, n) = v.split_once(':')?;
+        Some((p.to_string(), n.parse().ok()?))
+    }) else {
+        return;
+    };
+    if point != name {
+        return;
+    }
+    let _ = REMAINING.compare_exchange(i64::MIN, *n, Ordering::SeqCst, Ordering::SeqCst);
+    if REMAINING.fetch_sub(1, Ordering::SeqCst) == 1 {
+        eprintln!("failpoint {name} reached: aborting");
+        std::process::abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reset_policies_map_to_logical_offsets() {
+        for p in ["earliest", "smallest", "beginning"] {
+            assert_eq!(reset_offset(Some(p)), Some(Offset::Beginning), "{p}");
+        }
+        for p in ["latest", "largest", "end"] {
+            assert_eq!(reset_offset(Some(p)), Some(Offset::End), "{p}");
+        }
+        // `error` (and anything unknown) stays librdkafka's to apply.
+        assert_eq!(reset_offset(Some("error")), None);
+        assert_eq!(reset_offset(None), None);
+    }
+
+    #[test]
+    fn in_parallel_keeps_item_order_and_uses_several_threads() {
+        let items: Vec<u32> = (0..9).collect();
+        let main = std::thread::current().id();
+        let got = in_parallel(items, 3, |i| {
+            std::thread::sleep(Duration::from_millis(5));
+            Ok((i * 10, std::thread::current().id()))
+        })
+        .unwrap();
+        let values: Vec<u32> = got.iter().map(|(v, _)| *v).collect();
+        assert_eq!(values, (0..9).map(|i| i * 10).collect::<Vec<_>>());
+        let threads: HashSet<_> = got.iter().map(|(_, t)| *t).collect();
+        assert_eq!(threads.len(), 3, "three threads share the items");
+        assert!(threads.contains(&main), "the calling thread takes a share");
+    }
+
+    #[test]
+    fn in_parallel_reports_an_error_of_any_item() {
+        let err = in_parallel((0..4).collect::<Vec<u32>>(), 2, |i| {
+            if i == 3 {
+                Err(RuntimeError::Other(format!("item {i} failed")))
+            } else {
+                Ok(i)
+            }
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("item 3 failed"), "{err}");
+        let one = in_parallel(vec![7u32], 4, Ok).unwrap();
+        assert_eq!(one, vec![7]);
+    }
+}

@@ -1,0 +1,270 @@
+//! Rebalances: revocation (drain, commit, suspend), lost partitions (close
+//! dirty), assignment (resume or restore) and the start positions handed to
+//! librdkafka.
+
+use super::*;
+
+impl Engine {
+    /// Revocation: stop intake of the revoked tasks, drain their in-flight work,
+    /// commit, and suspend them until the assignment that follows.
+    pub(super) fn on_revoke(
+        &mut self,
+        consumer: &DriverConsumer,
+        tpl: &TopicPartitionList,
+    ) -> Result<(), RuntimeError> {
+        self.metrics.rebalances.inc();
+        self.status.set(AppState::Rebalancing);
+        let revoked: HashSet<Tp> = tpl
+            .elements()
+            .iter()
+            .map(|e| (e.topic().to_string(), e.partition()))
+            .collect();
+        let hit = |parts: &[Tp]| parts.iter().any(|p| revoked.contains(p));
+        let pending: Vec<TaskId> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| hit(&p.partitions))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in pending {
+            if let Some(mut p) = self.pending.remove(&id) {
+                for tp in &p.partitions {
+                    self.paused.remove(tp);
+                }
+                p.cancel.store(true, Ordering::SeqCst);
+                if let Some(h) = p.handle.take() {
+                    let _ = h.join();
+                }
+            }
+        }
+        let ids: Vec<TaskId> = self
+            .tasks
+            .iter()
+            .filter(|(_, t)| hit(&t.partitions))
+            .map(|(id, _)| *id)
+            .collect();
+        self.queues.retain(|tp, _| !revoked.contains(tp));
+        if self.fatal.is_some() {
+            for id in ids {
+                self.tasks.remove(&id);
+            }
+            return Ok(());
+        }
+        if consumer.assignment_lost() {
+            // Another instance may own these partitions already (this one
+            // missed its session timeout, or was fenced): nothing of theirs
+            // since the last commit may reach the changelogs or local state.
+            tracing::warn!(tasks = ?ids, "partitions lost: closing their tasks dirty");
+            self.close_dirty(&ids);
+            return Ok(());
+        }
+        self.drain(&ids)?;
+        self.commit_tasks(consumer, &ids)?;
+        for id in ids {
+            if let Some(mut task) = self.tasks.remove(&id) {
+                for tp in &task.partitions {
+                    self.paused.remove(tp);
+                }
+                // Queued records are read again from the committed position.
+                for q in &mut task.backlog {
+                    q.clear();
+                }
+                self.suspended.insert(id, task);
+            }
+        }
+        self.status.set_tasks(self.tasks.keys().copied());
+        Ok(())
+    }
+
+    /// Closes tasks without committing: in-flight calls abandoned, an open
+    /// transaction aborted, uncommitted state and held outputs dropped (the
+    /// local store keeps what the last commit wrote). A task that comes back
+    /// restores from its changelogs like any new one.
+    pub(super) fn close_dirty(&mut self, ids: &[TaskId]) {
+        for id in ids {
+            let Some(mut task) = self.tasks.remove(id).or_else(|| self.suspended.remove(id)) else {
+                continue;
+            };
+            task.count_in(&self.metrics);
+            task.core.abandon();
+            if task.txn_open {
+                if let Err(e) = task.producer.abort_transaction(TXN_TIMEOUT) {
+                    tracing::debug!(task = %id, error = %e, "abort of a closed task's transaction failed");
+                }
+                self.metrics.aborted.inc();
+            }
+            for tp in &task.partitions {
+                self.paused.remove(tp);
+                self.queues.remove(tp);
+            }
+            tracing::info!(task = %id, "task closed dirty");
+        }
+        self.status.set_tasks(self.tasks.keys().copied());
+    }
+
+    /// Waits for the in-flight async calls of `ids` (handling completions of all
+    /// tasks meanwhile) up to the drain timeout, then abandons what is left.
+    pub(super) fn drain(&mut self, ids: &[TaskId]) -> Result<(), RuntimeError> {
+        let deadline = Instant::now() + self.cfg.drain_timeout;
+        loop {
+            let pending: usize = ids
+                .iter()
+                .filter_map(|id| self.tasks.get(id))
+                .map(|t| t.core.ctx.spawner.pending())
+                .sum();
+            if pending == 0 {
+                return Ok(());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                tracing::warn!(
+                    pending,
+                    "drain timeout: abandoning in-flight calls; their records stay uncommitted"
+                );
+                for id in ids {
+                    if let Some(t) = self.tasks.get_mut(id) {
+                        t.core.abandon();
+                    }
+                }
+                return Ok(());
+            }
+            if let Ok(msg) = self
+                .completions_rx
+                .recv_timeout(left.min(Duration::from_millis(50)))
+            {
+                self.complete(msg)?;
+            }
+        }
+    }
+
+    /// Assignment: resume suspended tasks that stayed here, close the others,
+    /// and restore new ones (buffering their records meanwhile).
+    pub(super) fn on_assign(
+        &mut self,
+        consumer: &DriverConsumer,
+        tpl: &TopicPartitionList,
+    ) -> Result<(), RuntimeError> {
+        self.joined = true;
+        // An assignment forwards every partition to the consumer's queue again.
+        self.queues.clear();
+        self.unsplit.clear();
+        let mut by_task: BTreeMap<TaskId, Vec<Tp>> = BTreeMap::new();
+        for e in tpl.elements() {
+            if let Some(id) = self.task_of(e.topic(), e.partition()) {
+                by_task
+                    .entry(id)
+                    .or_default()
+                    .push((e.topic().to_string(), e.partition()));
+            }
+        }
+        let gone: Vec<TaskId> = self
+            .suspended
+            .keys()
+            .filter(|id| !by_task.contains_key(id))
+            .copied()
+            .collect();
+        for id in gone {
+            if let Some(mut task) = self.suspended.remove(&id) {
+                tracing::info!(task = %id, "task moved to another instance");
+                task.count_in(&self.metrics);
+                drop(task);
+            }
+        }
+        let mut resume_at = TopicPartitionList::new();
+        for (id, parts) in by_task {
+            if self.tasks.contains_key(&id) || self.pending.contains_key(&id) {
+                continue;
+            }
+            if let Some(mut task) = self.suspended.remove(&id) {
+                if !task.core.is_abandoned() {
+                    // Continue exactly where this task left off: the group's
+                    // committed offset can lag a transaction whose commit the
+                    // broker has not applied yet.
+                    for (slot, tracker) in task.core.slots.iter().zip(&task.core.trackers) {
+                        if let Some(next) = tracker.last_committed() {
+                            resume_at.add_partition_offset(
+                                &slot.topic,
+                                slot.partition,
+                                Offset::Offset(next),
+                            )?;
+                        }
+                    }
+                    self.tasks.insert(id, task);
+                    continue;
+                }
+                // Its abandoned records must be read again: start afresh.
+                task.count_in(&self.metrics);
+                drop(task);
+            }
+            // Not paused: librdkafka looks up the positions and fetches while
+            // the task restores (a pause would hold the lookup back until the
+            // resume); records wait in the split queues (`attach_queues`).
+            self.start_restore(id, parts);
+        }
+        if resume_at.count() > 0 {
+            // Positions, not commits: librdkafka starts fetching there.
+            // (Records below are skipped by the task in any case.)
+            match consumer.seek_partitions(resume_at, Duration::from_secs(10)) {
+                Ok(result) => {
+                    for e in result.elements() {
+                        if let Err(err) = e.error() {
+                            tracing::debug!(topic = e.topic(), partition = e.partition(), error = %err, "seek on resume failed");
+                        }
+                    }
+                }
+                Err(err) => tracing::debug!(error = %err, "seek on resume failed"),
+            }
+        }
+        self.status.set_tasks(self.tasks.keys().copied());
+        Ok(())
+    }
+}
+
+/// The start of a partition without a committed offset under the
+/// `auto.offset.reset` policy `policy`; `None` for a policy librdkafka must
+/// apply itself (`error`).
+pub(super) fn reset_offset(policy: Option<&str>) -> Option<Offset> {
+    match policy? {
+        "earliest" | "smallest" | "beginning" => Some(Offset::Beginning),
+        "latest" | "largest" | "end" => Some(Offset::End),
+        _ => None,
+    }
+}
+
+/// Sets where each newly assigned partition starts: at its committed offset,
+/// or at `reset` when it has none. librdkafka looks the same up when positions
+/// are left unset, but it starts a partition without a committed offset only
+/// after a 100 ms back-off, which every new group and new partition would
+/// pay. If the lookup fails, the positions stay unset and librdkafka decides.
+pub(super) fn set_start_positions(
+    consumer: &BaseConsumer<DriverContext>,
+    tpl: &mut TopicPartitionList,
+    reset: Option<Offset>,
+) {
+    let Some(reset) = reset else { return };
+    let committed = match consumer.committed_offsets(tpl.clone(), COMMITTED_LOOKUP_TIMEOUT) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::debug!(error = %e, "committed offsets lookup failed; librdkafka looks them up");
+            return;
+        }
+    };
+    let mut starts = Vec::new();
+    for e in committed.elements() {
+        let start = match (e.error(), e.offset()) {
+            (Ok(()), Offset::Offset(o)) if o >= 0 => Offset::Offset(o),
+            (Ok(()), Offset::Invalid) => reset,
+            // An error or an unexpected answer: leave every position to librdkafka.
+            _ => return,
+        };
+        starts.push((e.topic().to_string(), e.partition(), start));
+    }
+    for (topic, partition, start) in starts {
+        if tpl.set_partition_offset(&topic, partition, start).is_err() {
+            tracing::debug!(topic, partition, "cannot set a start position");
+        }
+    }
+}
+
+/// How long the assignment waits for the committed offsets it looks up.
+pub(super) const COMMITTED_LOOKUP_TIMEOUT: Duration = Duration::from_secs(10);

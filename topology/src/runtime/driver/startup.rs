@@ -1,0 +1,127 @@
+//! Task start-up: fencing, opening and restoring state on a helper thread,
+//! then activating the task with the records buffered meanwhile.
+
+use super::*;
+
+impl Engine {
+    pub(super) fn start_restore(&mut self, id: TaskId, partitions: Vec<Tp>) {
+        let cancel = Arc::new(AtomicBool::new(false));
+        let cfg = self.cfg.clone();
+        let topology = self.topology.clone();
+        let env = self.env.clone();
+        let metrics = self.metrics.clone();
+        let shared = self.shared_producer.clone();
+        let stop = cancel.clone();
+        let handle = std::thread::Builder::new()
+            .name(format!("sluice-restore-{id}"))
+            .spawn(move || init_task(&cfg, &topology, &env, &metrics, shared, id, &stop))
+            .ok();
+        self.pending.insert(
+            id,
+            PendingTask {
+                handle,
+                cancel,
+                buffered: Vec::new(),
+                partitions,
+            },
+        );
+    }
+
+    /// Activates tasks whose restore finished.
+    pub(super) fn check_restores(&mut self) -> Result<(), RuntimeError> {
+        let done: Vec<TaskId> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| p.handle.as_ref().is_none_or(|h| h.is_finished()))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in done {
+            let mut p = self.pending.remove(&id).expect("listed above");
+            let restored = match p.handle.take() {
+                Some(h) => h.join().unwrap_or_else(|_| {
+                    Err(RuntimeError::Other(format!(
+                        "restore of task {id} panicked"
+                    )))
+                })?,
+                None => {
+                    return Err(RuntimeError::Other(format!(
+                        "cannot start restore thread for task {id}"
+                    )))
+                }
+            };
+            let sub = &self.topology.subtopologies()[id.subtopology as usize];
+            let core = TaskCore::new(
+                sub,
+                id.partition,
+                &self.cfg.application_id,
+                restored.state,
+                self.runtime.clone(),
+                self.completions_tx.clone(),
+                &self.dlq_partitions,
+            )?;
+            let mut task = ActiveTask::new(
+                core,
+                restored.producer,
+                restored.delivery,
+                p.partitions.clone(),
+            );
+            let (metrics, eos) = (self.metrics.clone(), self.eos());
+            let max = self.cfg.max_in_flight_per_partition;
+            for msg in p.buffered.drain(..) {
+                task.offer(&msg, &metrics, eos, max)?;
+            }
+            tracing::info!(task = %id, "task restored; processing");
+            // Its buffered records (those that reached the consumer's queue
+            // before the split) went first; its split queues follow.
+            self.tasks.insert(id, task);
+        }
+        self.status.set_tasks(self.tasks.keys().copied());
+        Ok(())
+    }
+}
+
+/// Runs on a restore thread: fence (exactly-once), open state, restore.
+fn init_task(
+    cfg: &StreamsConfig,
+    topology: &Topology,
+    env: &RocksEnv,
+    metrics: &EngineMetrics,
+    shared: Option<(Arc<TrackedProducer>, Arc<DeliveryState>)>,
+    id: TaskId,
+    cancel: &AtomicBool,
+) -> Result<Restored, RuntimeError> {
+    let started = Instant::now();
+    let sub = &topology.subtopologies()[id.subtopology as usize];
+    let (producer, delivery) = match shared {
+        Some(p) => p,
+        None => {
+            let txn_id = format!("{}-{}", cfg.application_id, id);
+            let (p, d) = create_producer(cfg, Some(&txn_id))?;
+            // Fences whatever transaction a previous owner of this task left open.
+            let topic = sub
+                .source_topics(&cfg.application_id)
+                .pop()
+                .unwrap_or_default();
+            init_transactions(&p, &topic, TXN_TIMEOUT)?;
+            (p, d)
+        }
+    };
+    let state = if sub.stores().is_empty() {
+        None
+    } else {
+        let dir = cfg.state_dir.join(&cfg.application_id).join(id.to_string());
+        let mut state = TaskState::open(&dir, sub.stores(), env)?;
+        let restore_started = Instant::now();
+        let stats = restore_task(cfg, id, &mut state, &producer, &delivery, cancel)?;
+        metrics.observe_restore(restore_started.elapsed());
+        metrics.restore_records.inc_by(stats.records);
+        tracing::info!(task = %id, records = stats.records, "restored");
+        Some(state)
+    };
+    tracing::debug!(task = %id, elapsed = ?started.elapsed(), "task initialised");
+    Ok(Restored {
+        state,
+        producer,
+        delivery,
+    })
+}
