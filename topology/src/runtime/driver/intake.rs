@@ -154,6 +154,9 @@ pub(super) fn feed_task(
     max: usize,
     limit: usize,
 ) -> Result<bool, RuntimeError> {
+    // Records whose calls completed since the last look leave room: without
+    // taking them into account a full task would wait for the next tick.
+    task.core.drain_done();
     let mut fed = false;
     for &(slot, queue) in queues {
         let mut taken = 0;
