@@ -222,6 +222,44 @@ fn two_instances(
 }
 
 #[test]
+fn a_crash_between_the_commit_and_the_local_write_keeps_expiring_windowed_counts_exact() {
+    // Windows expire as stream time passes them (no grace, one-minute
+    // retention). The process aborts right after its 5th transaction
+    // committed, before that commit reached RocksDB: the restart restores the
+    // changelog tail past its checkpoint, and every window's last count read
+    // read_committed is exact.
+    let ex = Example {
+        kind: "windowed-count",
+        app: unique("expiry"),
+        input: unique("in"),
+        output: unique("out"),
+        extra: ["--guarantee", "exactly-once", "--grace-ms", "0"]
+            .map(String::from)
+            .to_vec(),
+    };
+    create_topics(&bootstrap(), &[(&ex.input, 2, &[]), (&ex.output, 2, &[])]).unwrap();
+    let (records, expected) = keyed_records(200_000, 200, 8, base_time());
+    produce(&bootstrap(), &ex.input, records).unwrap();
+    let dir = temp_dir();
+    let mut p = Proc::spawn_env(
+        "expiry-1",
+        &ex.args(dir.path()),
+        &[("SLUICE_FAILPOINT", "eos_after_commit_before_local:5")],
+    );
+    let status = eventually(
+        Duration::from_secs(120),
+        "the failpoint aborts the process",
+        || p.child.try_wait().unwrap(),
+    );
+    assert!(!status.success(), "the failpoint aborted the process");
+    let mut p = ex.spawn("expiry-2", dir.path());
+    let got = wait_counts(&ex.output, &expected, Duration::from_secs(180));
+    let stats = p.stop();
+    assert_counts_equal(&got, &expected);
+    assert_eq!(stats["ok"], true, "{stats}");
+}
+
+#[test]
 fn survivor_takes_over_a_killed_instance_and_keeps_aggregates_exact() {
     let ex = Example::windowed_count("eos-failover", "exactly-once", 4);
     let (records, expected) = keyed_records(60_000, 300, 5, base_time());

@@ -481,6 +481,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn metadata_sorts_below_every_window_key() {
+        // Expiry and window range reads cover [window key of `from`, window
+        // key of `to`); the smallest window key is that of i64::MIN.
+        let lowest = sluice_state::encode_window_key(i64::MIN, b"");
+        assert!(META_KEY < lowest.as_slice());
+        assert!(
+            LEGACY_META_KEY > lowest.as_slice(),
+            "the old key sat inside the ranges"
+        );
+    }
+
+    #[test]
     fn tumbling_windows() {
         let w = TimeWindows::tumbling(Duration::from_secs(60));
         let got: Vec<Window> = w.windows_for(61_000).collect();

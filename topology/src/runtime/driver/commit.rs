@@ -237,6 +237,7 @@ pub(super) fn commit_eos(
         "transaction committed"
     );
     task.txn_open = false;
+    failpoint("eos_after_commit_before_local");
     let next = task.delivery.take_changelog_next(id);
     task.core.finish_commit(&offsets, &next)?;
     task.core
