@@ -147,6 +147,18 @@ fn assert_counts_equal(
     }
 }
 
+/// Runs an example with a crash point armed (`SLUICE_FAILPOINT=point`) and
+/// waits until the process aborts there.
+fn abort_at(ex: &Example, dir: &tempfile::TempDir, name: &str, point: &str) {
+    let mut p = Proc::spawn_env(name, &ex.args(dir.path()), &[("SLUICE_FAILPOINT", point)]);
+    let status = eventually(
+        Duration::from_secs(120),
+        "the failpoint aborts the process",
+        || p.child.try_wait().unwrap(),
+    );
+    assert!(!status.success(), "the failpoint aborted the process");
+}
+
 #[test]
 fn exactly_once_windowed_count_survives_three_sigkills() {
     let ex = Example::windowed_count("eos-kill", "exactly-once", 4);
@@ -180,17 +192,7 @@ fn a_crash_after_changelog_writes_leaks_nothing_into_state() {
     let (records, expected) = keyed_records(40_000, 200, 4, base_time());
     produce(&bootstrap(), &ex.input, records).unwrap();
     let dir = temp_dir();
-    let mut p = Proc::spawn_env(
-        "leak-1",
-        &ex.args(dir.path()),
-        &[("SLUICE_FAILPOINT", "eos_after_changelog_flush:2")],
-    );
-    let status = eventually(
-        Duration::from_secs(120),
-        "the failpoint aborts the process",
-        || p.child.try_wait().unwrap(),
-    );
-    assert!(!status.success(), "the failpoint aborted the process");
+    abort_at(&ex, &dir, "leak-1", "eos_after_changelog_flush:2");
     let mut p = ex.spawn("leak-2", dir.path());
     let got = wait_counts(&ex.output, &expected, Duration::from_secs(180));
     let stats = p.stop();
@@ -241,17 +243,7 @@ fn a_crash_between_the_commit_and_the_local_write_keeps_expiring_windowed_counts
     let (records, expected) = keyed_records(200_000, 200, 8, base_time());
     produce(&bootstrap(), &ex.input, records).unwrap();
     let dir = temp_dir();
-    let mut p = Proc::spawn_env(
-        "expiry-1",
-        &ex.args(dir.path()),
-        &[("SLUICE_FAILPOINT", "eos_after_commit_before_local:5")],
-    );
-    let status = eventually(
-        Duration::from_secs(120),
-        "the failpoint aborts the process",
-        || p.child.try_wait().unwrap(),
-    );
-    assert!(!status.success(), "the failpoint aborted the process");
+    abort_at(&ex, &dir, "expiry-1", "eos_after_commit_before_local:5");
     let mut p = ex.spawn("expiry-2", dir.path());
     let got = wait_counts(&ex.output, &expected, Duration::from_secs(180));
     let stats = p.stop();
@@ -651,19 +643,7 @@ fn async_count_run(
                 p.kill9();
             }
         }
-        Interrupt::Failpoint(point) => {
-            let mut p = Proc::spawn_env(
-                "acount-fail",
-                &ex.args(dir.path()),
-                &[("SLUICE_FAILPOINT", point)],
-            );
-            let status = eventually(
-                Duration::from_secs(120),
-                "the failpoint aborts the process",
-                || p.child.try_wait().unwrap(),
-            );
-            assert!(!status.success(), "the failpoint aborted the process");
-        }
+        Interrupt::Failpoint(point) => abort_at(&ex, &dir, "acount-fail", point),
     }
     let mut p = ex.spawn("acount-final", dir.path());
     let seqs = count_sequences(&ex.output, &expected, exact);

@@ -113,6 +113,25 @@ impl ActiveTask {
         self.backlog[slot].is_empty() && self.core.trackers[slot].in_flight() < max
     }
 
+    /// Hands async completions to the task, in order, then sends (or, under
+    /// exactly-once, holds) what they produced.
+    fn complete(
+        &mut self,
+        msgs: impl IntoIterator<Item = CompletionMsg>,
+        metrics: &EngineMetrics,
+        eos: bool,
+    ) -> Result<(), RuntimeError> {
+        for msg in msgs {
+            self.core
+                .complete(msg)
+                .map_err(|error| RuntimeError::Process {
+                    task: self.core.id,
+                    error,
+                })?;
+        }
+        send_outputs(self, metrics, eos)
+    }
+
     /// Processes a record now if the in-flight bound allows, else queues it.
     fn offer(
         &mut self,
@@ -676,15 +695,7 @@ impl Engine {
             .filter_map(|(id, t)| by_task.remove(id).map(|m| (t, m)))
             .collect();
         in_parallel(work, threads, |(task, msgs)| {
-            for msg in msgs {
-                task.core
-                    .complete(msg)
-                    .map_err(|error| RuntimeError::Process {
-                        task: task.core.id,
-                        error,
-                    })?;
-            }
-            send_outputs(task, &metrics, eos)
+            task.complete(msgs, &metrics, eos)
         })?;
         Ok(())
     }
@@ -692,16 +703,10 @@ impl Engine {
     /// Hands an async completion to its task (if the task is still here).
     fn complete(&mut self, msg: CompletionMsg) -> Result<(), RuntimeError> {
         let eos = self.eos();
-        if let Some(task) = self.tasks.get_mut(&msg.task) {
-            task.core
-                .complete(msg)
-                .map_err(|error| RuntimeError::Process {
-                    task: task.core.id,
-                    error,
-                })?;
-            send_outputs(task, &self.metrics, eos)?;
+        match self.tasks.get_mut(&msg.task) {
+            Some(task) => task.complete([msg], &self.metrics, eos),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Forwards cached results of tasks (before a commit).
