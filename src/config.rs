@@ -80,9 +80,9 @@ pub struct AppSection {
     pub drain_timeout_ms: u64,
     /// Threads that process tasks side by side (default: the number of cores).
     pub processing_threads: Option<usize>,
-    /// Commit the tasks' transactions in parallel (exactly-once). Safe here
-    /// because every write of a task goes to its own partition number (results,
-    /// dead letters, re-published tasks, changelogs), so no two tasks'
+    /// Overlap all tasks' transactions (exactly-once). Safe here because every
+    /// write of a task goes to its own partition number (results, dead
+    /// letters, re-published tasks, changelogs), so no two tasks'
     /// transactions touch the same partition.
     pub parallel_commits: bool,
     /// RocksDB block cache shared by all tasks, MiB.

@@ -243,7 +243,7 @@ fn a_crash_between_the_commit_and_the_local_write_keeps_expiring_windowed_counts
     let (records, expected) = keyed_records(200_000, 200, 8, base_time());
     produce(&bootstrap(), &ex.input, records).unwrap();
     let dir = temp_dir();
-    abort_at(&ex, &dir, "expiry-1", "eos_after_commit_before_local:5");
+    abort_at(&ex, &dir, "expiry-1", "eos_after_commit_before_local:3");
     let mut p = ex.spawn("expiry-2", dir.path());
     let got = wait_counts(&ex.output, &expected, Duration::from_secs(180));
     let stats = p.stop();
@@ -948,4 +948,42 @@ fn non_co_partitioned_merge_inputs_fail_at_start() {
         line.contains("co-partitioned") && line.contains(&a) && line.contains(&b),
         "{line}"
     );
+}
+
+#[test]
+fn keyed_outputs_are_placed_where_the_producers_partitioner_puts_them() {
+    // Exactly-once commits place keyed outputs on their partitions before
+    // sending them, to know which transactions share a partition: the
+    // placement must be the one the producers' own partitioner (murmur2, as
+    // the Java clients) gives, or records would move.
+    let topic = unique("placement");
+    create_topics(&bootstrap(), &[(&topic, 7, &[])]).unwrap();
+    let keys: Vec<String> = (0..500).map(|i| format!("tenant-{i}")).collect();
+    let records = keys.iter().map(|k| OutRecord {
+        key: Some(k.clone().into_bytes()),
+        value: Some(b"x".to_vec()),
+        ..Default::default()
+    });
+    produce(&bootstrap(), &topic, records).unwrap();
+    let msgs = read_topics(
+        &bootstrap(),
+        &[&topic],
+        true,
+        Duration::from_secs(60),
+        |m| m.len() >= keys.len(),
+    )
+    .unwrap();
+    assert_eq!(msgs.len(), keys.len());
+    let mut used = HashSet::new();
+    for m in &msgs {
+        let key = m.key().unwrap();
+        assert_eq!(
+            m.partition(),
+            sluice_topology::runtime::key_partition(key, 7),
+            "{}",
+            String::from_utf8_lossy(key)
+        );
+        used.insert(m.partition());
+    }
+    assert_eq!(used.len(), 7, "every partition got keys");
 }

@@ -69,10 +69,12 @@ pub struct StreamsConfig {
     pub max_poll_interval: Duration,
     /// Transaction timeout (exactly-once).
     pub transaction_timeout: Duration,
-    /// Commit the transactions of an instance's tasks in parallel (exactly-once).
-    /// Faster; off by default because a broker that mishandles concurrent
-    /// transaction ends on shared partitions (the local test broker does) can
-    /// leave such a commit unapplied.
+    /// Overlap the transactions of all of an instance's tasks (exactly-once),
+    /// whatever partitions they write. Off, only tasks whose transactions
+    /// share no partition overlap (found per commit), because a broker that
+    /// mishandles overlapping transactions on shared partitions (the local
+    /// test broker does, after a crash) can then hide committed outputs. For
+    /// topologies whose writes are partition-aligned by construction.
     pub parallel_commits: bool,
     /// Give up restoring a task after this long.
     pub restore_timeout: Duration,

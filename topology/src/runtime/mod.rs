@@ -30,6 +30,7 @@ pub mod metrics;
 mod admin;
 mod driver;
 mod kafka;
+mod partitions;
 mod restore;
 
 use std::collections::BTreeSet;
@@ -42,6 +43,7 @@ use parking_lot::Mutex;
 pub use config::{Guarantee, StreamsConfig};
 pub use kafka::close_in_background;
 pub use metrics::EngineMetrics;
+pub use partitions::{key_partition, murmur2};
 pub use restore::BARRIER_HEADER;
 
 use crate::{ProcessError, TaskId, Topology, TopologyError};

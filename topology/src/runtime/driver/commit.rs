@@ -3,6 +3,7 @@
 //! at-least-once), then the local state.
 
 use super::*;
+use crate::runtime::partitions::{self, PartitionCounts, Written};
 
 impl Engine {
     /// True when a task's producer was fenced by a newer one with its
@@ -34,8 +35,8 @@ impl Engine {
         Ok(())
     }
 
-    /// Commits some tasks. Under exactly-once their transactions commit in
-    /// parallel (each task has its own producer).
+    /// Commits some tasks (under exactly-once, a transaction per task; see
+    /// [`commit_eos`]).
     pub(super) fn commit_tasks(
         &mut self,
         consumer: &DriverConsumer,
@@ -50,37 +51,19 @@ impl Engine {
             .ok_or_else(|| RuntimeError::Other("no consumer group metadata".into()))?;
         let app = self.cfg.application_id.clone();
         let metrics = self.metrics.clone();
+        let threads = self.cfg.processing_threads;
         let tasks: Vec<&mut ActiveTask> = self
             .tasks
             .values_mut()
             .filter(|t| ids.contains(&t.core.id))
             .collect();
         let order: Vec<TaskId> = tasks.iter().map(|t| t.core.id).collect();
-        let results: Vec<Result<(), RuntimeError>> =
-            if tasks.len() <= 1 || !self.cfg.parallel_commits {
-                tasks
-                    .into_iter()
-                    .map(|t| commit_eos(t, &meta, &app, &metrics))
-                    .collect()
-            } else {
-                std::thread::scope(|s| {
-                    let handles: Vec<_> = tasks
-                        .into_iter()
-                        .map(|t| {
-                            let (meta, app, metrics) = (&meta, &app, &metrics);
-                            s.spawn(move || commit_eos(t, meta, app, metrics))
-                        })
-                        .collect();
-                    handles
-                        .into_iter()
-                        .map(|h| {
-                            h.join().unwrap_or_else(|_| {
-                                Err(RuntimeError::Other("commit thread panicked".into()))
-                            })
-                        })
-                        .collect()
-                })
-            };
+        let placing = if self.cfg.parallel_commits {
+            Overlap::Always
+        } else {
+            Overlap::Disjoint(self.partition_counts.clone())
+        };
+        let results = commit_eos(tasks, &meta, &app, &metrics, threads, &placing);
         let mut migrated = Vec::new();
         for (id, result) in order.into_iter().zip(results) {
             match result {
@@ -186,66 +169,204 @@ impl Engine {
     }
 }
 
-/// Commits one task's transaction: outputs sent, offsets sent to the
-/// transaction, outputs flushed, changelog records sent and flushed, commit;
-/// then local state.
+/// One task's exactly-once commit in progress: what it commits, and the
+/// first error it met (it takes no further step then).
+struct EosCommit<'a> {
+    task: &'a mut ActiveTask,
+    changelog: Vec<sluice_state::ChangelogRecord>,
+    offsets: Vec<(usize, i64)>,
+    outputs: Vec<OutputRecord>,
+    /// Nothing to commit: the task takes no step.
+    idle: bool,
+    result: Result<(), RuntimeError>,
+}
+
+impl EosCommit<'_> {
+    /// Runs one step of the commit unless the task is idle or an earlier step
+    /// failed.
+    fn step(&mut self, f: impl FnOnce(&mut Self) -> Result<(), RuntimeError>) {
+        if !self.idle && self.result.is_ok() {
+            self.result = f(self);
+        }
+    }
+}
+
+/// Which tasks' transactions may be open at the same time.
+pub(super) enum Overlap {
+    /// Every task's (every write of a task goes to its own partition
+    /// number: `parallel_commits`).
+    Always,
+    /// Those that write no partition in common, found by placing each
+    /// keyed output on its partition before it is sent.
+    Disjoint(Arc<PartitionCounts>),
+}
+
+/// Commits tasks' transactions. Each task's own work — preparing its commit
+/// (write cache to changelog records, progress record, placing its outputs),
+/// and after the commit its local state — runs side by side. The broker
+/// steps (outputs sent and the offsets added to the transaction, flushed,
+/// changelog records sent, flushed, commit) run for a group of tasks at a
+/// time, each step for every task of the group before the next step, so
+/// their round trips overlap; the commit requests themselves go one after
+/// another. A group's transactions share no partition, except with
+/// [`Overlap::Always`]: the test broker hides committed records from
+/// `read_committed` readers for good when a crash leaves two transactions
+/// open on one partition. Changelog partitions are the task's own. Returns
+/// each task's outcome, in order; a task that failed took no step after
+/// its failure.
 pub(super) fn commit_eos(
-    task: &mut ActiveTask,
+    tasks: Vec<&mut ActiveTask>,
     meta: &rdkafka::consumer::ConsumerGroupMetadata,
     app: &str,
     metrics: &EngineMetrics,
-) -> Result<(), RuntimeError> {
-    let id = task.core.id;
-    let PreparedCommit {
-        changelog: dirty,
-        offsets,
-    } = task.core.prepare_commit(true);
-    let outputs = task.core.take_output();
-    if offsets.is_empty() && dirty.is_empty() && outputs.is_empty() && !task.txn_open {
-        return Ok(());
+    threads: usize,
+    overlap: &Overlap,
+) -> Vec<Result<(), RuntimeError>> {
+    let started = Instant::now();
+    let prepared = in_parallel(tasks, threads, |task| {
+        let prepared = task.core.prepare_commit(true);
+        let mut outputs = task.core.take_output();
+        let written = match overlap {
+            Overlap::Always => Written::new(),
+            Overlap::Disjoint(counts) => counts.place(&mut outputs, &task.producer),
+        };
+        Ok((task, prepared, outputs, written))
+    });
+    let Ok(prepared) = prepared else {
+        unreachable!("preparing a commit cannot fail")
+    };
+    // Groups of tasks whose transactions share no partition (first fit).
+    let mut groups: Vec<(Vec<EosCommit<'_>>, Written)> = Vec::new();
+    let mut order = Vec::new();
+    for (i, (task, PreparedCommit { changelog, offsets }, outputs, written)) in
+        prepared.into_iter().enumerate()
+    {
+        let idle =
+            offsets.is_empty() && changelog.is_empty() && outputs.is_empty() && !task.txn_open;
+        let c = EosCommit {
+            task,
+            changelog,
+            offsets,
+            outputs,
+            idle,
+            result: Ok(()),
+        };
+        let fits = |(_, w): &&mut (Vec<EosCommit<'_>>, Written)| match overlap {
+            Overlap::Always => true,
+            Overlap::Disjoint(_) => !partitions::overlap(w, &written),
+        };
+        let g = match groups.iter_mut().enumerate().find(|(_, g)| fits(g)) {
+            Some((g, _)) => g,
+            None => {
+                groups.push((Vec::new(), Written::new()));
+                groups.len() - 1
+            }
+        };
+        order.push((i, g, groups[g].0.len()));
+        groups[g].0.push(c);
+        for (topic, ps) in written {
+            groups[g].1.entry(topic).or_default().extend(ps);
+        }
     }
-    if !task.txn_open {
-        task.producer.begin_transaction()?;
-        task.txn_open = true;
+    for (group, _) in &mut groups {
+        broker_steps(group, meta, app, metrics);
     }
-    let t0 = Instant::now();
-    produce_outputs(task, metrics, outputs)?;
-    // The offsets join the transaction while the outputs are on their way
-    // (they commit with it, or not at all).
-    if !offsets.is_empty() {
-        let tpl = offsets_tpl(&task.core, &offsets)?;
-        task.producer
-            .send_offsets_to_transaction(&tpl, meta, TXN_TIMEOUT)?;
+    let brokered = started.elapsed();
+    let items: Vec<&mut EosCommit<'_>> =
+        groups.iter_mut().flat_map(|(g, _)| g.iter_mut()).collect();
+    let _ = in_parallel(items, threads, |c| {
+        c.step(|c| {
+            let id = c.task.core.id;
+            let next = c.task.delivery.take_changelog_next(id);
+            c.task.core.finish_commit(&c.offsets, &next)?;
+            c.task
+                .core
+                .ctx
+                .output_ends
+                .extend(c.task.delivery.take_output_next(id));
+            metrics.commits.inc();
+            Ok(())
+        });
+        Ok(())
+    });
+    tracing::trace!(
+        tasks = order.len(),
+        groups = groups.len(),
+        broker_ms = brokered.as_millis() as u64,
+        total_ms = started.elapsed().as_millis() as u64,
+        "transactions committed"
+    );
+    let mut results: Vec<Vec<Option<Result<(), RuntimeError>>>> = groups
+        .into_iter()
+        .map(|(g, _)| g.into_iter().map(|c| Some(c.result)).collect())
+        .collect();
+    order
+        .into_iter()
+        .map(|(_, g, j)| results[g][j].take().expect("each result taken once"))
+        .collect()
+}
+
+/// The broker steps of exactly-once commits, each for every task given
+/// before the next.
+fn broker_steps(
+    commits: &mut [EosCommit<'_>],
+    meta: &rdkafka::consumer::ConsumerGroupMetadata,
+    app: &str,
+    metrics: &EngineMetrics,
+) {
+    // The tests' crash points are reached only inside a transaction.
+    let working = commits.iter().any(|c| !c.idle);
+    let flush_all = |commits: &mut [EosCommit<'_>]| {
+        for c in commits.iter_mut() {
+            c.step(|c| {
+                flush(&c.task.producer, &c.task.delivery, FLUSH_TIMEOUT)
+                    .map_err(RuntimeError::Other)
+            });
+        }
+    };
+    for c in commits.iter_mut() {
+        c.step(|c| {
+            if !c.task.txn_open {
+                c.task.producer.begin_transaction()?;
+                c.task.txn_open = true;
+            }
+            produce_outputs(c.task, metrics, std::mem::take(&mut c.outputs))?;
+            // The offsets join the transaction while the outputs are on
+            // their way (they commit with it, or not at all).
+            if !c.offsets.is_empty() {
+                let tpl = offsets_tpl(&c.task.core, &c.offsets)?;
+                c.task
+                    .producer
+                    .send_offsets_to_transaction(&tpl, meta, TXN_TIMEOUT)?;
+            }
+            Ok(())
+        });
     }
     // Outputs first: a changelog record visible to a reader implies the
     // outputs that preceded it are visible too.
-    flush(&task.producer, &task.delivery, FLUSH_TIMEOUT).map_err(RuntimeError::Other)?;
-    let t1 = Instant::now();
-    failpoint("eos_after_output_flush");
-    send_changelog(task, app, dirty)?;
+    flush_all(commits);
+    if working {
+        failpoint("eos_after_output_flush");
+    }
+    for c in commits.iter_mut() {
+        c.step(|c| send_changelog(c.task, app, std::mem::take(&mut c.changelog)));
+    }
     // The commit's own flush (see `kafka::commit_transaction`), with the
     // tests' crash point between it and the commit.
-    flush(&task.producer, &task.delivery, FLUSH_TIMEOUT).map_err(RuntimeError::Other)?;
-    failpoint("eos_after_changelog_flush");
-    let t2 = Instant::now();
-    task.producer.commit_transaction(TXN_TIMEOUT)?;
-    tracing::trace!(
-        task = %id,
-        outputs_ms = (t1 - t0).as_millis() as u64,
-        changelog_ms = (t2 - t1).as_millis() as u64,
-        end_ms = t2.elapsed().as_millis() as u64,
-        "transaction committed"
-    );
-    task.txn_open = false;
-    failpoint("eos_after_commit_before_local");
-    let next = task.delivery.take_changelog_next(id);
-    task.core.finish_commit(&offsets, &next)?;
-    task.core
-        .ctx
-        .output_ends
-        .extend(task.delivery.take_output_next(id));
-    metrics.commits.inc();
-    Ok(())
+    flush_all(commits);
+    if working {
+        failpoint("eos_after_changelog_flush");
+    }
+    for c in commits.iter_mut() {
+        c.step(|c| {
+            c.task.producer.commit_transaction(TXN_TIMEOUT)?;
+            c.task.txn_open = false;
+            Ok(())
+        });
+    }
+    if working {
+        failpoint("eos_after_commit_before_local");
+    }
 }
 
 pub(super) fn offsets_tpl(

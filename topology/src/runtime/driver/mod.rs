@@ -279,6 +279,9 @@ struct Engine {
     suspended: BTreeMap<TaskId, ActiveTask>,
     pending: BTreeMap<TaskId, PendingTask>,
     shared_producer: Option<(Arc<TrackedProducer>, Arc<DeliveryState>)>,
+    /// Partition counts of the topics tasks write (exactly-once commits place
+    /// keyed outputs themselves; see `commit::commit_eos`).
+    partition_counts: Arc<super::partitions::PartitionCounts>,
     paused: HashSet<Tp>,
     /// The fetch queue of each assigned input partition, split from the
     /// consumer's queue (see [`Engine::attach_queues`]).
@@ -450,6 +453,7 @@ impl Driver {
             suspended: BTreeMap::new(),
             pending: BTreeMap::new(),
             shared_producer,
+            partition_counts: Default::default(),
             paused: HashSet::new(),
             queues: HashMap::new(),
             drains: 0,
