@@ -77,38 +77,56 @@ pub enum RuntimeError {
 }
 
 impl RuntimeError {
+    /// The Kafka error code, if the error is a Kafka one with a code.
+    fn kafka_code(&self) -> Option<rdkafka::error::RDKafkaErrorCode> {
+        use rdkafka::error::KafkaError;
+        match self {
+            RuntimeError::Kafka(KafkaError::Transaction(e)) => Some(e.code()),
+            RuntimeError::Kafka(e) => e.rdkafka_error_code(),
+            _ => None,
+        }
+    }
+
     /// True when the error means another instance owns the task now (its
     /// producer was fenced) or its transaction must be aborted: the task is
     /// closed dirty and the instance carries on, as Kafka Streams does with a
     /// migrated task.
     pub(crate) fn task_migrated(&self) -> bool {
         use rdkafka::error::{KafkaError, RDKafkaErrorCode as C};
-        let code = match self {
-            RuntimeError::Kafka(KafkaError::Transaction(e)) => {
-                if e.txn_requires_abort() {
-                    return true;
-                }
-                e.code()
+        if let RuntimeError::Kafka(KafkaError::Transaction(e)) = self {
+            if e.txn_requires_abort() {
+                return true;
             }
-            RuntimeError::Kafka(e) => match e.rdkafka_error_code() {
-                Some(c) => c,
-                None => return false,
-            },
-            _ => return false,
-        };
-        matches!(
-            code,
-            C::ProducerFenced
-                | C::Fenced
-                | C::InvalidProducerEpoch
-                | C::InvalidProducerIdMapping
-                | C::UnknownProducerId
-                | C::OutOfOrderSequenceNumber
-                | C::IllegalGeneration
-                | C::UnknownMemberId
-                | C::RebalanceInProgress
-        )
+        }
+        self.fenced()
+            || matches!(
+                self.kafka_code(),
+                Some(
+                    C::InvalidProducerIdMapping
+                        | C::UnknownProducerId
+                        | C::OutOfOrderSequenceNumber
+                        | C::IllegalGeneration
+                        | C::UnknownMemberId
+                        | C::RebalanceInProgress
+                )
+            )
     }
+
+    /// True when a newer producer with the task's transactional id fenced
+    /// this one: its transaction cannot be ended any more (the new owner's
+    /// `init_transactions` did that).
+    pub(crate) fn fenced(&self) -> bool {
+        self.kafka_code().is_some_and(is_fencing_code)
+    }
+}
+
+/// Whether a Kafka error code says the producer was fenced.
+pub(crate) fn is_fencing_code(code: rdkafka::error::RDKafkaErrorCode) -> bool {
+    use rdkafka::error::RDKafkaErrorCode as C;
+    matches!(
+        code,
+        C::ProducerFenced | C::Fenced | C::InvalidProducerEpoch
+    )
 }
 
 /// Life-cycle state of an instance.

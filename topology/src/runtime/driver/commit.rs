@@ -10,14 +10,11 @@ impl Engine {
     /// transactional id: whatever error its commit reported (a purged
     /// delivery, a failed flush), another instance owns the task now.
     fn producer_fenced(&self, id: TaskId) -> bool {
-        use rdkafka::error::RDKafkaErrorCode as C;
         self.tasks.get(&id).is_some_and(|t| {
-            t.producer.client().fatal_error().is_some_and(|(code, _)| {
-                matches!(
-                    code,
-                    C::Fenced | C::ProducerFenced | C::InvalidProducerEpoch
-                )
-            })
+            t.producer
+                .client()
+                .fatal_error()
+                .is_some_and(|(code, _)| crate::runtime::is_fencing_code(code))
         })
     }
 
@@ -70,6 +67,13 @@ impl Engine {
                 Ok(()) => {}
                 Err(e) if e.task_migrated() || self.producer_fenced(id) => {
                     tracing::warn!(task = %id, error = %e, "task fenced or its transaction must abort: closing it dirty and rejoining");
+                    if e.fenced() || self.producer_fenced(id) {
+                        // Nothing to abort: a fenced producer cannot end its
+                        // transaction (an abort would wait for its timeout).
+                        if let Some(t) = self.tasks.get_mut(&id) {
+                            t.txn_open = false;
+                        }
+                    }
                     migrated.push(id);
                 }
                 Err(e) => return Err(e),

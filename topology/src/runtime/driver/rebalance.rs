@@ -88,7 +88,7 @@ impl Engine {
             task.count_in(&self.metrics);
             task.core.abandon();
             if task.txn_open {
-                if let Err(e) = task.producer.abort_transaction(TXN_TIMEOUT) {
+                if let Err(e) = task.producer.abort_transaction(ABORT_TIMEOUT) {
                     tracing::debug!(task = %id, error = %e, "abort of a closed task's transaction failed");
                 }
                 self.metrics.aborted.inc();
@@ -268,3 +268,8 @@ pub(super) fn set_start_positions(
 
 /// How long the assignment waits for the committed offsets it looks up.
 pub(super) const COMMITTED_LOOKUP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long closing a task dirty waits for its transaction's abort: the
+/// abort only saves readers the wait for the transaction's timeout, and the
+/// driver does nothing else meanwhile.
+const ABORT_TIMEOUT: Duration = Duration::from_secs(5);
