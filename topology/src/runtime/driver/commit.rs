@@ -54,20 +54,20 @@ impl Engine {
             .values_mut()
             .filter(|t| ids.contains(&t.core.id))
             .collect();
-        let order: Vec<TaskId> = tasks.iter().map(|t| t.core.id).collect();
         let placing = if self.cfg.parallel_commits {
             Overlap::Always
         } else {
             Overlap::Disjoint(self.partition_counts.clone())
         };
-        let results = commit_eos(tasks, &meta, &app, &metrics, threads, &placing);
+        let results = commit_eos(tasks, &meta, &app, &metrics, threads, &placing)?;
         let mut migrated = Vec::new();
-        for (id, result) in order.into_iter().zip(results) {
-            match result {
-                Ok(()) => {}
-                Err(e) if e.task_migrated() || self.producer_fenced(id) => {
+        for (id, result) in results {
+            let Err(e) = result else { continue };
+            let fenced = e.fenced() || self.producer_fenced(id);
+            match e {
+                e if fenced || e.task_migrated() => {
                     tracing::warn!(task = %id, error = %e, "task fenced or its transaction must abort: closing it dirty and rejoining");
-                    if e.fenced() || self.producer_fenced(id) {
+                    if fenced {
                         // Nothing to abort: a fenced producer cannot end its
                         // transaction (an abort would wait for its timeout).
                         if let Some(t) = self.tasks.get_mut(&id) {
@@ -76,7 +76,7 @@ impl Engine {
                     }
                     migrated.push(id);
                 }
-                Err(e) => return Err(e),
+                e => return Err(e),
             }
         }
         if !migrated.is_empty() {
@@ -226,8 +226,8 @@ pub(super) enum Overlap {
 /// [`Overlap::Always`]: the test broker hides committed records from
 /// `read_committed` readers for good when a crash leaves two transactions
 /// open on one partition. Changelog partitions are the task's own. Returns
-/// each task's outcome, in order; a task that failed took no step after
-/// its failure.
+/// each task's outcome (a task that failed took no step after its
+/// failure); an error of its own when a processing thread panicked.
 pub(super) fn commit_eos(
     tasks: Vec<&mut ActiveTask>,
     meta: &rdkafka::consumer::ConsumerGroupMetadata,
@@ -235,7 +235,7 @@ pub(super) fn commit_eos(
     metrics: &EngineMetrics,
     threads: usize,
     overlap: &Overlap,
-) -> Vec<Result<(), RuntimeError>> {
+) -> Result<Vec<TaskOutcome>, RuntimeError> {
     let started = Instant::now();
     let prepared = in_parallel(tasks, threads, |task| {
         let prepared = task.core.prepare_commit(true);
@@ -245,16 +245,10 @@ pub(super) fn commit_eos(
             Overlap::Disjoint(counts) => counts.place(&mut outputs, &task.producer),
         };
         Ok((task, prepared, outputs, written))
-    });
-    let Ok(prepared) = prepared else {
-        unreachable!("preparing a commit cannot fail")
-    };
+    })?;
     // Groups of tasks whose transactions share no partition (first fit).
     let mut groups: Vec<(Vec<EosCommit<'_>>, Written)> = Vec::new();
-    let mut order = Vec::new();
-    for (i, (task, PreparedCommit { changelog, offsets }, outputs, written)) in
-        prepared.into_iter().enumerate()
-    {
+    for (task, PreparedCommit { changelog, offsets }, outputs, written) in prepared {
         let idle =
             offsets.is_empty() && changelog.is_empty() && outputs.is_empty() && !task.txn_open;
         let c = EosCommit {
@@ -276,7 +270,6 @@ pub(super) fn commit_eos(
                 groups.len() - 1
             }
         };
-        order.push((i, g, groups[g].0.len()));
         groups[g].0.push(c);
         for (topic, ps) in written {
             groups[g].1.entry(topic).or_default().extend(ps);
@@ -288,7 +281,8 @@ pub(super) fn commit_eos(
     let brokered = started.elapsed();
     let items: Vec<&mut EosCommit<'_>> =
         groups.iter_mut().flat_map(|(g, _)| g.iter_mut()).collect();
-    let _ = in_parallel(items, threads, |c| {
+    let tasks = items.len();
+    in_parallel(items, threads, |c| {
         c.step(|c| {
             let id = c.task.core.id;
             let next = c.task.delivery.take_changelog_next(id);
@@ -302,22 +296,19 @@ pub(super) fn commit_eos(
             Ok(())
         });
         Ok(())
-    });
+    })?;
     tracing::trace!(
-        tasks = order.len(),
+        tasks,
         groups = groups.len(),
         broker_ms = brokered.as_millis() as u64,
         total_ms = started.elapsed().as_millis() as u64,
         "transactions committed"
     );
-    let mut results: Vec<Vec<Option<Result<(), RuntimeError>>>> = groups
+    Ok(groups
         .into_iter()
-        .map(|(g, _)| g.into_iter().map(|c| Some(c.result)).collect())
-        .collect();
-    order
-        .into_iter()
-        .map(|(_, g, j)| results[g][j].take().expect("each result taken once"))
-        .collect()
+        .flat_map(|(g, _)| g)
+        .map(|c| (c.task.core.id, c.result))
+        .collect())
 }
 
 /// The broker steps of exactly-once commits, each for every task given
@@ -496,3 +487,6 @@ pub(super) const MAX_HELD_OUTPUTS: usize = 50_000;
 
 /// A task and the offsets its commit moves its input slots to.
 type TaskOffsets = (TaskId, Vec<(usize, i64)>);
+
+/// A task and how its commit ended.
+type TaskOutcome = (TaskId, Result<(), RuntimeError>);
