@@ -384,6 +384,51 @@ fn a_frozen_instance_is_fenced_drops_its_tasks_dirty_and_rejoins() {
     assert_eq!(stats_a["ok"], true, "A: {stats_a}");
 }
 
+#[test]
+fn a_task_fenced_at_its_commit_reads_its_partition_again_when_it_comes_back() {
+    // A newer producer takes task 0_1's transactional id while the only
+    // instance runs: that task's next commit is fenced. The instance closes
+    // it dirty, pauses its partition until the group decides, rejoins, gets
+    // it back and must fetch it again (librdkafka keeps a partition's pause
+    // across a reassignment, so the revocation has to end it).
+    let ex = Example::windowed_count("fenced", "exactly-once", 4);
+    let (records, expected) = keyed_records(20_000, 100, 5, base_time());
+    let (first, second) = records.split_at(10_000);
+    let dir = temp_dir();
+    let mut a = ex.spawn("A", dir.path());
+    eventually(Duration::from_secs(90), "A owns every task", || {
+        (a.ready() && a.tasks().len() == 4).then_some(())
+    });
+    produce(&bootstrap(), &ex.input, first.to_vec()).unwrap();
+    let half = first.len();
+    read_topics(
+        &bootstrap(),
+        &[&ex.output],
+        true,
+        Duration::from_secs(90),
+        |m| latest_counts(m).is_ok_and(|got| got.values().sum::<u64>() as usize == half),
+    )
+    .unwrap();
+    use rdkafka::producer::Producer as _;
+    let usurper: rdkafka::producer::BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap())
+        .set("transactional.id", format!("{}-0_1", ex.app))
+        .create()
+        .unwrap();
+    usurper
+        .init_transactions(Duration::from_secs(30))
+        .expect("the usurper takes task 0_1's transactional id");
+    produce(&bootstrap(), &ex.input, second.to_vec()).unwrap();
+    let msgs = wait_outputs(&ex.output, &expected, Duration::from_secs(90));
+    assert_every_count_within(&msgs, &expected);
+    let stats = a.stop();
+    assert_eq!(stats["ok"], true, "{stats}");
+    assert!(
+        stats["rebalances"].as_u64().unwrap_or(0) >= 1,
+        "the fenced task made the instance rejoin: {stats}"
+    );
+}
+
 /// The test broker sometimes never resolves a transaction its producer was
 /// killed in, even after the survivor's `init_transactions` with the same
 /// transactional id (seen in 2 of about 33 runs): `read_committed` readers then
@@ -403,10 +448,11 @@ fn check_behind_stuck_transaction(
     expected: &BTreeMap<(i64, String), u64>,
     inputs: usize,
 ) -> BTreeMap<(i64, String), u64> {
-    let offsets: i64 = committed(&ex.app, &ex.input, 4).values().sum();
+    let per_partition = committed(&ex.app, &ex.input, 4);
+    let offsets: i64 = per_partition.values().sum();
     assert_eq!(
         offsets, inputs as i64,
-        "the survivor's transactions did not commit the whole input"
+        "the survivor's transactions did not commit the whole input: {per_partition:?}"
     );
     let msgs = read_topics(
         &bootstrap(),

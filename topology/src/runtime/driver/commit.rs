@@ -83,15 +83,20 @@ impl Engine {
             let mut paused = TopicPartitionList::new();
             for id in &migrated {
                 if let Some(t) = self.tasks.get(id) {
-                    for (topic, partition) in &t.partitions {
-                        paused.add_partition(topic, *partition);
+                    for tp in &t.partitions {
+                        if self.paused.insert(tp.clone()) {
+                            paused.add_partition(&tp.0, tp.1);
+                        }
                     }
                 }
             }
             self.close_dirty(&migrated);
-            // Nothing is read for them until the group says who owns them.
-            if let Err(e) = consumer.pause(&paused) {
-                tracing::debug!(error = %e, "pausing a closed task's partitions failed");
+            // Nothing is read for them until the group says who owns them
+            // (the revocation of the rejoin resumes them).
+            if paused.count() > 0 {
+                if let Err(e) = consumer.pause(&paused) {
+                    tracing::debug!(error = %e, "pausing a closed task's partitions failed");
+                }
             }
             self.rejoin = true;
         }

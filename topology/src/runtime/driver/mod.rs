@@ -282,6 +282,9 @@ struct Engine {
     /// Partition counts of the topics tasks write (exactly-once commits place
     /// keyed outputs themselves; see `commit::commit_eos`).
     partition_counts: Arc<super::partitions::PartitionCounts>,
+    /// Partitions paused in the consumer. Each stays listed until resumed:
+    /// by `update_pauses`, or at its revocation (librdkafka would keep the
+    /// pause across a later assignment of the same partition).
     paused: HashSet<Tp>,
     /// The fetch queue of each assigned input partition, split from the
     /// consumer's queue (see [`Engine::attach_queues`]).

@@ -20,6 +20,22 @@ impl Engine {
             .map(|e| (e.topic().to_string(), e.partition()))
             .collect();
         let hit = |parts: &[Tp]| parts.iter().any(|p| revoked.contains(p));
+        // librdkafka keeps a partition's pause across its revocation and a
+        // later assignment: a revoked partition left paused here would never
+        // be fetched again when it comes back. Every pause ends here.
+        let mut resume = TopicPartitionList::new();
+        self.paused.retain(|tp| {
+            let keep = !revoked.contains(tp);
+            if !keep {
+                resume.add_partition(&tp.0, tp.1);
+            }
+            keep
+        });
+        if resume.count() > 0 {
+            if let Err(e) = consumer.resume(&resume) {
+                tracing::warn!(error = %e, "resuming revoked partitions failed");
+            }
+        }
         let pending: Vec<TaskId> = self
             .pending
             .iter()
@@ -28,9 +44,6 @@ impl Engine {
             .collect();
         for id in pending {
             if let Some(mut p) = self.pending.remove(&id) {
-                for tp in &p.partitions {
-                    self.paused.remove(tp);
-                }
                 p.cancel.store(true, Ordering::SeqCst);
                 if let Some(h) = p.handle.take() {
                     let _ = h.join();
@@ -62,9 +75,6 @@ impl Engine {
         self.commit_tasks(consumer, &ids)?;
         for id in ids {
             if let Some(mut task) = self.tasks.remove(&id) {
-                for tp in &task.partitions {
-                    self.paused.remove(tp);
-                }
                 // Queued records are read again from the committed position.
                 for q in &mut task.backlog {
                     q.clear();
@@ -93,8 +103,9 @@ impl Engine {
                 }
                 self.metrics.aborted.inc();
             }
+            // A paused partition stays paused (and listed) until the
+            // revocation that follows every dirty close resumes it.
             for tp in &task.partitions {
-                self.paused.remove(tp);
                 self.queues.remove(tp);
             }
             tracing::info!(task = %id, "task closed dirty");
