@@ -146,7 +146,7 @@ fn aggregate(
     app.shutdown();
     app.join().expect("clean stop");
     eprintln!(
-        "{guarantee:?} {counting:?}: {n} records in {secs:.2}s (first after {:.2}s; {} commits taking {:.2}s)",
+        "{guarantee:?} {counting:?}: {n} records in {secs:.2}s (first after {:.2}s; {} task commits in rounds taking {:.2}s)",
         first.unwrap_or_default().as_secs_f64(),
         metrics.commit_count(),
         metrics.commit_seconds_sum()
@@ -235,6 +235,21 @@ fn main() {
     eprintln!("produced {n} records in {:.2}s", t.elapsed().as_secs_f64());
 
     let dir = tempfile::tempdir().unwrap();
+    // SLUICE_BENCH_ONLY=async runs only the async rounds (for profiling).
+    if std::env::var("SLUICE_BENCH_ONLY").as_deref() == Ok("async") {
+        for round in 0..3 {
+            let (rps, _) = aggregate(
+                &bootstrap,
+                &topic,
+                n,
+                Guarantee::ExactlyOnce,
+                Counting::BehindAsync,
+                &dir.path().join(format!("async-{round}")),
+            );
+            println!("async_eos_rps={rps:.0}");
+        }
+        return;
+    }
     // Three rounds of raw / at-least-once / exactly-once, interleaved; the
     // medians are compared, so a noisy moment does not favour either side.
     let median = |mut v: Vec<f64>| {

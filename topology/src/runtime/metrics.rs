@@ -90,7 +90,7 @@ impl EngineMetrics {
             commit_seconds: Histogram::with_opts(
                 HistogramOpts::new(
                     names::COMMIT_SECONDS,
-                    "Time a commit of all tasks blocks processing",
+                    "Time a commit of all tasks takes (exactly-once: a round of per-task commits, which process beside it)",
                 )
                 .buckets(vec![
                     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,

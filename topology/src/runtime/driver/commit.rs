@@ -49,17 +49,33 @@ impl Engine {
         let app = self.cfg.application_id.clone();
         let metrics = self.metrics.clone();
         let threads = self.cfg.processing_threads;
+        let placing = self.overlap();
         let tasks: Vec<&mut ActiveTask> = self
             .tasks
             .values_mut()
             .filter(|t| ids.contains(&t.core.id))
             .collect();
-        let placing = if self.cfg.parallel_commits {
+        let results = commit_eos(tasks, &meta, &app, &metrics, threads, &placing)?;
+        self.settle(consumer, results)
+    }
+
+    /// Which transactions a commit may overlap (see [`Overlap`]).
+    fn overlap(&self) -> Overlap {
+        if self.cfg.parallel_commits {
             Overlap::Always
         } else {
             Overlap::Disjoint(self.partition_counts.clone())
-        };
-        let results = commit_eos(tasks, &meta, &app, &metrics, threads, &placing)?;
+        }
+    }
+
+    /// Acts on the outcomes of exactly-once commits: a fenced task, or one
+    /// whose transaction must abort, is closed dirty and the instance
+    /// rejoins; any other error is the instance's.
+    fn settle(
+        &mut self,
+        consumer: &DriverConsumer,
+        results: Vec<TaskOutcome>,
+    ) -> Result<(), RuntimeError> {
         let mut migrated = Vec::new();
         for (id, result) in results {
             let Err(e) = result else { continue };
@@ -99,6 +115,126 @@ impl Engine {
                 }
             }
             self.rejoin = true;
+        }
+        Ok(())
+    }
+
+    /// The periodic commit, called every tick (`due`: the interval elapsed or
+    /// a task asked). At-least-once commits every task at once. Exactly-once
+    /// commits a round: a task at a time (every task together with
+    /// `parallel_commits`) on a commit thread, while the driver goes on
+    /// processing the others; the interval runs from the end of a round.
+    pub(super) fn commit_periodically(
+        &mut self,
+        consumer: &DriverConsumer,
+        due: bool,
+    ) -> Result<(), RuntimeError> {
+        self.collect_commit(consumer, false)?;
+        if self.committing.is_some() {
+            return Ok(());
+        }
+        if self.round.is_empty() {
+            if let Some(started) = self.round_started.take() {
+                self.metrics
+                    .commit_seconds
+                    .observe(started.elapsed().as_secs_f64());
+                self.last_commit = Instant::now();
+                return Ok(());
+            }
+            if !due {
+                return Ok(());
+            }
+            if !self.eos() {
+                return self.commit_all(consumer);
+            }
+            self.round = self.tasks.keys().rev().copied().collect();
+            self.round_started = Some(Instant::now());
+        }
+        self.start_commit(consumer)
+    }
+
+    /// Moves the next tasks of the round to a commit thread.
+    fn start_commit(&mut self, consumer: &DriverConsumer) -> Result<(), RuntimeError> {
+        let take = if self.cfg.parallel_commits {
+            self.round.len()
+        } else {
+            1
+        };
+        let mut tasks = Vec::new();
+        while tasks.len() < take {
+            let Some(id) = self.round.pop() else { break };
+            if let Some(t) = self.tasks.remove(&id) {
+                tasks.push(t);
+            }
+        }
+        if tasks.is_empty() {
+            return Ok(());
+        }
+        let meta = consumer
+            .group_metadata()
+            .ok_or_else(|| RuntimeError::Other("no consumer group metadata".into()))?;
+        let ids: Vec<TaskId> = tasks.iter().map(|t| t.core.id).collect();
+        let app = self.cfg.application_id.clone();
+        let metrics = self.metrics.clone();
+        let threads = self.cfg.processing_threads;
+        let overlap = self.overlap();
+        let wake = self.wake_tx.clone();
+        let handle = std::thread::Builder::new()
+            .name("sluice-commit".into())
+            .spawn(move || {
+                let mut tasks = tasks;
+                let result = (|| {
+                    for task in &mut tasks {
+                        flush_task(task, &metrics, true)?;
+                    }
+                    let refs: Vec<&mut ActiveTask> = tasks.iter_mut().collect();
+                    commit_eos(refs, &meta, &app, &metrics, threads, &overlap)
+                })();
+                let _ = wake.try_send(());
+                (tasks, result)
+            })
+            .map_err(|e| RuntimeError::Other(format!("cannot start a commit thread: {e}")))?;
+        self.committing = Some(InFlightCommit {
+            ids,
+            handle,
+            completions: Vec::new(),
+            records: Vec::new(),
+        });
+        Ok(())
+    }
+
+    /// Takes back the tasks of the commit thread once it ended (with
+    /// `wait`, waits for it), acts on the outcomes, then hands the tasks
+    /// what waited for them.
+    pub(super) fn collect_commit(
+        &mut self,
+        consumer: &DriverConsumer,
+        wait: bool,
+    ) -> Result<(), RuntimeError> {
+        match &self.committing {
+            Some(c) if wait || c.handle.is_finished() => {}
+            _ => return Ok(()),
+        }
+        let c = self.committing.take().expect("checked above");
+        let (tasks, result) = c
+            .handle
+            .join()
+            .map_err(|_| RuntimeError::Other("the commit thread panicked".into()))?;
+        for t in tasks {
+            self.tasks.insert(t.core.id, t);
+        }
+        self.settle(consumer, result?)?;
+        let (eos, max) = (self.eos(), self.cfg.max_in_flight_per_partition);
+        for msg in c.records {
+            let Some(id) = self.task_of(msg.topic(), msg.partition()) else {
+                continue;
+            };
+            if let Some(task) = self.tasks.get_mut(&id) {
+                task.offer(&msg, &self.metrics, eos, max)?;
+            }
+        }
+        for msg in c.completions {
+            self.complete(msg)?;
         }
         Ok(())
     }
@@ -486,6 +622,30 @@ pub(super) fn flush_counters(task: &mut ActiveTask, metrics: &EngineMetrics) {
     }
 }
 
+/// An exactly-once commit running on its own thread (see
+/// [`Engine::commit_periodically`]). Its tasks are the thread's until it
+/// ends: their split queues are not read meanwhile, and their completions and
+/// records that reached the consumer's queue wait here, in arrival order.
+pub(super) struct InFlightCommit {
+    pub(super) ids: Vec<TaskId>,
+    handle: JoinHandle<CommitThreadEnd>,
+    pub(super) completions: Vec<CompletionMsg>,
+    pub(super) records: Vec<OwnedMessage>,
+}
+
+/// Forwards a task's cached results (before its commit).
+pub(super) fn flush_task(
+    task: &mut ActiveTask,
+    metrics: &EngineMetrics,
+    eos: bool,
+) -> Result<(), RuntimeError> {
+    task.core.flush().map_err(|error| RuntimeError::Process {
+        task: task.core.id,
+        error,
+    })?;
+    send_outputs(task, metrics, eos)
+}
+
 /// Outputs queued by a task beyond which it asks for an early commit
 /// (exactly-once holds outputs until the commit).
 pub(super) const MAX_HELD_OUTPUTS: usize = 50_000;
@@ -495,3 +655,6 @@ type TaskOffsets = (TaskId, Vec<(usize, i64)>);
 
 /// A task and how its commit ended.
 type TaskOutcome = (TaskId, Result<(), RuntimeError>);
+
+/// What a commit thread hands back: its tasks, and how their commits ended.
+type CommitThreadEnd = (Vec<ActiveTask>, Result<Vec<TaskOutcome>, RuntimeError>);

@@ -295,6 +295,12 @@ struct Engine {
     /// queue and paused for backpressure.
     unsplit: HashSet<Tp>,
     last_commit: Instant,
+    /// The exactly-once commit running on its own thread, if any.
+    committing: Option<InFlightCommit>,
+    /// Tasks still to commit in the current round of periodic commits.
+    round: Vec<TaskId>,
+    /// When the current round began.
+    round_started: Option<Instant>,
     last_punctuate: Instant,
     status: Arc<AppStatus>,
     intake: IntakeControl,
@@ -463,6 +469,9 @@ impl Driver {
             rejoin: false,
             unsplit: HashSet::new(),
             last_commit: Instant::now(),
+            committing: None,
+            round: Vec::new(),
+            round_started: None,
             last_punctuate: Instant::now(),
             status,
             intake,
@@ -628,6 +637,10 @@ impl Engine {
             p.buffered.push(msg.detach());
             return Ok(());
         }
+        if let Some(c) = self.committing.as_mut().filter(|c| c.ids.contains(&id)) {
+            c.records.push(msg.detach());
+            return Ok(());
+        }
         let eos = self.eos();
         let max = self.cfg.max_in_flight_per_partition;
         let Some(task) = self.tasks.get_mut(&id) else {
@@ -669,9 +682,8 @@ impl Engine {
                     .as_ref()
                     .is_some_and(|s| s.dirty_len() >= self.cfg.cache_max_entries)
         });
-        if cache_full || self.last_commit.elapsed() >= self.cfg.commit_interval() {
-            self.commit_all(consumer)?;
-        }
+        let due = cache_full || self.last_commit.elapsed() >= self.cfg.commit_interval();
+        self.commit_periodically(consumer, due)?;
         self.update_pauses(consumer)?;
         for task in self.tasks.values_mut().chain(self.suspended.values_mut()) {
             task.count_in(&self.metrics);
@@ -704,16 +716,29 @@ impl Engine {
         in_parallel(work, threads, |(task, msgs)| {
             task.complete(msgs, &metrics, eos)
         })?;
+        for msgs in by_task.into_values() {
+            for msg in msgs {
+                self.complete(msg)?;
+            }
+        }
         Ok(())
     }
 
-    /// Hands an async completion to its task (if the task is still here).
+    /// Hands an async completion to its task (if the task is still here;
+    /// held while its task commits on the commit thread).
     fn complete(&mut self, msg: CompletionMsg) -> Result<(), RuntimeError> {
         let eos = self.eos();
-        match self.tasks.get_mut(&msg.task) {
-            Some(task) => task.complete([msg], &self.metrics, eos),
-            None => Ok(()),
+        if let Some(task) = self.tasks.get_mut(&msg.task) {
+            return task.complete([msg], &self.metrics, eos);
         }
+        if let Some(c) = self
+            .committing
+            .as_mut()
+            .filter(|c| c.ids.contains(&msg.task))
+        {
+            c.completions.push(msg);
+        }
+        Ok(())
     }
 
     /// Forwards cached results of tasks (before a commit).
@@ -726,14 +751,16 @@ impl Engine {
             .filter(|(id, _)| ids.contains(id))
             .map(|(_, t)| t)
             .collect();
-        in_parallel(tasks, threads, |task| {
-            task.core.flush().map_err(|error| RuntimeError::Process {
-                task: task.core.id,
-                error,
-            })?;
-            send_outputs(task, &metrics, eos)
-        })?;
+        in_parallel(tasks, threads, |task| flush_task(task, &metrics, eos))?;
         Ok(())
+    }
+
+    /// Publishes the tasks this instance runs (those on the commit thread
+    /// included).
+    fn publish_tasks(&self) {
+        let committing = self.committing.iter().flat_map(|c| c.ids.iter());
+        self.status
+            .set_tasks(self.tasks.keys().chain(committing).copied());
     }
 
     /// The listed tasks, active or suspended.
@@ -753,7 +780,7 @@ impl Engine {
         self.metrics
             .tasks
             .with_label_values(&["running"])
-            .set(self.tasks.len() as i64);
+            .set((self.tasks.len() + self.committing.as_ref().map_or(0, |c| c.ids.len())) as i64);
         self.metrics
             .tasks
             .with_label_values(&["restoring"])
@@ -772,6 +799,12 @@ impl Engine {
 
     /// Closes every task: with `commit`, drains and commits first.
     fn close_all(&mut self, consumer: &DriverConsumer, commit: bool) -> Result<(), RuntimeError> {
+        if let Err(e) = self.collect_commit(consumer, true) {
+            if commit {
+                return Err(e);
+            }
+            tracing::debug!(error = %e, "commit ended with an error while closing");
+        }
         // The queues hold the consumer; the engine must not.
         self.queues.clear();
         for (_, mut p) in std::mem::take(&mut self.pending) {

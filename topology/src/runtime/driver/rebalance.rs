@@ -14,6 +14,9 @@ impl Engine {
     ) -> Result<(), RuntimeError> {
         self.metrics.rebalances.inc();
         self.status.set(AppState::Rebalancing);
+        // A commit on the commit thread ends first: its tasks come back.
+        self.collect_commit(consumer, true)?;
+        self.round.clear();
         let revoked: HashSet<Tp> = tpl
             .elements()
             .iter()
@@ -82,7 +85,7 @@ impl Engine {
                 self.suspended.insert(id, task);
             }
         }
-        self.status.set_tasks(self.tasks.keys().copied());
+        self.publish_tasks();
         Ok(())
     }
 
@@ -110,7 +113,7 @@ impl Engine {
             }
             tracing::info!(task = %id, "task closed dirty");
         }
-        self.status.set_tasks(self.tasks.keys().copied());
+        self.publish_tasks();
     }
 
     /// Waits for the in-flight async calls of `ids` (handling completions of all
@@ -156,6 +159,7 @@ impl Engine {
         tpl: &TopicPartitionList,
     ) -> Result<(), RuntimeError> {
         self.joined = true;
+        self.collect_commit(consumer, true)?;
         // An assignment forwards every partition to the consumer's queue again.
         self.queues.clear();
         self.unsplit.clear();
@@ -226,7 +230,7 @@ impl Engine {
                 Err(err) => tracing::debug!(error = %err, "seek on resume failed"),
             }
         }
-        self.status.set_tasks(self.tasks.keys().copied());
+        self.publish_tasks();
         Ok(())
     }
 }

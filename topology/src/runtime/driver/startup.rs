@@ -75,7 +75,7 @@ impl Engine {
             // before the split) went first; its split queues follow.
             self.tasks.insert(id, task);
         }
-        self.status.set_tasks(self.tasks.keys().copied());
+        self.publish_tasks();
         Ok(())
     }
 }
