@@ -210,3 +210,87 @@ fn write_barriers(
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicBool;
+
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+    use rdkafka::ClientConfig;
+
+    use super::*;
+    use crate::runtime::kafka::create_producer;
+
+    fn unique(p: &str) -> String {
+        format!("{p}-{}", &uuid::Uuid::new_v4().simple().to_string()[..10])
+    }
+
+    #[test]
+    fn a_barrier_waits_for_its_own_acknowledgement_not_for_other_tasks_traffic() {
+        // At-least-once tasks share one producer. Another task's steady
+        // output keeps that producer's queue from ever running empty, so a
+        // barrier that waited for a flush of the producer would run into its
+        // timeout (and stop the instance); it waits for its own record only.
+        let bootstrap = std::env::var("SLUICE_TEST_BOOTSTRAP").expect(
+            "SLUICE_TEST_BOOTSTRAP is not set: run the tests with `make test`, which starts the broker",
+        );
+        let (changelog, busy) = (unique("barrier-changelog"), unique("barrier-busy"));
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", &bootstrap)
+            .create()
+            .unwrap();
+        let new = [
+            NewTopic::new(&changelog, 1, TopicReplication::Fixed(1)),
+            NewTopic::new(&busy, 1, TopicReplication::Fixed(1)),
+        ];
+        futures::executor::block_on(admin.create_topics(&new, &AdminOptions::new())).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = StreamsConfig::new(&unique("barrier-app"), &bootstrap, dir.path());
+        assert_eq!(cfg.guarantee, Guarantee::AtLeastOnce);
+        let (producer, delivery) = create_producer(&cfg, None).unwrap();
+        let other = TaskId {
+            subtopology: 0,
+            partition: 1,
+        };
+        let stop = AtomicBool::new(false);
+        let value = vec![b'x'; 2_000];
+        let result = std::thread::scope(|s| {
+            s.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    let sent = send(
+                        &producer,
+                        &busy,
+                        Some(0),
+                        None,
+                        Some(&value),
+                        None,
+                        &Vec::new(),
+                        DeliveryTag::Output(other),
+                    );
+                    if sent.is_err() {
+                        // The queue is full: the traffic stays steady.
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+            });
+            std::thread::sleep(Duration::from_millis(500));
+            let task = TaskId {
+                subtopology: 0,
+                partition: 0,
+            };
+            let result = write_barriers(
+                &cfg,
+                task,
+                &[(StoreId(0), changelog.clone())],
+                &producer,
+                &delivery,
+            );
+            stop.store(true, Ordering::Relaxed);
+            result
+        });
+        let offsets = result.expect("the barrier was acknowledged during the other traffic");
+        assert_eq!(offsets.len(), 1);
+        assert!(offsets[0] >= 0, "{offsets:?}");
+    }
+}
