@@ -280,10 +280,16 @@ impl Task {
             "tenantId": self.tenant,
             "requesterId": "svc",
             "priority": self.priority,
-            "submittedAt": chrono::Utc::now().to_rfc3339(),
+            // Both wire forms: RFC 3339, and epoch milliseconds as Java
+            // producers write it.
+            "submittedAt": if self.id.as_bytes()[self.id.len() - 1] % 2 == 0 {
+                serde_json::json!(chrono::Utc::now().to_rfc3339())
+            } else {
+                serde_json::json!(chrono::Utc::now().timestamp_millis())
+            },
             "attemptNumber": 1,
             "payload": payload,
-            "metadata": {},
+            "metadata": { "correlationId": format!("corr-{}", self.id) },
         })
     }
 
@@ -330,8 +336,17 @@ fn count_by_task(results: &[(TaskResult, OwnedMessage)]) -> HashMap<String, usiz
     n
 }
 
-/// No task is lost and none has two results.
+/// No task is lost and none has two results; each result carries its task's
+/// metadata.
 fn assert_each_answered_once(tasks: &[Task], results: &[(TaskResult, OwnedMessage)]) {
+    for (r, _) in results {
+        assert_eq!(
+            r.metadata.get("correlationId"),
+            Some(&format!("corr-{}", r.task_id)),
+            "result of {} carries its task's metadata",
+            r.task_id
+        );
+    }
     let counts = count_by_task(results);
     let missing = tasks.iter().filter(|t| !counts.contains_key(&t.id)).count();
     let twice: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();

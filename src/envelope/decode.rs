@@ -209,6 +209,29 @@ mod tests {
     }
 
     #[test]
+    fn submitted_at_is_accepted_as_epoch_milliseconds_too() {
+        let rfc = decode(&valid()).unwrap().submitted_at;
+        let mut v = valid();
+        v["submittedAt"] = json!(rfc.timestamp_millis());
+        let t = decode(&v).unwrap();
+        assert_eq!(t.submitted_at, rfc);
+        // Written back in one form.
+        assert_eq!(
+            serde_json::to_value(&t).unwrap()["submittedAt"],
+            "2024-05-01T10:00:00Z"
+        );
+        for bad in [
+            json!(1.5e12),
+            json!("yesterday"),
+            json!(true),
+            json!(i64::MAX),
+        ] {
+            v["submittedAt"] = bad.clone();
+            assert_eq!(reason(&v), "invalid_field:submittedAt", "{bad}");
+        }
+    }
+
+    #[test]
     fn defaults_priority_attempt_and_metadata() {
         let mut v = valid();
         let o = v.as_object_mut().unwrap();

@@ -73,7 +73,10 @@ pub struct TaskEnvelope {
     /// Scheduling priority.
     #[serde(default)]
     pub priority: Priority,
-    /// When the task was submitted (RFC 3339).
+    /// When the task was submitted: RFC 3339, or epoch milliseconds (what
+    /// Jackson writes for an `Instant` without its ISO setting). Written back
+    /// as RFC 3339.
+    #[serde(deserialize_with = "submitted_at::deserialize")]
     pub submitted_at: DateTime<Utc>,
     /// 1-based attempt counter, incremented each time the task is re-published.
     #[serde(default = "default_attempt")]
@@ -83,6 +86,42 @@ pub struct TaskEnvelope {
     /// Free string map: trace context, correlation ids.
     #[serde(default)]
     pub metadata: BTreeMap<String, String>,
+}
+
+/// `submittedAt` as either wire form.
+mod submitted_at {
+    use chrono::{DateTime, Utc};
+    use serde::de::{self, Deserializer, Visitor};
+
+    struct Either;
+
+    impl Visitor<'_> for Either {
+        type Value = DateTime<Utc>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("an RFC 3339 timestamp or epoch milliseconds")
+        }
+
+        fn visit_i64<E: de::Error>(self, ms: i64) -> Result<Self::Value, E> {
+            DateTime::from_timestamp_millis(ms)
+                .ok_or_else(|| E::custom("epoch milliseconds out of range"))
+        }
+
+        fn visit_u64<E: de::Error>(self, ms: u64) -> Result<Self::Value, E> {
+            let ms = i64::try_from(ms).map_err(|_| E::custom("epoch milliseconds out of range"))?;
+            self.visit_i64(ms)
+        }
+
+        fn visit_str<E: de::Error>(self, s: &str) -> Result<Self::Value, E> {
+            DateTime::parse_from_rfc3339(s)
+                .map(|t| t.with_timezone(&Utc))
+                .map_err(E::custom)
+        }
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<DateTime<Utc>, D::Error> {
+        d.deserialize_any(Either)
+    }
 }
 
 impl TaskEnvelope {
@@ -175,6 +214,9 @@ pub struct TaskResult {
     /// Human-readable failure description (never the prompt).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error_message: Option<String>,
+    /// The task's `metadata` (correlation ids, trace context), carried over.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metadata: BTreeMap<String, String>,
 }
 
 /// Why a record went to the dead-letter topic (`dlq.category` header).
@@ -257,8 +299,10 @@ mod tests {
             output: serde_json::Value::Null,
             error_code: Some("exhausted".into()),
             error_message: None,
+            metadata: BTreeMap::from([("correlationId".into(), "c-7".into())]),
         };
         let v = serde_json::to_value(&r).unwrap();
+        assert_eq!(v["metadata"]["correlationId"], "c-7");
         assert_eq!(v["taskId"], "t1");
         assert_eq!(v["costMicros"], 3);
         assert_eq!(v["route"]["tier"], "small");

@@ -324,6 +324,7 @@ impl LlmTaskProcessor {
             output: serde_json::Value::Null,
             error_code: None,
             error_message: None,
+            metadata: job.task.metadata.clone(),
         }
     }
 
