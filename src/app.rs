@@ -51,6 +51,7 @@ pub async fn run_until(
     let op = Arc::new(Operator {
         client,
         prompts: PromptBuilder::new(config.prompts.clone()),
+        router: config.router(),
         prices: config.prices.clone(),
         metrics: OperatorMetrics::register(&registry).map_err(anyhow::Error::from)?,
         health: health.clone(),

@@ -11,6 +11,7 @@ use sluice_topology::runtime::{Guarantee, StreamsConfig};
 use sluice_topology::RocksSettings;
 
 use crate::llm::{LlmConfig, PromptConfig};
+use crate::route::{FeatureWeights, Router, Tier};
 
 /// A configuration problem, with the key it concerns.
 #[derive(Debug, thiserror::Error)]
@@ -228,8 +229,13 @@ pub struct RoutingSection {
     pub default_model: Option<String>,
     /// Model per task type.
     pub by_task_type: BTreeMap<String, String>,
-    /// Fallback model per model, used while a model's breaker is open.
+    /// Fallback model per model, used while a model's breaker is open (followed
+    /// model to model: a fallback chain).
     pub fallbacks: BTreeMap<String, String>,
+    /// Complexity tiers by rising `max_score` (empty: no complexity routing).
+    pub tiers: Vec<Tier>,
+    /// How the complexity of a task without `payload.complexity` is computed.
+    pub features: FeatureWeights,
 }
 
 /// Price of a model, micro-dollars per million tokens.
@@ -411,6 +417,7 @@ impl Config {
                 ));
             }
         }
+        self.validate_tiers()?;
         for m in self.prices.keys() {
             if !known(m) {
                 return Err(ConfigError::new(
@@ -459,6 +466,81 @@ impl Config {
             ..RocksSettings::default()
         };
         s
+    }
+
+    /// The routing rules (see [`Router`]).
+    pub fn router(&self) -> Router {
+        Router {
+            default_model: self
+                .routing
+                .default_model
+                .clone()
+                .unwrap_or_else(|| self.llm.models[0].name.clone()),
+            by_task_type: self.routing.by_task_type.clone(),
+            tiers: self.routing.tiers.clone(),
+            fallbacks: self.routing.fallbacks.clone(),
+            features: self.routing.features.clone(),
+        }
+    }
+
+    fn validate_tiers(&self) -> Result<(), ConfigError> {
+        let known = |m: &str| self.llm.models.iter().any(|x| x.name == m);
+        let tiers = &self.routing.tiers;
+        let mut last = 0.0;
+        for (i, t) in tiers.iter().enumerate() {
+            let key = |field: &str| format!("routing.tiers[{i}].{field}");
+            if t.name.trim().is_empty() || tiers[..i].iter().any(|o| o.name == t.name) {
+                return Err(ConfigError::new(key("name"), "empty or repeated tier name"));
+            }
+            if !known(&t.model) {
+                return Err(ConfigError::new(
+                    key("model"),
+                    format!("unknown model {}", t.model),
+                ));
+            }
+            if !(t.max_score > last && t.max_score <= 1.0) {
+                return Err(ConfigError::new(
+                    key("max_score"),
+                    "must rise from tier to tier, within (0, 1]",
+                ));
+            }
+            last = t.max_score;
+        }
+        if !tiers.is_empty() && last < 1.0 {
+            return Err(ConfigError::new(
+                format!("routing.tiers[{}].max_score", tiers.len() - 1),
+                "the last tier must reach 1.0",
+            ));
+        }
+        let f = &self.routing.features;
+        let unit = |v: f64| (0.0..=1.0).contains(&v);
+        for (t, v) in &f.type_complexity {
+            if !unit(*v) {
+                return Err(ConfigError::new(
+                    format!("routing.features.type_complexity.{t}"),
+                    "must be within [0, 1]",
+                ));
+            }
+        }
+        if !unit(f.default_type_complexity) {
+            return Err(ConfigError::new(
+                "routing.features.default_type_complexity",
+                "must be within [0, 1]",
+            ));
+        }
+        for (name, w) in [
+            ("type_weight", f.type_weight),
+            ("size_weight", f.size_weight),
+            ("structure_weight", f.structure_weight),
+        ] {
+            if !(w.is_finite() && w >= 0.0) {
+                return Err(ConfigError::new(
+                    format!("routing.features.{name}"),
+                    "must be a non-negative number",
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// The model serving a task type when nothing else decides.
@@ -563,6 +645,56 @@ provider = "sim"
         )
         .unwrap_err();
         assert_eq!(err.key, "llm.models[0].provider");
+    }
+
+    const TIERED: &str = r#"
+[[llm.models]]
+name = "large"
+provider = "sim"
+
+[routing]
+fallbacks = { large = "small" }
+tiers = [
+    { name = "cheap", max_score = 0.5, model = "small" },
+    { name = "strong", max_score = 1.0, model = "large" },
+]
+
+[routing.features]
+type_complexity = { classify = 0.1 }
+"#;
+
+    #[test]
+    fn complexity_tiers_route_and_are_validated() {
+        let c = load(&format!("{MINIMAL}{TIERED}"), &[]).unwrap();
+        let r = c.router();
+        assert_eq!(r.tiers.len(), 2);
+        assert_eq!(r.features.type_complexity["classify"], 0.1);
+        assert_eq!(r.fallback("large", |m| m == "large"), Some("small"));
+        let bad = |from: &str, to: &str| {
+            load(&format!("{MINIMAL}{}", TIERED.replace(from, to)), &[])
+                .unwrap_err()
+                .key
+        };
+        assert_eq!(
+            bad("model = \"large\" }", "model = \"huge\" }"),
+            "routing.tiers[1].model"
+        );
+        assert_eq!(
+            bad("max_score = 0.5", "max_score = 1.0"),
+            "routing.tiers[1].max_score"
+        );
+        assert_eq!(
+            bad("max_score = 1.0,", "max_score = 0.9,"),
+            "routing.tiers[1].max_score"
+        );
+        assert_eq!(
+            bad("name = \"strong\"", "name = \"cheap\""),
+            "routing.tiers[1].name"
+        );
+        assert_eq!(
+            bad("classify = 0.1", "classify = 1.5"),
+            "routing.features.type_complexity.classify"
+        );
     }
 
     #[test]

@@ -13,4 +13,5 @@ pub mod http;
 pub mod kafka;
 pub mod llm;
 pub mod operator;
+pub mod route;
 pub mod sim;

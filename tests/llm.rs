@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -251,6 +251,8 @@ struct Task {
     tenant: String,
     priority: &'static str,
     content: String,
+    /// `payload.complexity`, when the caller gives one.
+    complexity: Option<f64>,
 }
 
 impl Task {
@@ -261,6 +263,7 @@ impl Task {
             tenant: tenant.into(),
             priority,
             content: format!("Document {i} about {task_type} for {tenant}: the quick brown fox jumps over the lazy dog."),
+            complexity: None,
         }
     }
 
@@ -273,6 +276,9 @@ impl Task {
                 payload["schema"] = serde_json::json!({"type": "object", "properties": {"topic": {"type": "string"}}})
             }
             _ => {}
+        }
+        if let Some(c) = self.complexity {
+            payload["complexity"] = c.into();
         }
         serde_json::json!({
             "taskId": self.id,
@@ -646,6 +652,95 @@ fn high_priority_tasks_finish_first_when_the_limiter_is_the_bottleneck() {
         median("batch")
     );
     assert!(median("high") <= median("normal"));
+    app.proc.stop();
+}
+
+#[test]
+fn complexity_picks_the_tier_and_an_open_breaker_the_fallback_chain() {
+    let tiers = r#"
+[routing.fallbacks]
+large = "small"
+
+[[routing.tiers]]
+name = "cheap"
+max_score = 0.5
+model = "small"
+
+[[routing.tiers]]
+name = "strong"
+max_score = 1.0
+model = "large"
+"#;
+    let p = Pipeline::new(SimConfig::default(), tiers);
+    let mut app = p.start("route");
+    let scored = |range: std::ops::Range<usize>| -> Vec<Task> {
+        range
+            .map(|i| {
+                let mut t = Task::new(i, "summarize", "acme", "normal");
+                t.complexity = Some(if i % 2 == 0 { 0.2 } else { 0.9 });
+                t
+            })
+            .collect()
+    };
+    let first = scored(0..40);
+    p.produce(&first);
+    let results = p.results(first.len(), Duration::from_secs(90));
+    assert_each_answered_once(&first, &results);
+    let by_id: HashMap<&str, &Task> = first.iter().map(|t| (t.id.as_str(), t)).collect();
+    for (r, _) in &results {
+        let want = if by_id[r.task_id.as_str()].complexity == Some(0.2) {
+            ("small", "cheap", "complexity:0.20")
+        } else {
+            ("large", "strong", "complexity:0.90")
+        };
+        assert_eq!(
+            (
+                r.model.as_str(),
+                r.route.tier.as_str(),
+                r.route.reason.as_str()
+            ),
+            want,
+            "{}",
+            r.task_id
+        );
+    }
+    // The large model fails from now on: its breaker opens and the strong
+    // tier's tasks go down its fallback chain.
+    p.sim
+        .update(|c| {
+            c.model_overrides = serde_json::from_value(serde_json::json!({
+                "large": { "status_override": 503 }
+            }))
+            .unwrap();
+        })
+        .unwrap();
+    let second = scored(100..140);
+    p.produce(&second);
+    let all = p.results(first.len() + second.len(), Duration::from_secs(90));
+    let ids: HashSet<&str> = second.iter().map(|t| t.id.as_str()).collect();
+    let answered: Vec<(TaskResult, OwnedMessage)> = all
+        .iter()
+        .filter(|(r, _)| ids.contains(r.task_id.as_str()))
+        .cloned()
+        .collect();
+    assert_each_answered_once(&second, &answered);
+    let strong: Vec<&TaskResult> = all
+        .iter()
+        .map(|(r, _)| r)
+        .filter(|r| ids.contains(r.task_id.as_str()) && r.route.tier != "cheap")
+        .collect();
+    assert_eq!(strong.len(), 20, "every strong-tier task has a result");
+    assert!(
+        strong.iter().all(|r| r.success && r.model == "small"),
+        "the strong tier's tasks were answered by the fallback: {:?}",
+        strong
+            .iter()
+            .map(|r| (&r.model, &r.route))
+            .collect::<Vec<_>>()
+    );
+    assert!(strong
+        .iter()
+        .any(|r| r.route.reason == "fallback:large:circuit_open"));
     app.proc.stop();
 }
 

@@ -14,6 +14,7 @@
 //! [`RetryPolicy`]; a transient failure that outlasts them is returned with its class, and the
 //! caller re-publishes the task with `attemptNumber + 1` or dead-letters it as `exhausted`.
 
+pub mod apportion;
 pub mod breaker;
 pub mod client;
 pub mod config;

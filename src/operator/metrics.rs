@@ -19,6 +19,8 @@ pub mod names {
     pub const COST: &str = "sluice_cost_micros_total";
     /// Tasks routed to a fallback model.
     pub const FALLBACKS: &str = "sluice_fallback_routed_total";
+    /// Routing decisions, by tier.
+    pub const ROUTES: &str = "sluice_route_decisions_total";
     /// Results found in the results topics when a task was taken over.
     pub const RECOVERED: &str = "sluice_results_recovered_total";
 }
@@ -34,6 +36,7 @@ pub struct OperatorMetrics {
     pub(crate) tokens: IntCounterVec,
     pub(crate) cost: IntCounterVec,
     pub(crate) fallbacks: IntCounterVec,
+    pub(crate) routes: IntCounterVec,
     pub(crate) recovered: IntCounter,
 }
 
@@ -68,6 +71,10 @@ impl OperatorMetrics {
                 Opts::new(names::FALLBACKS, "Tasks routed to a fallback model"),
                 &["model"],
             )?,
+            routes: IntCounterVec::new(
+                Opts::new(names::ROUTES, "Routing decisions by tier"),
+                &["tier"],
+            )?,
             recovered: IntCounter::new(
                 names::RECOVERED,
                 "Results recovered from the results topics on takeover",
@@ -79,6 +86,7 @@ impl OperatorMetrics {
         registry.register(Box::new(m.tokens.clone()))?;
         registry.register(Box::new(m.cost.clone()))?;
         registry.register(Box::new(m.fallbacks.clone()))?;
+        registry.register(Box::new(m.routes.clone()))?;
         registry.register(Box::new(m.recovered.clone()))?;
         Ok(m)
     }

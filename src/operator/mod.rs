@@ -34,6 +34,7 @@ use sluice_topology::{
 
 use crate::config::{Config, Price};
 use crate::envelope::{decode_task, DlqCategory, EnvelopeLimits, Route, TaskEnvelope, TaskResult};
+use crate::route::Router;
 use crate::llm::{CallFailure, CallOutcome, ChatRequest, ErrorClass, LlmClient, PromptBuilder};
 pub use health::Health;
 pub use metrics::OperatorMetrics;
@@ -58,6 +59,8 @@ pub struct Operator {
     pub client: LlmClient,
     /// Prompt templates.
     pub prompts: PromptBuilder,
+    /// Routing rules: tiers, pinned task types, fallback chains.
+    pub router: Router,
     /// Prices per model.
     pub prices: BTreeMap<String, Price>,
     /// The configuration (routing, topics, tasks).
@@ -219,34 +222,17 @@ impl LlmTaskProcessor {
 
     /// The model a task goes to, and why.
     fn route(&self, task: &TaskEnvelope) -> (String, Route) {
-        let cfg = &self.op.config;
-        if let Some(m) = task
-            .payload
-            .model
-            .as_ref()
-            .filter(|m| self.op.client.endpoint(m).is_some())
-        {
-            return (
-                m.clone(),
-                Route {
-                    tier: m.clone(),
-                    reason: "explicit_model".into(),
-                },
-            );
-        }
-        let model = cfg.model_for(&task.task_type).to_string();
-        let reason = if cfg.routing.by_task_type.contains_key(&task.task_type) {
-            format!("task_type:{}", task.task_type)
-        } else {
-            "default".into()
-        };
-        (
-            model.clone(),
-            Route {
-                tier: model,
-                reason,
-            },
-        )
+        let client = &self.op.client;
+        let d = self
+            .op
+            .router
+            .route(task, |m| client.endpoint(m).is_some(), false);
+        self.op
+            .metrics
+            .routes
+            .with_label_values(&[&d.route.tier])
+            .inc();
+        (d.model, d.route)
     }
 
     /// Sends a result (completed or failed) and remembers it.
@@ -349,8 +335,14 @@ impl LlmTaskProcessor {
     /// breaker when a fallback exists, else holding the job.
     fn start_call(&mut self, ctx: &mut Ctx<'_>, mut job: Box<Job>, held: InFlight) {
         if !job.probe && self.op.client.is_open(&job.model) {
-            match self.op.config.routing.fallbacks.get(&job.model) {
-                Some(fallback) if !self.op.client.is_open(fallback) => {
+            let client = &self.op.client;
+            let fallback = self
+                .op
+                .router
+                .fallback(&job.model, |m| client.is_open(m))
+                .map(str::to_string);
+            match fallback {
+                Some(fallback) => {
                     self.op
                         .metrics
                         .fallbacks
@@ -450,7 +442,7 @@ impl LlmTaskProcessor {
                         Ok(())
                     }
                     ErrorClass::CircuitOpen => {
-                        if self.op.config.routing.fallbacks.contains_key(&job.model) {
+                        if self.op.router.has_fallback(&job.model) {
                             self.start_call(ctx, job, held);
                         } else {
                             let fault = format!("breaker:{}", job.model);

@@ -1,0 +1,159 @@
+//! Splitting a micro-batch's token usage back over its tasks.
+//!
+//! A batch is one provider call; each task's result carries its share of the
+//! call's usage. Shares are integers, never negative, and sum exactly to the
+//! batch's figures, so per-tenant accounts built from results add up to what
+//! the provider billed. The largest-remainder method does this with every
+//! share within one token of its proportional value.
+
+use super::Usage;
+
+/// Splits `total` over items in proportion to `weights`: each item gets the
+/// floor of its proportional value, and the tokens left over go one each to
+/// the items with the largest remainders (the earlier item on a tie). The
+/// shares sum to `total`. With no weight at all, the split is even.
+pub fn apportion(total: u64, weights: &[u64]) -> Vec<u64> {
+    if weights.is_empty() {
+        return Vec::new();
+    }
+    let even;
+    let weights = if weights.iter().all(|w| *w == 0) {
+        even = vec![1; weights.len()];
+        &even[..]
+    } else {
+        weights
+    };
+    let sum: u128 = weights.iter().map(|w| u128::from(*w)).sum();
+    let total_wide = u128::from(total);
+    let mut shares = Vec::with_capacity(weights.len());
+    let mut remainders = Vec::with_capacity(weights.len());
+    for (i, w) in weights.iter().enumerate() {
+        let exact = total_wide * u128::from(*w);
+        // Each share is at most `total`, so it fits back into u64.
+        shares.push((exact / sum) as u64);
+        remainders.push((exact % sum, i));
+    }
+    let given: u64 = shares.iter().sum();
+    let left = (total - given) as usize;
+    // Largest remainder first; the earlier item first on a tie.
+    remainders.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+    for (_, i) in remainders.into_iter().take(left) {
+        shares[i] += 1;
+    }
+    shares
+}
+
+/// Splits a batch's usage over its items in proportion to their sizes
+/// (e.g. each item's prompt tokens). Prompt and completion tokens follow the
+/// sizes; cached tokens follow each item's prompt share, so no item is given
+/// more cached tokens than prompt tokens.
+pub fn apportion_usage(usage: &Usage, sizes: &[u64]) -> Vec<Usage> {
+    let prompt = apportion(usage.prompt_tokens, sizes);
+    let completion = apportion(usage.completion_tokens, sizes);
+    let cached_total = usage.cached_tokens.min(usage.prompt_tokens);
+    let cached = if cached_total == 0 {
+        vec![0; sizes.len()]
+    } else {
+        apportion(cached_total, &prompt)
+    };
+    prompt
+        .into_iter()
+        .zip(completion)
+        .zip(cached)
+        .map(
+            |((prompt_tokens, completion_tokens), cached_tokens)| Usage {
+                prompt_tokens,
+                completion_tokens,
+                cached_tokens,
+            },
+        )
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    use super::*;
+
+    #[test]
+    fn splits_by_largest_remainder() {
+        assert_eq!(apportion(10, &[1, 1, 1]), vec![4, 3, 3]);
+        assert_eq!(apportion(100, &[50, 30, 20]), vec![50, 30, 20]);
+        assert_eq!(apportion(7, &[1, 2]), vec![2, 5]);
+        assert_eq!(apportion(0, &[3, 4]), vec![0, 0]);
+        assert_eq!(apportion(5, &[0, 0]), vec![3, 2]);
+        assert_eq!(apportion(5, &[0, 9]), vec![0, 5]);
+        assert_eq!(apportion(5, &[]), Vec::<u64>::new());
+        let huge = apportion(u64::MAX, &[u64::MAX, u64::MAX]);
+        assert_eq!(huge, vec![u64::MAX / 2 + 1, u64::MAX / 2]);
+    }
+
+    /// The property: over many random batches, shares sum exactly, are never
+    /// negative (unsigned), and each is within one token of proportional.
+    #[test]
+    fn shares_sum_exactly_and_stay_within_one_token_of_proportional() {
+        let mut rng = StdRng::seed_from_u64(0x5eed);
+        for case in 0..20_000 {
+            let n = rng.random_range(1..=40);
+            let big = case % 10 == 0;
+            let weights: Vec<u64> = (0..n)
+                .map(|_| match rng.random_range(0..10) {
+                    0 => 0,
+                    _ if big => rng.random_range(0..u64::MAX / 64),
+                    _ => rng.random_range(1..5_000),
+                })
+                .collect();
+            let total = if big {
+                rng.random_range(0..u64::MAX / 2)
+            } else {
+                rng.random_range(0..200_000)
+            };
+            let shares = apportion(total, &weights);
+            assert_eq!(shares.len(), n);
+            assert_eq!(
+                shares.iter().map(|s| u128::from(*s)).sum::<u128>(),
+                u128::from(total),
+                "{weights:?} {total}"
+            );
+            let sum: u128 = weights.iter().map(|w| u128::from(*w)).sum();
+            for (s, w) in shares.iter().zip(&weights) {
+                // |share - total*w/sum| < 1, in integers: |share*sum - total*w| < sum.
+                let (scaled, exact) = if sum == 0 {
+                    (u128::from(*s) * n as u128, u128::from(total))
+                } else {
+                    (u128::from(*s) * sum, u128::from(total) * u128::from(*w))
+                };
+                let bound = if sum == 0 { n as u128 } else { sum };
+                assert!(
+                    scaled.abs_diff(exact) < bound,
+                    "share {s} of {total} for weight {w} in {weights:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn usage_shares_sum_to_the_batch_and_cached_never_exceeds_prompt() {
+        let mut rng = StdRng::seed_from_u64(7);
+        for _ in 0..5_000 {
+            let n = rng.random_range(1..=20);
+            let sizes: Vec<u64> = (0..n).map(|_| rng.random_range(0..2_000)).collect();
+            let prompt_tokens = rng.random_range(0..50_000);
+            let usage = Usage {
+                prompt_tokens,
+                completion_tokens: rng.random_range(0..20_000),
+                cached_tokens: rng.random_range(0..=prompt_tokens),
+            };
+            let shares = apportion_usage(&usage, &sizes);
+            let sum = |f: fn(&Usage) -> u64| shares.iter().map(f).sum::<u64>();
+            assert_eq!(sum(|u| u.prompt_tokens), usage.prompt_tokens);
+            assert_eq!(sum(|u| u.completion_tokens), usage.completion_tokens);
+            assert_eq!(sum(|u| u.cached_tokens), usage.cached_tokens);
+            for u in &shares {
+                assert!(u.cached_tokens <= u.prompt_tokens, "{usage:?} {sizes:?}");
+            }
+        }
+    }
+}
