@@ -588,6 +588,51 @@ fn a_redelivered_completed_task_is_answered_without_a_second_call() {
 }
 
 #[test]
+fn a_failed_task_that_comes_back_is_a_new_attempt() {
+    // Only successes are final: once the cause of a failure is gone, the
+    // same task sent again is called again and answered, not given the
+    // stored failure.
+    let sim = SimConfig::from_json_value(serde_json::json!({
+        "model_overrides": { "small": { "status_override": 400 } }
+    }))
+    .unwrap();
+    let p = Pipeline::new(sim, "");
+    let mut app = p.start("refail");
+    let task = Task::new(1, "summarize", "acme", "normal");
+    p.produce(std::slice::from_ref(&task));
+    let first = p.results(1, Duration::from_secs(60));
+    assert_eq!(first.len(), 1);
+    assert!(!first[0].0.success, "{:?}", first[0].0);
+    assert_eq!(first[0].0.error_code.as_deref(), Some("bad_request"));
+    p.sim.update(|c| c.model_overrides.clear()).unwrap();
+    p.produce(std::slice::from_ref(&task));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let both = loop {
+        let r = p.results(2, Duration::from_secs(5));
+        if r.len() >= 2 || Instant::now() > deadline {
+            break r;
+        }
+    };
+    assert_eq!(both.len(), 2, "the task came back and was answered again");
+    let answered: Vec<&TaskResult> = both.iter().map(|(r, _)| r).filter(|r| r.success).collect();
+    assert_eq!(
+        answered.len(),
+        1,
+        "the second attempt succeeded: {:?}",
+        both.iter()
+            .map(|(r, _)| (r.success, r.error_code.clone()))
+            .collect::<Vec<_>>()
+    );
+    assert!(!answered[0].output.is_null());
+    assert_eq!(p.metric(&app, "sluice_duplicates_skipped_total"), 0.0);
+    assert_eq!(
+        p.metric(&app, "sluice_results_total{status=\"completed\"}"),
+        1.0
+    );
+    app.proc.stop();
+}
+
+#[test]
 fn twenty_second_calls_cause_no_rebalance_and_no_duplicate_call() {
     let sim = SimConfig::from_json_value(
         serde_json::json!({ "latency": { "kind": "fixed", "ms": 20000 } }),

@@ -34,8 +34,8 @@ use sluice_topology::{
 
 use crate::config::{Config, Price};
 use crate::envelope::{decode_task, DlqCategory, EnvelopeLimits, Route, TaskEnvelope, TaskResult};
-use crate::route::Router;
 use crate::llm::{CallFailure, CallOutcome, ChatRequest, ErrorClass, LlmClient, PromptBuilder};
+use crate::route::Router;
 pub use health::Health;
 pub use metrics::OperatorMetrics;
 
@@ -580,12 +580,17 @@ impl Processor<RawKey, Option<Vec<u8>>> for LlmTaskProcessor {
             }
         };
         // Idempotency: the same input replayed emits nothing; a redelivered
-        // task that completed re-emits its stored result without a call.
+        // task that completed re-emits its stored result without a call. A
+        // stored failure is not final: a task that failed and comes back is
+        // a new attempt (its cause may be gone).
+        let current = ctx.position();
         if let Some((stored, position)) = ctx
             .kv::<String, StoredOutcome>(COMPLETED_STORE)?
             .get_with_position(&task.task_id)?
+            .filter(|(stored, position)| {
+                stored.success || (position.is_some() && *position == current)
+            })
         {
-            let current = ctx.position();
             if let (Some(p), Some(c)) = (position, current) {
                 if p == c {
                     return Ok(());
