@@ -588,6 +588,44 @@ fn a_redelivered_completed_task_is_answered_without_a_second_call() {
 }
 
 #[test]
+fn two_task_types_reusing_an_id_get_their_own_answers() {
+    // Idempotency is per (task type, task id): a classify task that reuses a
+    // summarize task's id on the same partition (same tenant key) is its own
+    // task, called and answered as a classification.
+    let p = Pipeline::new(SimConfig::default(), "");
+    let mut app = p.start("idkey");
+    let summary = Task::new(1, "summarize", "acme", "normal");
+    p.produce(std::slice::from_ref(&summary));
+    assert_eq!(p.results(1, Duration::from_secs(60)).len(), 1);
+    let mut label = Task::new(2, "classify", "acme", "normal");
+    label.id = summary.id.clone();
+    p.produce(std::slice::from_ref(&label));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let both = loop {
+        let r = p.results(2, Duration::from_secs(5));
+        if r.len() >= 2 || Instant::now() > deadline {
+            break r;
+        }
+    };
+    let types: BTreeMap<String, bool> = both
+        .iter()
+        .map(|(r, _)| (r.task_type.clone(), r.success))
+        .collect();
+    assert_eq!(
+        types,
+        BTreeMap::from([("classify".into(), true), ("summarize".into(), true)]),
+        "each type answered for itself"
+    );
+    assert_eq!(p.metric(&app, "sluice_duplicates_skipped_total"), 0.0);
+    assert_eq!(
+        p.sim.calls_containing(&label.content),
+        1,
+        "the classification was called"
+    );
+    app.proc.stop();
+}
+
+#[test]
 fn a_failed_task_that_comes_back_is_a_new_attempt() {
     // Only successes are final: once the cause of a failure is gone, the
     // same task sent again is called again and answered, not given the

@@ -53,6 +53,14 @@ pub const TRACE_HEADERS: [&str; 2] = ["traceparent", "tracestate"];
 
 const MINUTE_MS: i64 = 60_000;
 
+/// The idempotency key of a task: its type and its id, since two task types
+/// may reuse an id. (Task types are topic-name suffixes, which cannot hold
+/// `/`.) A task sent again must be sent with the same Kafka key, so it reaches
+/// the partition — and the store — that answered it.
+pub(crate) fn idempotency_key(task_type: &str, task_id: &str) -> String {
+    format!("{task_type}/{task_id}")
+}
+
 /// Everything the operator instances of one application share.
 pub struct Operator {
     /// The provider client (limiters and breakers are shared by all tasks).
@@ -262,8 +270,9 @@ impl LlmTaskProcessor {
         ));
         let bucket =
             now_ms() / MINUTE_MS + (self.op.config.tasks.idempotency_ttl_hours as i64 * 60);
+        let key = idempotency_key(&result.task_type, &result.task_id);
         ctx.kv::<String, StoredOutcome>(COMPLETED_STORE)?.put(
-            &result.task_id,
+            &key,
             &StoredOutcome {
                 result_json: json,
                 success: result.success,
@@ -273,7 +282,7 @@ impl LlmTaskProcessor {
         self.op.metrics.result(result.success).inc();
         // Redeliveries that arrived while the call was under way get the same
         // result, without a call of their own.
-        for (waiter, headers) in self.in_flight.remove(&result.task_id).unwrap_or_default() {
+        for (waiter, headers) in self.in_flight.remove(&key).unwrap_or_default() {
             self.op.metrics.duplicates.inc();
             let (topic, json) = (topic.clone(), result_json_again(result)?);
             ctx.with_record(&waiter, |ctx| {
@@ -503,7 +512,8 @@ impl LlmTaskProcessor {
         self.op.metrics.republished.inc();
         // Redeliveries that waited on this attempt finish without a result of
         // their own: the re-published task produces the task's one result.
-        self.in_flight.remove(&job.task.task_id);
+        self.in_flight
+            .remove(&idempotency_key(&job.task.task_type, &job.task.task_id));
         Ok(())
     }
 
@@ -584,9 +594,10 @@ impl Processor<RawKey, Option<Vec<u8>>> for LlmTaskProcessor {
         // stored failure is not final: a task that failed and comes back is
         // a new attempt (its cause may be gone).
         let current = ctx.position();
+        let key = idempotency_key(&task.task_type, &task.task_id);
         if let Some((stored, position)) = ctx
             .kv::<String, StoredOutcome>(COMPLETED_STORE)?
-            .get_with_position(&task.task_id)?
+            .get_with_position(&key)?
             .filter(|(stored, position)| {
                 stored.success || (position.is_some() && *position == current)
             })
@@ -614,7 +625,7 @@ impl Processor<RawKey, Option<Vec<u8>>> for LlmTaskProcessor {
             ));
             return Ok(());
         }
-        if let Some(waiters) = self.in_flight.get_mut(&task.task_id) {
+        if let Some(waiters) = self.in_flight.get_mut(&key) {
             if let Some(held) = ctx.hold() {
                 waiters.push((held, record.headers));
             }
@@ -652,7 +663,7 @@ impl Processor<RawKey, Option<Vec<u8>>> for LlmTaskProcessor {
         let Some(held) = ctx.hold() else {
             return Err(ProcessError::Fatal("no current record".into()));
         };
-        self.in_flight.insert(job.task.task_id.clone(), Vec::new());
+        self.in_flight.insert(key, Vec::new());
         self.start_call(ctx, Box::new(job), held);
         Ok(())
     }

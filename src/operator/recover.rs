@@ -17,7 +17,10 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use sluice_topology::ProcessError;
 
-use super::{result_position, Ctx, LlmTaskProcessor, StoredOutcome, COMPLETED_STORE, MINUTE_MS};
+use super::{
+    idempotency_key, result_position, Ctx, LlmTaskProcessor, StoredOutcome, COMPLETED_STORE,
+    MINUTE_MS,
+};
 use crate::envelope::TaskResult;
 
 const SCAN_TIMEOUT: Duration = Duration::from_secs(60);
@@ -92,13 +95,14 @@ pub(super) fn recover_results(
                 continue;
             };
             let mut completed = ctx.kv::<String, StoredOutcome>(COMPLETED_STORE)?;
-            if completed.get(&result.task_id)?.is_some() {
+            let key = idempotency_key(&result.task_type, &result.task_id);
+            if completed.get(&key)?.is_some() {
                 continue;
             }
             let bucket = chrono::Utc::now().timestamp_millis() / MINUTE_MS
                 + cfg.tasks.idempotency_ttl_hours as i64 * 60;
             completed.put_at(
-                &result.task_id,
+                &key,
                 &StoredOutcome {
                     result_json: bytes.to_vec(),
                     success: result.success,
