@@ -548,6 +548,78 @@ fn rejected_credentials_hold_intake_until_the_provider_recovers() {
 }
 
 #[test]
+fn parked_tasks_kept_across_a_rebalance_are_answered_once() {
+    // A rejected key parks every job (intake held, records in flight). A
+    // second instance joins: the first keeps one of its tasks, with its
+    // parked jobs. It must not read their records again (a re-read record
+    // would wait on its own job and be answered twice).
+    let sim = SimConfig::from_json_value(serde_json::json!({ "status_override": 401 })).unwrap();
+    let p = Pipeline::new(sim, "");
+    let mut a = p.start("park-a");
+    let tasks = mixed_tasks(40);
+    p.produce(&tasks);
+    eventually(Duration::from_secs(30), "intake held", || {
+        let (code, body) = p.http(&a, "/readyz");
+        (code == 503 && body.contains("provider:small")).then_some(())
+    });
+    let b_state = temp_dir();
+    let b_dir = b_state.path().display().to_string();
+    let mut b = p.start_env("park-b", &[("SLUICE_APP__STATE_DIR", &b_dir)]);
+    eventually(Duration::from_secs(60), "both instances run a task", || {
+        let running = |app: &App| p.metric(app, "sluice_tasks{state=\"running\"}");
+        (running(&a) >= 1.0 && running(&b) >= 1.0).then_some(())
+    });
+    // The key works again, and calls are slow: the parked jobs' calls are
+    // still under way when intake resumes.
+    p.sim
+        .update(|c| {
+            c.status_override = None;
+            c.latency =
+                serde_json::from_value(serde_json::json!({ "kind": "fixed", "ms": 3000 })).unwrap();
+        })
+        .unwrap();
+    p.results(tasks.len(), Duration::from_secs(90));
+    // Late duplicates would follow the first answers.
+    std::thread::sleep(Duration::from_secs(3));
+    let results = p.results(tasks.len(), Duration::from_secs(10));
+    assert_each_answered_once(&tasks, &results);
+    b.proc.stop();
+    a.proc.stop();
+}
+
+#[test]
+fn a_long_retry_after_holds_the_tasks_instead_of_spending_their_attempts() {
+    // The provider answers 429 with a Retry-After of up to 12 s, longer than
+    // a call may wait. Rate limiting is never a task failure: the tasks are
+    // held until the time given and then answered, none re-published past
+    // its attempts into the dead-letter topic.
+    let sim = SimConfig::from_json_value(serde_json::json!({
+        "burst_429": { "every_s": 600, "duration_s": 12 }
+    }))
+    .unwrap();
+    let p = Pipeline::new(sim, "[llm.retry]\nmax_delay_ms = 500\n");
+    // One delivery per task: a single spent attempt dead-letters it.
+    let mut app = p.start_env("retry-after", &[("SLUICE_TASKS__MAX_ATTEMPTS", "1")]);
+    let tasks: Vec<Task> = (0..20)
+        .map(|i| Task::new(i, "classify", "acme", "normal"))
+        .collect();
+    p.produce(&tasks);
+    let results = p.results(tasks.len(), Duration::from_secs(90));
+    assert_each_answered_once(&tasks, &results);
+    let failed: Vec<_> = results
+        .iter()
+        .filter(|(r, _)| !r.success)
+        .map(|(r, _)| r.error_code.clone())
+        .collect();
+    assert!(failed.is_empty(), "rate limiting failed tasks: {failed:?}");
+    assert!(
+        p.dead_letters("classify").is_empty(),
+        "nothing dead-lettered"
+    );
+    app.proc.stop();
+}
+
+#[test]
 fn a_redelivered_completed_task_is_answered_without_a_second_call() {
     let p = Pipeline::new(SimConfig::default(), "");
     let mut app = p.start("idem");

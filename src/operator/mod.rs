@@ -195,6 +195,8 @@ pub struct LlmTaskProcessor {
     parked: Vec<(Box<Job>, InFlight)>,
     probing: bool,
     last_probe_ms: i64,
+    /// No probe before this time (a provider's `Retry-After`).
+    probe_not_before_ms: i64,
     meta: Meta,
     meta_dirty: bool,
     /// Token and cost series per model, resolved on first use.
@@ -216,6 +218,7 @@ impl LlmTaskProcessor {
             parked: Vec::new(),
             probing: false,
             last_probe_ms: 0,
+            probe_not_before_ms: 0,
             meta: Meta::default(),
             meta_dirty: false,
             counters: Default::default(),
@@ -462,9 +465,21 @@ impl LlmTaskProcessor {
                         }
                         Ok(())
                     }
-                    ErrorClass::Transient
-                    | ErrorClass::RateLimited { .. }
-                    | ErrorClass::Malformed => {
+                    ErrorClass::RateLimited { retry_after } => {
+                        // Rate limiting is never a task failure: the job waits,
+                        // intake held, until the time the provider gave (a
+                        // Retry-After longer than a call may wait: Azure's
+                        // 30-60 s, a daily quota), then a probe tries again.
+                        let wait = retry_after.map_or(0, |d| d.as_millis() as i64);
+                        self.probe_not_before_ms = self.probe_not_before_ms.max(now_ms() + wait);
+                        let fault = format!("rate_limited:{}", job.model);
+                        self.op
+                            .health
+                            .raise(&fault, "rate limited by the provider; waiting as told");
+                        self.park(job, held);
+                        Ok(())
+                    }
+                    ErrorClass::Transient | ErrorClass::Malformed => {
                         if job.task.attempt_number < self.op.config.tasks.max_attempts {
                             self.republish(ctx, &job)
                         } else {
@@ -488,6 +503,7 @@ impl LlmTaskProcessor {
     fn recovered(&mut self, ctx: &mut Ctx<'_>, model: &str) {
         self.op.health.clear(&format!("provider:{model}"));
         self.op.health.clear(&format!("breaker:{model}"));
+        self.op.health.clear(&format!("rate_limited:{model}"));
         let parked = std::mem::take(&mut self.parked);
         self.op.metrics.parked.set(0);
         for (job, held) in parked {
@@ -679,6 +695,7 @@ impl Processor<RawKey, Option<Vec<u8>>> for LlmTaskProcessor {
         if !self.parked.is_empty()
             && !self.probing
             && time.wall_clock_ms - self.last_probe_ms >= probe_every
+            && time.wall_clock_ms >= self.probe_not_before_ms
         {
             self.last_probe_ms = time.wall_clock_ms;
             let (mut job, held) = self.parked.remove(0);

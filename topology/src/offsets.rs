@@ -146,6 +146,16 @@ impl OffsetTracker {
         (self.committed != Some(c)).then_some(c)
     }
 
+    /// The first offset this task has not read: past the highest received,
+    /// and never below its commit. Every record below it was received by
+    /// this very task (finished, or still in flight here).
+    pub fn next_to_read(&self) -> Option<i64> {
+        match (self.next_received, self.committed) {
+            (Some(n), Some(c)) => Some(n.max(c)),
+            (n, c) => n.or(c),
+        }
+    }
+
     /// The offset this task last committed, if any.
     pub fn last_committed(&self) -> Option<i64> {
         self.committed
@@ -203,6 +213,20 @@ impl SlotProgress {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn next_to_read_is_past_every_received_record_and_never_below_the_commit() {
+        let mut t = OffsetTracker::default();
+        assert_eq!(t.next_to_read(), None);
+        t.mark_committed(10);
+        assert_eq!(t.next_to_read(), Some(10));
+        t.received(10, 0);
+        t.received(11, 0);
+        t.finished(11);
+        // 10 is still in flight here: the commit stays at 10, reading goes on at 12.
+        assert_eq!(t.committable(), Some(10));
+        assert_eq!(t.next_to_read(), Some(12));
+    }
 
     #[test]
     fn commits_only_the_contiguous_finished_prefix() {

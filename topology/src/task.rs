@@ -215,12 +215,14 @@ impl TaskCore {
         // every run, whatever the completion order or crashes.
         let stream_time_before = self.ctx.stream_time;
         self.ctx.stream_time = self.ctx.stream_time.max(input.timestamp);
-        // Below the offset this task committed, every record was processed by
-        // this very task: a broker that delivers it again (its committed offset
-        // lagging an applied-late commit) must not have it applied twice.
+        // Below the offset this task committed, and below the next it has
+        // not read, every record was received by this very task (finished,
+        // or still in flight here): one delivered again (a committed offset
+        // lagging an applied-late commit, a fetch before a resumed task's
+        // seek) must not run twice.
         if self.trackers[slot]
-            .last_committed()
-            .is_some_and(|c| input.offset < c)
+            .next_to_read()
+            .is_some_and(|n| input.offset < n)
         {
             self.ctx.counters.replay_skipped += 1;
             return Ok(());

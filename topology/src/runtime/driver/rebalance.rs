@@ -192,11 +192,13 @@ impl Engine {
             }
             if let Some(mut task) = self.suspended.remove(&id) {
                 if !task.core.is_abandoned() {
-                    // Continue exactly where this task left off: the group's
-                    // committed offset can lag a transaction whose commit the
-                    // broker has not applied yet.
+                    // Continue exactly where this task left off: past every
+                    // record it read (those still in flight here, e.g. jobs an
+                    // operator holds, stay its own), not at the group's
+                    // committed offset, which can also lag a transaction whose
+                    // commit the broker has not applied yet.
                     for (slot, tracker) in task.core.slots.iter().zip(&task.core.trackers) {
-                        if let Some(next) = tracker.last_committed() {
+                        if let Some(next) = tracker.next_to_read() {
                             resume_at.add_partition_offset(
                                 &slot.topic,
                                 slot.partition,
