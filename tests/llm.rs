@@ -227,6 +227,18 @@ listen = "127.0.0.1:0"
             .collect()
     }
 
+    /// Every result, once at least `n` were read (or `timeout` passed);
+    /// unlike [`Pipeline::results`], results of one task count each.
+    fn results_at_least(&self, n: usize, timeout: Duration) -> Vec<(TaskResult, OwnedMessage)> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let r = self.results(1, Duration::from_secs(5));
+            if r.len() >= n || Instant::now() > deadline {
+                return r;
+            }
+        }
+    }
+
     fn dead_letters(&self, task_type: &str) -> Vec<OwnedMessage> {
         read_topics(
             &bootstrap(),
@@ -671,13 +683,7 @@ fn a_redelivered_completed_task_is_answered_without_a_second_call() {
     let first = p.results(1, Duration::from_secs(60));
     assert_eq!(first.len(), 1);
     p.produce(std::slice::from_ref(&task));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let both = loop {
-        let r = p.results(1, Duration::from_secs(5));
-        if r.len() >= 2 || Instant::now() > deadline {
-            break r;
-        }
-    };
+    let both = p.results_at_least(2, Duration::from_secs(60));
     assert_eq!(both.len(), 2, "the stored result is re-emitted");
     assert_eq!(both[0].0.output, both[1].0.output);
     assert_eq!(
@@ -715,13 +721,7 @@ fn two_task_types_reusing_an_id_get_their_own_answers() {
     let mut label = Task::new(2, "classify", "acme", "normal");
     label.id = summary.id.clone();
     p.produce(std::slice::from_ref(&label));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let both = loop {
-        let r = p.results(2, Duration::from_secs(5));
-        if r.len() >= 2 || Instant::now() > deadline {
-            break r;
-        }
-    };
+    let both = p.results_at_least(2, Duration::from_secs(60));
     let types: BTreeMap<String, bool> = both
         .iter()
         .map(|(r, _)| (r.task_type.clone(), r.success))
@@ -759,13 +759,7 @@ fn a_failed_task_that_comes_back_is_a_new_attempt() {
     assert_eq!(first[0].0.error_code.as_deref(), Some("bad_request"));
     p.sim.update(|c| c.model_overrides.clear()).unwrap();
     p.produce(std::slice::from_ref(&task));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let both = loop {
-        let r = p.results(2, Duration::from_secs(5));
-        if r.len() >= 2 || Instant::now() > deadline {
-            break r;
-        }
-    };
+    let both = p.results_at_least(2, Duration::from_secs(60));
     assert_eq!(both.len(), 2, "the task came back and was answered again");
     let answered: Vec<&TaskResult> = both.iter().map(|(r, _)| r).filter(|r| r.success).collect();
     assert_eq!(
