@@ -152,10 +152,33 @@ listen = "127.0.0.1:0"
     /// Starts `sluice run` with extra environment and waits until it listens
     /// (and, without extra environment, until it is ready).
     fn start_env(&self, name: &str, env: &[(&str, &str)]) -> App {
+        self.start_with(name, &self.config, env, env.is_empty())
+    }
+
+    /// Starts a second instance with its own state directory and `extra`
+    /// appended to its config; waits until it listens.
+    fn start_other(&self, name: &str, extra: &str) -> (App, tempfile::TempDir) {
+        let state = temp_dir();
+        let text = std::fs::read_to_string(&self.config).unwrap().replace(
+            &format!("state_dir = \"{}\"", self.state.path().display()),
+            &format!("state_dir = \"{}\"", state.path().display()),
+        );
+        let config = state.path().join("sluice.toml");
+        std::fs::write(&config, format!("{text}\n{extra}\n")).unwrap();
+        (self.start_with(name, &config, &[], false), state)
+    }
+
+    fn start_with(
+        &self,
+        name: &str,
+        config: &std::path::Path,
+        env: &[(&str, &str)],
+        wait_ready: bool,
+    ) -> App {
         let args = [
             "run".into(),
             "--config".into(),
-            self.config.display().to_string(),
+            config.display().to_string(),
         ];
         let proc = Proc::spawn_env(name, &args, env);
         let line = proc
@@ -163,7 +186,7 @@ listen = "127.0.0.1:0"
             .expect("sluice run listens");
         let addr: SocketAddr = line["LISTENING ".len()..].trim().parse().unwrap();
         let app = App { proc, addr };
-        if env.is_empty() {
+        if wait_ready {
             eventually(Duration::from_secs(90), "ready", || {
                 (self.http(&app, "/readyz").0 == 200).then_some(())
             });
@@ -672,6 +695,46 @@ fn a_long_retry_after_holds_the_tasks_instead_of_spending_their_attempts() {
         "nothing dead-lettered"
     );
     app.proc.stop();
+}
+
+#[test]
+fn a_hold_leaves_with_the_task_whose_jobs_it_held() {
+    // A rejected key parks every job of partition 0's task on A and holds
+    // A's intake. B joins and, sorting first in the group, takes partition 0:
+    // the parked jobs' task moves to B. A's hold must go with it (A has
+    // nothing left that would ever probe the provider), while B holds.
+    let sim = SimConfig::from_json_value(serde_json::json!({ "status_override": 401 })).unwrap();
+    let p = Pipeline::new(sim, "");
+    let mut a = p.start("hold-a");
+    let tenants: Vec<String> = (0..100)
+        .map(|i| format!("tenant-{i}"))
+        .filter(|t| sluice_topology::runtime::key_partition(t.as_bytes(), 2) == 0)
+        .take(3)
+        .collect();
+    let tasks: Vec<Task> = (0..12)
+        .map(|i| Task::new(i, "classify", &tenants[i % tenants.len()], "normal"))
+        .collect();
+    p.produce(&tasks);
+    let held = |app: &App| {
+        let (code, body) = p.http(app, "/readyz");
+        code == 503 && body.contains("provider:small")
+    };
+    eventually(Duration::from_secs(30), "A holds intake", || {
+        held(&a).then_some(())
+    });
+    let (mut b, _b_state) =
+        p.start_other("hold-b", "[kafka.client]\n\"client.id\" = \"a-first\"\n");
+    eventually(Duration::from_secs(90), "B holds the moved jobs", || {
+        held(&b).then_some(())
+    });
+    eventually(Duration::from_secs(30), "A is ready again", || {
+        (p.http(&a, "/readyz").0 == 200).then_some(())
+    });
+    p.sim.update(|c| c.status_override = None).unwrap();
+    let results = p.results(tasks.len(), Duration::from_secs(90));
+    assert_each_answered_once(&tasks, &results);
+    b.proc.stop();
+    a.proc.stop();
 }
 
 #[test]

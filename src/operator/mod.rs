@@ -197,6 +197,8 @@ pub struct LlmTaskProcessor {
     last_probe_ms: i64,
     /// No probe before this time (a provider's `Retry-After`).
     probe_not_before_ms: i64,
+    /// The task this processor runs in (known from `init`).
+    task: Option<sluice_topology::TaskId>,
     meta: Meta,
     meta_dirty: bool,
     /// Token and cost series per model, resolved on first use.
@@ -219,6 +221,7 @@ impl LlmTaskProcessor {
             probing: false,
             last_probe_ms: 0,
             probe_not_before_ms: 0,
+            task: None,
             meta: Meta::default(),
             meta_dirty: false,
             counters: Default::default(),
@@ -368,9 +371,11 @@ impl LlmTaskProcessor {
                 }
                 _ => {
                     let fault = format!("breaker:{}", job.model);
-                    self.op
-                        .health
-                        .raise(&fault, "circuit open and no fallback model");
+                    self.op.health.raise(
+                        ctx.task_id(),
+                        &fault,
+                        "circuit open and no fallback model",
+                    );
                     self.park(job, held);
                     return;
                 }
@@ -449,7 +454,9 @@ impl LlmTaskProcessor {
                     }
                     ErrorClass::Config => {
                         let fault = format!("provider:{}", job.model);
-                        self.op.health.raise(&fault, &failure.error.to_string());
+                        self.op
+                            .health
+                            .raise(ctx.task_id(), &fault, &failure.error.to_string());
                         self.park(job, held);
                         Ok(())
                     }
@@ -458,9 +465,11 @@ impl LlmTaskProcessor {
                             self.start_call(ctx, job, held);
                         } else {
                             let fault = format!("breaker:{}", job.model);
-                            self.op
-                                .health
-                                .raise(&fault, "circuit open and no fallback model");
+                            self.op.health.raise(
+                                ctx.task_id(),
+                                &fault,
+                                "circuit open and no fallback model",
+                            );
                             self.park(job, held);
                         }
                         Ok(())
@@ -473,9 +482,11 @@ impl LlmTaskProcessor {
                         let wait = retry_after.map_or(0, |d| d.as_millis() as i64);
                         self.probe_not_before_ms = self.probe_not_before_ms.max(now_ms() + wait);
                         let fault = format!("rate_limited:{}", job.model);
-                        self.op
-                            .health
-                            .raise(&fault, "rate limited by the provider; waiting as told");
+                        self.op.health.raise(
+                            ctx.task_id(),
+                            &fault,
+                            "rate limited by the provider; waiting as told",
+                        );
                         self.park(job, held);
                         Ok(())
                     }
@@ -567,12 +578,24 @@ impl LlmTaskProcessor {
     }
 }
 
+/// A task leaving this instance (moved to another, closed) takes its held
+/// jobs along: the faults only it held no longer hold this instance's intake
+/// (nothing here would ever probe them).
+impl Drop for LlmTaskProcessor {
+    fn drop(&mut self) {
+        if let Some(task) = self.task {
+            self.op.health.release(task);
+        }
+    }
+}
+
 impl Processor<RawKey, Option<Vec<u8>>> for LlmTaskProcessor {
     type OutKey = ();
     type OutValue = ();
     type Output = CallDone;
 
     fn init(&mut self, ctx: &mut Ctx<'_>) -> Result<(), ProcessError> {
+        self.task = Some(ctx.task_id());
         if let Some(meta) = ctx
             .kv::<String, Meta>(META_STORE)?
             .get(&META_KEY.to_string())?
