@@ -371,12 +371,7 @@ impl LlmTaskProcessor {
                 }
                 _ => {
                     let fault = format!("breaker:{}", job.model);
-                    self.op.health.raise(
-                        ctx.task_id(),
-                        &fault,
-                        "circuit open and no fallback model",
-                    );
-                    self.park(job, held);
+                    self.hold(ctx, &fault, "circuit open and no fallback model", job, held);
                     return;
                 }
             }
@@ -390,6 +385,13 @@ impl LlmTaskProcessor {
             let result = client.call(&job.model, request, priority).await;
             CallDone { job, result, held }
         });
+    }
+
+    /// Raises `fault` for this task (holding intake) and parks the job
+    /// until a probe finds the provider answering again.
+    fn hold(&mut self, ctx: &Ctx<'_>, fault: &str, detail: &str, job: Box<Job>, held: InFlight) {
+        self.op.health.raise(ctx.task_id(), fault, detail);
+        self.park(job, held);
     }
 
     fn park(&mut self, job: Box<Job>, held: InFlight) {
@@ -454,10 +456,7 @@ impl LlmTaskProcessor {
                     }
                     ErrorClass::Config => {
                         let fault = format!("provider:{}", job.model);
-                        self.op
-                            .health
-                            .raise(ctx.task_id(), &fault, &failure.error.to_string());
-                        self.park(job, held);
+                        self.hold(ctx, &fault, &failure.error.to_string(), job, held);
                         Ok(())
                     }
                     ErrorClass::CircuitOpen => {
@@ -465,12 +464,7 @@ impl LlmTaskProcessor {
                             self.start_call(ctx, job, held);
                         } else {
                             let fault = format!("breaker:{}", job.model);
-                            self.op.health.raise(
-                                ctx.task_id(),
-                                &fault,
-                                "circuit open and no fallback model",
-                            );
-                            self.park(job, held);
+                            self.hold(ctx, &fault, "circuit open and no fallback model", job, held);
                         }
                         Ok(())
                     }
@@ -482,12 +476,8 @@ impl LlmTaskProcessor {
                         let wait = retry_after.map_or(0, |d| d.as_millis() as i64);
                         self.probe_not_before_ms = self.probe_not_before_ms.max(now_ms() + wait);
                         let fault = format!("rate_limited:{}", job.model);
-                        self.op.health.raise(
-                            ctx.task_id(),
-                            &fault,
-                            "rate limited by the provider; waiting as told",
-                        );
-                        self.park(job, held);
+                        let detail = "rate limited by the provider; waiting as told";
+                        self.hold(ctx, &fault, detail, job, held);
                         Ok(())
                     }
                     ErrorClass::Transient | ErrorClass::Malformed => {
