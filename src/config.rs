@@ -386,7 +386,7 @@ impl Config {
                 ));
             }
         }
-        let known = |m: &str| self.llm.models.iter().any(|x| x.name == m);
+        let known = |m: &str| self.knows_model(m);
         if let Some(m) = &self.routing.default_model {
             if !known(m) {
                 return Err(ConfigError::new(
@@ -484,7 +484,6 @@ impl Config {
     }
 
     fn validate_tiers(&self) -> Result<(), ConfigError> {
-        let known = |m: &str| self.llm.models.iter().any(|x| x.name == m);
         let tiers = &self.routing.tiers;
         let mut last = 0.0;
         for (i, t) in tiers.iter().enumerate() {
@@ -492,7 +491,7 @@ impl Config {
             if t.name.trim().is_empty() || tiers[..i].iter().any(|o| o.name == t.name) {
                 return Err(ConfigError::new(key("name"), "empty or repeated tier name"));
             }
-            if !known(&t.model) {
+            if !self.knows_model(&t.model) {
                 return Err(ConfigError::new(
                     key("model"),
                     format!("unknown model {}", t.model),
@@ -543,14 +542,9 @@ impl Config {
         Ok(())
     }
 
-    /// The model serving a task type when nothing else decides.
-    pub fn model_for(&self, task_type: &str) -> &str {
-        self.routing
-            .by_task_type
-            .get(task_type)
-            .or(self.routing.default_model.as_ref())
-            .map(String::as_str)
-            .unwrap_or_else(|| self.llm.models[0].name.as_str())
+    /// Whether `model` names a configured model.
+    fn knows_model(&self, model: &str) -> bool {
+        self.llm.models.iter().any(|m| m.name == model)
     }
 }
 
@@ -606,7 +600,7 @@ provider = "sim"
         assert_eq!(c.app.guarantee, Guarantee::ExactlyOnce);
         assert_eq!(c.topics.task_topic("summarize"), "ai.tasks.summarize");
         assert_eq!(c.topics.dlq_topic("summarize"), "ai.tasks.summarize.dlq");
-        assert_eq!(c.model_for("classify"), "small");
+        assert_eq!(c.router().default_model, "small");
         assert_eq!(c.streams().commit_interval(), Duration::from_millis(100));
     }
 

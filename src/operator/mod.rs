@@ -61,6 +61,11 @@ pub(crate) fn idempotency_key(task_type: &str, task_id: &str) -> String {
     format!("{task_type}/{task_id}")
 }
 
+/// The minute an idempotency entry written now expires in.
+pub(crate) fn expiry_bucket(config: &Config) -> i64 {
+    now_ms() / MINUTE_MS + config.tasks.idempotency_ttl_hours as i64 * 60
+}
+
 /// Everything the operator instances of one application share.
 pub struct Operator {
     /// The provider client (limiters and breakers are shared by all tasks).
@@ -274,8 +279,7 @@ impl LlmTaskProcessor {
             &job.headers,
             position,
         ));
-        let bucket =
-            now_ms() / MINUTE_MS + (self.op.config.tasks.idempotency_ttl_hours as i64 * 60);
+        let bucket = expiry_bucket(&self.op.config);
         let key = idempotency_key(&result.task_type, &result.task_id);
         ctx.kv::<String, StoredOutcome>(COMPLETED_STORE)?.put(
             &key,
@@ -619,7 +623,7 @@ impl Processor<RawKey, Option<Vec<u8>>> for LlmTaskProcessor {
             }
         };
         // Idempotency: the same input replayed emits nothing; a redelivered
-        // task that completed re-emits its stored result without a call. A
+        // task that succeeded re-emits its stored result without a call. A
         // stored failure is not final: a task that failed and comes back is
         // a new attempt (its cause may be gone).
         let current = ctx.position();
@@ -627,32 +631,23 @@ impl Processor<RawKey, Option<Vec<u8>>> for LlmTaskProcessor {
         if let Some((stored, position)) = ctx
             .kv::<String, StoredOutcome>(COMPLETED_STORE)?
             .get_with_position(&key)?
-            .filter(|(stored, position)| {
-                stored.success || (position.is_some() && *position == current)
-            })
         {
-            if let (Some(p), Some(c)) = (position, current) {
-                if p == c {
-                    return Ok(());
-                }
+            if position.is_some() && position == current {
+                return Ok(());
             }
-            self.op.metrics.duplicates.inc();
-            let topics = &self.op.config.topics;
-            let topic = if stored.success {
-                &topics.results_completed
-            } else {
-                &topics.results_failed
-            };
-            let partition = self.results_partition(ctx);
-            ctx.emit(result_record(
-                topic.clone(),
-                partition,
-                &task.task_id,
-                stored.result_json,
-                &record.headers,
-                current,
-            ));
-            return Ok(());
+            if stored.success {
+                self.op.metrics.duplicates.inc();
+                let partition = self.results_partition(ctx);
+                ctx.emit(result_record(
+                    self.op.config.topics.results_completed.clone(),
+                    partition,
+                    &task.task_id,
+                    stored.result_json,
+                    &record.headers,
+                    current,
+                ));
+                return Ok(());
+            }
         }
         if let Some(waiters) = self.in_flight.get_mut(&key) {
             if let Some(held) = ctx.hold() {

@@ -18,8 +18,8 @@ use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use sluice_topology::ProcessError;
 
 use super::{
-    idempotency_key, result_position, Ctx, LlmTaskProcessor, StoredOutcome, COMPLETED_STORE,
-    MINUTE_MS,
+    expiry_bucket, idempotency_key, result_position, Ctx, LlmTaskProcessor, StoredOutcome,
+    COMPLETED_STORE,
 };
 use crate::envelope::TaskResult;
 
@@ -99,8 +99,7 @@ pub(super) fn recover_results(
             if completed.get(&key)?.is_some() {
                 continue;
             }
-            let bucket = chrono::Utc::now().timestamp_millis() / MINUTE_MS
-                + cfg.tasks.idempotency_ttl_hours as i64 * 60;
+            let bucket = expiry_bucket(cfg);
             completed.put_at(
                 &key,
                 &StoredOutcome {

@@ -378,12 +378,14 @@ pub(super) fn commit_eos(
     overlap: &Overlap,
 ) -> Result<Vec<TaskOutcome>, RuntimeError> {
     let started = Instant::now();
+    // Placing outputs only serves grouping: a lone task is a group alone.
+    let grouping = tasks.len() > 1;
     let prepared = in_parallel(tasks, threads, |task| {
         let prepared = task.core.prepare_commit(true);
         let mut outputs = task.core.take_output();
         let written = match overlap {
-            Overlap::Always => Written::new(),
-            Overlap::Disjoint(counts) => counts.place(&mut outputs, &task.producer),
+            Overlap::Disjoint(counts) if grouping => counts.place(&mut outputs, &task.producer),
+            _ => Written::new(),
         };
         Ok((task, prepared, outputs, written))
     })?;

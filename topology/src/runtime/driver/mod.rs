@@ -637,7 +637,7 @@ impl Engine {
             p.buffered.push(msg.detach());
             return Ok(());
         }
-        if let Some(c) = self.committing.as_mut().filter(|c| c.ids.contains(&id)) {
+        if let Some(c) = self.committing_for(id) {
             c.records.push(msg.detach());
             return Ok(());
         }
@@ -731,14 +731,15 @@ impl Engine {
         if let Some(task) = self.tasks.get_mut(&msg.task) {
             return task.complete([msg], &self.metrics, eos);
         }
-        if let Some(c) = self
-            .committing
-            .as_mut()
-            .filter(|c| c.ids.contains(&msg.task))
-        {
+        if let Some(c) = self.committing_for(msg.task) {
             c.completions.push(msg);
         }
         Ok(())
+    }
+
+    /// The commit on the commit thread, if it holds task `id`.
+    fn committing_for(&mut self, id: TaskId) -> Option<&mut InFlightCommit> {
+        self.committing.as_mut().filter(|c| c.ids.contains(&id))
     }
 
     /// Forwards cached results of tasks (before a commit).
@@ -755,12 +756,15 @@ impl Engine {
         Ok(())
     }
 
-    /// Publishes the tasks this instance runs (those on the commit thread
-    /// included).
-    fn publish_tasks(&self) {
+    /// The tasks this instance runs (those on the commit thread included).
+    fn running(&self) -> impl Iterator<Item = TaskId> + '_ {
         let committing = self.committing.iter().flat_map(|c| c.ids.iter());
-        self.status
-            .set_tasks(self.tasks.keys().chain(committing).copied());
+        self.tasks.keys().chain(committing).copied()
+    }
+
+    /// Publishes the tasks this instance runs.
+    fn publish_tasks(&self) {
+        self.status.set_tasks(self.running());
     }
 
     /// The listed tasks, active or suspended.
@@ -780,7 +784,7 @@ impl Engine {
         self.metrics
             .tasks
             .with_label_values(&["running"])
-            .set((self.tasks.len() + self.committing.as_ref().map_or(0, |c| c.ids.len())) as i64);
+            .set(self.running().count() as i64);
         self.metrics
             .tasks
             .with_label_values(&["restoring"])
