@@ -2,7 +2,6 @@
 //! listener; and `sluice topics create`.
 
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus::Registry;
@@ -11,7 +10,11 @@ use sluice_topology::runtime::{EngineMetrics, IntakeControl, RunningApp, Streams
 use crate::config::{Config, ConfigError};
 use crate::http::{serve, HttpState};
 use crate::llm::{LlmClient, PromptBuilder};
-use crate::operator::{build_topology, Health, Operator, OperatorMetrics};
+use crate::operator::{Health, LlmSettings, LlmStep, OperatorMetrics, Recovery};
+use crate::pipeline::{default_topology, BatchMetrics, Batching, ResultsSink, Steps, TaskSource};
+use crate::route::RouteStep;
+use sluice_topology::runtime::Guarantee;
+use sluice_topology::{Topology, TopologyError};
 
 /// How `sluice run` ended badly.
 #[derive(Debug, thiserror::Error)]
@@ -40,6 +43,18 @@ pub async fn run_until(
     config: Config,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), RunError> {
+    check_results_partitions(&config)?;
+    run_pipeline(config, default_topology, shutdown).await
+}
+
+/// Runs the topology `build` makes from the configured steps (a pipeline of
+/// one's own: see `examples/custom_pipeline.rs`) until `shutdown` resolves,
+/// with the HTTP listener.
+pub async fn run_pipeline(
+    config: Config,
+    build: impl FnOnce(&Steps) -> Result<Topology, TopologyError>,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), RunError> {
     let registry = Registry::new();
     let engine_metrics = EngineMetrics::register(&registry).map_err(anyhow::Error::from)?;
     let client = LlmClient::from_config(&config.llm, &registry).map_err(|e| ConfigError {
@@ -48,17 +63,8 @@ pub async fn run_until(
     })?;
     let intake = IntakeControl::default();
     let health = Health::new(intake.clone());
-    let op = Arc::new(Operator {
-        client,
-        prompts: PromptBuilder::new(config.prompts.clone()),
-        router: config.router(),
-        prices: config.prices.clone(),
-        metrics: OperatorMetrics::register(&registry).map_err(anyhow::Error::from)?,
-        health: health.clone(),
-        config: config.clone(),
-    });
-    check_results_partitions(&config)?;
-    let topology = build_topology(op).map_err(anyhow::Error::from)?;
+    let steps = steps(&config, client, &registry, health.clone()).map_err(anyhow::Error::from)?;
+    let topology = build(&steps).map_err(anyhow::Error::from)?;
     tracing::info!(topology = %topology.describe(&config.app.id), "starting");
     let app = StreamsApp::new(topology, config.streams(), engine_metrics)
         .with_runtime(tokio::runtime::Handle::current())
@@ -91,7 +97,58 @@ pub async fn run_until(
     Ok(())
 }
 
-async fn signals() {
+/// The steps of the default pipeline, each with its own part of `config`.
+pub fn steps(
+    config: &Config,
+    client: LlmClient,
+    registry: &Registry,
+    health: Health,
+) -> prometheus::Result<Steps> {
+    let results = ResultsSink::from_config(&config.topics);
+    let recovery = (config.app.guarantee == Guarantee::ExactlyOnce).then(|| {
+        let mut kafka = config.kafka.client.clone();
+        kafka.insert(
+            "bootstrap.servers".into(),
+            config.kafka.bootstrap_servers.clone(),
+        );
+        Recovery {
+            client: kafka,
+            group_id: format!("{}-recover", config.app.id),
+            topics: results.topics(),
+        }
+    });
+    let settings = LlmSettings {
+        name: "llm".into(),
+        max_attempts: config.tasks.max_attempts,
+        idempotency_ttl_hours: config.tasks.idempotency_ttl_hours,
+        probe_interval_ms: config.tasks.probe_interval_ms,
+        fallbacks: config.routing.fallbacks.clone(),
+        prices: config.prices.clone(),
+        recovery,
+    };
+    let models: Vec<String> = client.models().map(str::to_string).collect();
+    let prompts = PromptBuilder::new(config.prompts.clone());
+    Ok(Steps {
+        source: TaskSource::from_config(&config.topics, &config.tasks),
+        route: RouteStep::new(config.router(), models, registry)?,
+        batching: Batching::new(
+            config.batching.clone(),
+            prompts.clone(),
+            BatchMetrics::register(registry)?,
+        ),
+        llm: LlmStep::new(
+            settings,
+            client,
+            prompts,
+            health,
+            OperatorMetrics::register(registry)?,
+        ),
+        results,
+    })
+}
+
+/// Resolves at SIGTERM or SIGINT.
+pub async fn signals() {
     match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
         Ok(mut term) => {
             tokio::select! {

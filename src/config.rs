@@ -11,6 +11,7 @@ use sluice_topology::runtime::{Guarantee, StreamsConfig};
 use sluice_topology::RocksSettings;
 
 use crate::llm::{LlmConfig, PromptConfig};
+use crate::pipeline::BatchingConfig;
 use crate::route::{FeatureWeights, Router, Tier};
 
 /// A configuration problem, with the key it concerns.
@@ -55,6 +56,9 @@ pub struct Config {
     /// Which model serves which task, and fallbacks.
     #[serde(default)]
     pub routing: RoutingSection,
+    /// Micro-batching of small tasks.
+    #[serde(default)]
+    pub batching: BatchingConfig,
     /// Prices per model, in micro-dollars per million tokens.
     #[serde(default)]
     pub prices: BTreeMap<String, Price>,
@@ -418,6 +422,7 @@ impl Config {
             }
         }
         self.validate_tiers()?;
+        self.validate_batching()?;
         for m in self.prices.keys() {
             if !known(m) {
                 return Err(ConfigError::new(
@@ -481,6 +486,34 @@ impl Config {
             fallbacks: self.routing.fallbacks.clone(),
             features: self.routing.features.clone(),
         }
+    }
+
+    fn validate_batching(&self) -> Result<(), ConfigError> {
+        let b = &self.batching;
+        if !(1..=60_000).contains(&b.window_ms) {
+            return Err(ConfigError::new(
+                "batching.window_ms",
+                "must be between 1 and 60000",
+            ));
+        }
+        if b.max_items == 0 {
+            return Err(ConfigError::new("batching.max_items", "must be at least 1"));
+        }
+        if b.max_item_tokens == 0 || b.max_tokens < b.max_item_tokens {
+            return Err(ConfigError::new(
+                "batching.max_tokens",
+                "must be at least batching.max_item_tokens, which must be at least 1",
+            ));
+        }
+        for (i, t) in b.exclude_task_types.iter().enumerate() {
+            if !self.topics.task_types.contains(t) {
+                return Err(ConfigError::new(
+                    format!("batching.exclude_task_types[{i}]"),
+                    format!("{t} is not in topics.task_types"),
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn validate_tiers(&self) -> Result<(), ConfigError> {

@@ -13,5 +13,6 @@ pub mod http;
 pub mod kafka;
 pub mod llm;
 pub mod operator;
+pub mod pipeline;
 pub mod route;
 pub mod sim;

@@ -9,11 +9,14 @@
 //! (`routing.fallbacks`, followed model to model) gives the first model whose
 //! breaker is closed. A tenant near its budget can be routed one tier down.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
+use prometheus::{IntCounterVec, Opts, Registry};
 use serde::{Deserialize, Serialize};
 
 use crate::envelope::{Route, TaskEnvelope};
+use crate::pipeline::{Routed, Task};
 
 /// A score range and the model that serves it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -161,26 +164,90 @@ impl Router {
     /// While `model`'s breaker is open: the first model down its fallback
     /// chain whose breaker is closed, if any.
     pub fn fallback(&self, model: &str, open: impl Fn(&str) -> bool) -> Option<&str> {
-        let mut seen = vec![model];
-        let mut at = model;
-        while let Some(next) = self.fallbacks.get(at).map(String::as_str) {
-            if seen.contains(&next) {
-                return None;
-            }
-            if !open(next) {
-                return Some(next);
-            }
-            seen.push(next);
-            at = next;
-        }
-        None
-    }
-
-    /// Whether `model` has a fallback at all.
-    pub fn has_fallback(&self, model: &str) -> bool {
-        self.fallbacks.contains_key(model)
+        fallback(&self.fallbacks, model, open)
     }
 }
+
+/// While `model`'s breaker is open: the first model down its chain in
+/// `fallbacks` (model → fallback) whose breaker is closed, if any.
+pub fn fallback<'a>(
+    fallbacks: &'a BTreeMap<String, String>,
+    model: &str,
+    open: impl Fn(&str) -> bool,
+) -> Option<&'a str> {
+    let mut seen: Vec<&str> = vec![model];
+    let mut at: &str = model;
+    while let Some(next) = fallbacks.get(at).map(String::as_str) {
+        if seen.contains(&next) {
+            return None;
+        }
+        if !open(next) {
+            return Some(next);
+        }
+        seen.push(next);
+        at = next;
+    }
+    None
+}
+
+/// Whether a task may be routed down a tier (its tenant nears its budget).
+pub type DowngradeHook = Arc<dyn Fn(&TaskEnvelope) -> bool + Send + Sync>;
+
+/// The `route` operator's settings: the rules, the models that exist, and
+/// its metric (`sluice_route_decisions_total{tier}`).
+#[derive(Clone)]
+pub struct RouteStep {
+    router: Arc<Router>,
+    models: Arc<BTreeSet<String>>,
+    decisions: IntCounterVec,
+    downgrade: Option<DowngradeHook>,
+}
+
+impl RouteStep {
+    /// A step routing by `router` to `models` (an explicit `payload.model`
+    /// outside them is ignored).
+    pub fn new(
+        router: Router,
+        models: impl IntoIterator<Item = String>,
+        registry: &Registry,
+    ) -> prometheus::Result<Self> {
+        let decisions = IntCounterVec::new(
+            Opts::new(ROUTE_DECISIONS, "Routing decisions by tier"),
+            &["tier"],
+        )?;
+        registry.register(Box::new(decisions.clone()))?;
+        Ok(RouteStep {
+            router: Arc::new(router),
+            models: Arc::new(models.into_iter().collect()),
+            decisions,
+            downgrade: None,
+        })
+    }
+
+    /// Routes a task one tier down when `hook` says its tenant nears its
+    /// budget.
+    pub fn with_downgrade(mut self, hook: DowngradeHook) -> Self {
+        self.downgrade = Some(hook);
+        self
+    }
+
+    /// The model for a task, and why.
+    pub fn route(&self, task: Task) -> Routed {
+        let down = self.downgrade.as_ref().is_some_and(|h| h(&task.envelope));
+        let d = self
+            .router
+            .route(&task.envelope, |m| self.models.contains(m), down);
+        self.decisions.with_label_values(&[&d.route.tier]).inc();
+        Routed {
+            task,
+            model: d.model,
+            route: d.route,
+        }
+    }
+}
+
+/// Routing decisions, by tier.
+pub const ROUTE_DECISIONS: &str = "sluice_route_decisions_total";
 
 fn decision(model: &str, tier: &str, reason: String) -> Decision {
     Decision {

@@ -16,6 +16,10 @@ use sluice::envelope::TaskResult;
 use sluice::kafka::{produce, read_topics, OutRecord};
 use sluice::sim::{SimConfig, SimHandle};
 
+/// Config of tests about single calls (their count, their order through the
+/// limiter, a breaker's probes): micro-batching off.
+const UNBATCHED: &str = "[batching]\nenabled = false\n";
+
 /// A simulator, a config and the topics of one test.
 struct Pipeline {
     rt: tokio::runtime::Runtime,
@@ -848,7 +852,7 @@ fn twenty_second_calls_cause_no_rebalance_and_no_duplicate_call() {
         serde_json::json!({ "latency": { "kind": "fixed", "ms": 20000 } }),
     )
     .unwrap();
-    let p = Pipeline::new(sim, "");
+    let p = Pipeline::new(sim, UNBATCHED);
     // max.poll.interval at 10 s (session timeout must stay below it).
     let text = std::fs::read_to_string(&p.config).unwrap().replace(
         "session_timeout_ms = 6000",
@@ -873,7 +877,7 @@ fn twenty_second_calls_cause_no_rebalance_and_no_duplicate_call() {
 #[test]
 fn high_priority_tasks_finish_first_when_the_limiter_is_the_bottleneck() {
     let sim = SimConfig::from_json_value(serde_json::json!({ "rps": 8.0, "burst": 2 })).unwrap();
-    let p = Pipeline::new(sim, "");
+    let p = Pipeline::new(sim, UNBATCHED);
     let text = std::fs::read_to_string(&p.config)
         .unwrap()
         .replace("initial_rps = 400", "initial_rps = 8");
@@ -1005,7 +1009,10 @@ fn a_failure_storm_opens_the_breaker_routes_to_the_fallback_and_recovers() {
         "model_overrides": { "small": { "status_override": 503 } }
     }))
     .unwrap();
-    let p = Pipeline::new(sim, "[routing.fallbacks]\nsmall = \"large\"\n");
+    let p = Pipeline::new(
+        sim,
+        &format!("{UNBATCHED}[routing.fallbacks]\nsmall = \"large\"\n"),
+    );
     let mut app = p.start("breaker");
     let storm: Vec<Task> = (0..40)
         .map(|i| Task::new(i, "summarize", "acme", "normal"))
@@ -1117,4 +1124,228 @@ fn a_crash_after_results_were_written_answers_no_task_twice() {
 #[test]
 fn a_crash_after_idempotency_records_were_written_answers_no_task_twice() {
     crash_inside_a_commit("eos_after_changelog_flush:3");
+}
+
+/// Tasks of one type whose prompts can share a batch (same labels).
+fn classify_tasks(n: usize) -> Vec<Task> {
+    (0..n)
+        .map(|i| Task::new(i, "classify", ["acme", "globex"][i % 2], "normal"))
+        .collect()
+}
+
+/// Every token the provider billed is in exactly one result.
+fn assert_results_bill_what_the_provider_billed(
+    p: &Pipeline,
+    results: &[(TaskResult, OwnedMessage)],
+) {
+    let stats = p.sim.stats();
+    let sum = |f: fn(&TaskResult) -> u64| results.iter().map(|(r, _)| f(r)).sum::<u64>();
+    assert_eq!(sum(|r| r.input_tokens), stats.prompt_tokens, "input tokens");
+    assert_eq!(
+        sum(|r| r.output_tokens),
+        stats.completion_tokens,
+        "output tokens"
+    );
+    assert_eq!(
+        sum(|r| r.cached_tokens),
+        stats.cached_tokens,
+        "cached tokens"
+    );
+}
+
+#[test]
+fn micro_batching_answers_many_small_tasks_with_few_calls() {
+    let sim = SimConfig::from_json_value(serde_json::json!({
+        "latency": { "kind": "uniform", "min_ms": 20, "max_ms": 60 },
+    }))
+    .unwrap();
+    let p = Pipeline::new(sim, "");
+    let mut app = p.start("batch");
+    let tasks = classify_tasks(2_000);
+    p.produce(&tasks);
+    let results = p.results(tasks.len(), Duration::from_secs(180));
+    assert_each_answered_once(&tasks, &results);
+    let stats = p.sim.stats();
+    assert!(
+        stats.requests_total * 10 <= tasks.len() as u64,
+        "{} provider calls for {} tasks",
+        stats.requests_total,
+        tasks.len()
+    );
+    // Each batch's tokens, summed over its tasks, are what the provider
+    // billed for its call: all of them together equal the provider's count.
+    assert_results_bill_what_the_provider_billed(&p, &results);
+    let mut batches: HashMap<&str, usize> = HashMap::new();
+    for (r, _) in &results {
+        assert!(r.success, "{r:?}");
+        assert_eq!(
+            r.output,
+            serde_json::json!(expected_label(&r.task_id, &tasks))
+        );
+        *batches
+            .entry(r.batch_id.as_deref().unwrap_or(""))
+            .or_default() += 1;
+    }
+    assert_eq!(
+        stats.batch_items,
+        batches
+            .iter()
+            .filter(|(id, _)| !id.is_empty())
+            .map(|(_, n)| *n as u64)
+            .sum::<u64>()
+    );
+    assert!(p.metric(&app, "sluice_batch_calls_saved_total") >= 1_800.0);
+    assert!(p.metric(&app, "sluice_batches_flushed_total") >= stats.batch_requests as f64);
+    app.proc.stop();
+}
+
+/// The label the simulator gives a classify task alone.
+fn expected_label(task_id: &str, tasks: &[Task]) -> String {
+    let t = tasks.iter().find(|t| t.id == task_id).unwrap();
+    let labels = ["news", "sports", "tech"];
+    let i = sluice::sim::fnv1a64(t.content.trim().as_bytes()) % labels.len() as u64;
+    labels[i as usize].to_string()
+}
+
+#[test]
+fn a_malformed_batch_answer_falls_back_to_a_call_per_task() {
+    let sim = SimConfig::from_json_value(serde_json::json!({
+        "latency": { "kind": "uniform", "min_ms": 5, "max_ms": 20 },
+        "batch_malformed_rate": 1.0,
+    }))
+    .unwrap();
+    let p = Pipeline::new(sim, "");
+    let mut app = p.start("batch-bad");
+    let tasks = classify_tasks(200);
+    p.produce(&tasks);
+    let results = p.results(tasks.len(), Duration::from_secs(120));
+    assert_each_answered_once(&tasks, &results);
+    let stats = p.sim.stats();
+    assert!(
+        stats.injected.batch_malformed > 0,
+        "batches were sent and spoiled"
+    );
+    for (r, _) in &results {
+        assert!(r.success && r.batch_id.is_none(), "{r:?}");
+        assert_eq!(
+            r.output,
+            serde_json::json!(expected_label(&r.task_id, &tasks))
+        );
+    }
+    // The spoiled batch calls were billed too, and each task carries its share.
+    assert_results_bill_what_the_provider_billed(&p, &results);
+    assert!(p.metric(&app, "sluice_batch_fallbacks_total") >= 1.0);
+    app.proc.stop();
+}
+
+#[path = "../examples/custom_pipeline.rs"]
+mod custom_pipeline;
+
+#[test]
+fn a_users_own_pipeline_filters_and_enriches_before_the_call_and_sinks_every_result() {
+    let sim = SimConfig::from_json_value(serde_json::json!({
+        "latency": { "kind": "uniform", "min_ms": 5, "max_ms": 20 },
+    }))
+    .unwrap();
+    let p = Pipeline::with(sim, "at_least_once", "");
+    let answers = format!("{}.answers", p.prefix);
+    sluice::kafka::create_topics_rf(&bootstrap(), &[(answers.as_str(), 2, &[])], 1).unwrap();
+    let config = sluice::config::Config::load(&p.config).unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let regions = BTreeMap::from([("acme".to_string(), "eu-west".to_string())]);
+    let topic = answers.clone();
+    let app = p.rt.spawn(sluice::app::run_pipeline(
+        config,
+        move |steps| custom_pipeline::topology(steps, &topic, regions),
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
+    let mut tasks = mixed_tasks(300);
+    for t in tasks.iter_mut().step_by(5) {
+        t.content = format!("DRYRUN {}", t.content);
+    }
+    let records: Vec<OutRecord> = tasks
+        .iter()
+        .map(|t| {
+            let mut r = t.record();
+            if t.content.starts_with("DRYRUN") {
+                let mut v: serde_json::Value =
+                    serde_json::from_slice(r.value.as_ref().unwrap()).unwrap();
+                v["metadata"][custom_pipeline::DRY_RUN] = "true".into();
+                r.value = Some(serde_json::to_vec(&v).unwrap());
+            }
+            r
+        })
+        .collect();
+    let dry: HashSet<&str> = tasks
+        .iter()
+        .filter(|t| t.content.starts_with("DRYRUN"))
+        .map(|t| t.id.as_str())
+        .collect();
+    let mut by_topic: BTreeMap<String, Vec<OutRecord>> = BTreeMap::new();
+    for (t, r) in tasks.iter().zip(records) {
+        by_topic.entry(p.topic(&t.task_type)).or_default().push(r);
+    }
+    for (topic, recs) in by_topic {
+        produce(&bootstrap(), &topic, recs).unwrap();
+    }
+    let want = tasks.len() - dry.len();
+    let read = read_topics(
+        &bootstrap(),
+        &[&answers],
+        false,
+        Duration::from_secs(120),
+        |m| m.len() >= want,
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    let read = [
+        read,
+        read_topics(
+            &bootstrap(),
+            &[&answers],
+            false,
+            Duration::from_secs(2),
+            |_| false,
+        )
+        .unwrap(),
+    ]
+    .concat();
+    let mut seen: HashMap<String, custom_pipeline::Answer> = HashMap::new();
+    for m in &read {
+        let a: custom_pipeline::Answer = serde_json::from_slice(m.payload().unwrap()).unwrap();
+        seen.insert(a.task_id.clone(), a);
+    }
+    assert_eq!(
+        seen.len(),
+        want,
+        "every task but the dry runs has its answer"
+    );
+    for t in &tasks {
+        match seen.get(&t.id) {
+            None => assert!(dry.contains(t.id.as_str()), "{} has no answer", t.id),
+            Some(a) => {
+                assert!(
+                    !dry.contains(t.id.as_str()),
+                    "dry run {} was answered",
+                    t.id
+                );
+                assert!(a.ok && a.tokens > 0, "{a:?}");
+                let region = if t.tenant == "acme" {
+                    "eu-west"
+                } else {
+                    "unknown"
+                };
+                assert_eq!(a.region, region, "{}", t.id);
+            }
+        }
+    }
+    assert_eq!(
+        p.sim.calls_containing("DRYRUN"),
+        0,
+        "no dry run reached the provider"
+    );
+    stop_tx.send(()).unwrap();
+    p.rt.block_on(app).unwrap().unwrap();
 }

@@ -19,8 +19,10 @@ pub mod names {
     pub const COST: &str = "sluice_cost_micros_total";
     /// Tasks routed to a fallback model.
     pub const FALLBACKS: &str = "sluice_fallback_routed_total";
-    /// Routing decisions, by tier.
-    pub const ROUTES: &str = "sluice_route_decisions_total";
+    /// Provider calls micro-batching saved (a batch of n answered in one call saves n - 1).
+    pub const BATCH_CALLS_SAVED: &str = "sluice_batch_calls_saved_total";
+    /// Micro-batches answered by a call per task instead (answer unusable, refused).
+    pub const BATCH_FALLBACKS: &str = "sluice_batch_fallbacks_total";
     /// Results found in the results topics when a task was taken over.
     pub const RECOVERED: &str = "sluice_results_recovered_total";
 }
@@ -36,7 +38,8 @@ pub struct OperatorMetrics {
     pub(crate) tokens: IntCounterVec,
     pub(crate) cost: IntCounterVec,
     pub(crate) fallbacks: IntCounterVec,
-    pub(crate) routes: IntCounterVec,
+    pub(crate) batch_calls_saved: IntCounter,
+    pub(crate) batch_fallbacks: IntCounter,
     pub(crate) recovered: IntCounter,
 }
 
@@ -71,9 +74,13 @@ impl OperatorMetrics {
                 Opts::new(names::FALLBACKS, "Tasks routed to a fallback model"),
                 &["model"],
             )?,
-            routes: IntCounterVec::new(
-                Opts::new(names::ROUTES, "Routing decisions by tier"),
-                &["tier"],
+            batch_calls_saved: IntCounter::new(
+                names::BATCH_CALLS_SAVED,
+                "Provider calls saved by micro-batching",
+            )?,
+            batch_fallbacks: IntCounter::new(
+                names::BATCH_FALLBACKS,
+                "Micro-batches answered by a call per task instead",
             )?,
             recovered: IntCounter::new(
                 names::RECOVERED,
@@ -86,7 +93,8 @@ impl OperatorMetrics {
         registry.register(Box::new(m.tokens.clone()))?;
         registry.register(Box::new(m.cost.clone()))?;
         registry.register(Box::new(m.fallbacks.clone()))?;
-        registry.register(Box::new(m.routes.clone()))?;
+        registry.register(Box::new(m.batch_calls_saved.clone()))?;
+        registry.register(Box::new(m.batch_fallbacks.clone()))?;
         registry.register(Box::new(m.recovered.clone()))?;
         Ok(m)
     }

@@ -1,48 +1,52 @@
-//! The LLM task operator: consumes task envelopes, calls the provider through
-//! the client middleware, and emits exactly one result per task.
+//! `invoke_llm`: calls the provider for each task (or micro-batch) and
+//! forwards exactly one result per task, keyed by task id.
 //!
-//! Per record: validate (poison → dead letter at once); look the task id up in
-//! the idempotency store (a redelivered, completed task re-emits its stored
-//! result without a call; the same input replayed after a crash emits nothing);
-//! choose the model (payload, task type, fallback while a breaker is open);
-//! call asynchronously. On completion: success → completed result; permanent
-//! failure → dead letter and failed result; transient failure past the
-//! in-call retries → re-published with `attemptNumber + 1`, or dead-lettered as
-//! `exhausted` on the last attempt; configuration fault (401/403/unknown model)
-//! → the task is held in flight, intake stops, readiness fails, and one held
-//! task probes the provider until it answers again.
+//! Per task: look it up in the idempotency store (a redelivered task that
+//! succeeded gets its stored result again without a call; the same input
+//! replayed after a crash emits nothing; a task that failed and comes back
+//! is a new attempt); build its prompt (a bad request is dead-lettered at
+//! once); call asynchronously, the record held in flight. On completion:
+//! success → a completed result; permanent failure → dead letter and a
+//! failed result; transient failure past the in-call retries → re-published
+//! with `attemptNumber + 1`, or dead-lettered as `exhausted` on the last
+//! attempt; configuration fault (401/403/unknown model), open breaker
+//! without fallback, long rate limit → the task is held, intake stops,
+//! readiness fails, and one held task probes the provider until it answers.
 //!
-//! Exactly-once on any broker: results go to the partition of the results
-//! topics that matches the task's input partition, carrying the input position
-//! in headers, so a task that takes over a partition can read the results its
+//! A micro-batch is one call with the batch prompt; its answer is split back
+//! per task and its usage apportioned exactly over them. An answer that cannot
+//! be split, or a permanent failure of the batch, falls back to a call per
+//! task (the failed call's usage is billed to them), so one bad task fails
+//! alone.
+//!
+//! Exactly-once on any broker: results carry the input position in headers,
+//! and `to_results` writes them to the partition matching the task's input
+//! partition, so a task that takes over a partition can read the results its
 //! previous owner left in an interrupted transaction (see [`recover`]) and
 //! never answer the same input twice.
 
+mod call;
 pub mod health;
 pub mod metrics;
 mod recover;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use chrono::Utc;
 use serde::{Deserialize, Serialize};
 use sluice_topology::{
-    BytesCodec, Headers, InFlight, OutputRecord, Position, ProcessError, Processor,
-    ProcessorContext, Punctuation, Record, SourceOptions, StreamBuilder, Topology, TopologyError,
+    Data, Headers, InFlight, Position, ProcessError, Processor, ProcessorContext, Punctuation,
+    Record,
 };
 
-use crate::config::{Config, Price};
-use crate::envelope::{decode_task, DlqCategory, EnvelopeLimits, Route, TaskEnvelope, TaskResult};
-use crate::llm::{CallFailure, CallOutcome, ChatRequest, ErrorClass, LlmClient, PromptBuilder};
-use crate::route::Router;
+use crate::config::Price;
+use crate::envelope::{DlqCategory, TaskResult};
+use crate::llm::{ChatRequest, LlmClient, PromptBuilder, Usage};
+use crate::pipeline::{BatchItem, LlmInput, Routed, Work};
+pub use call::CallDone;
 pub use health::Health;
 pub use metrics::OperatorMetrics;
-
-/// Store of completed task ids → stored result (changelogged).
-pub const COMPLETED_STORE: &str = "completed";
-/// Operator bookkeeping (results topic ends, sweep progress).
-pub const META_STORE: &str = "operator-meta";
 
 /// Result header: id of the source topic of the task's input.
 pub const HEADER_SOURCE: &str = "sluice.source";
@@ -61,27 +65,98 @@ pub(crate) fn idempotency_key(task_type: &str, task_id: &str) -> String {
     format!("{task_type}/{task_id}")
 }
 
-/// The minute an idempotency entry written now expires in.
-pub(crate) fn expiry_bucket(config: &Config) -> i64 {
-    now_ms() / MINUTE_MS + config.tasks.idempotency_ttl_hours as i64 * 60
+/// The `invoke_llm` operator's own settings.
+#[derive(Clone, Debug)]
+pub struct LlmSettings {
+    /// The operator's name; its stores are `<name>-completed` and `<name>-meta`.
+    pub name: String,
+    /// Deliveries of a task before it is dead-lettered as `exhausted`.
+    pub max_attempts: u32,
+    /// How long completed task ids are remembered, hours.
+    pub idempotency_ttl_hours: u64,
+    /// While intake is held, how often one held task probes the provider, ms.
+    pub probe_interval_ms: u64,
+    /// Fallback model per model, while a model's breaker is open.
+    pub fallbacks: BTreeMap<String, String>,
+    /// Prices per model (a result's `costMicros`).
+    pub prices: BTreeMap<String, Price>,
+    /// Under exactly-once: where the results are written, to recover what an
+    /// interrupted transaction left visible when a task is taken over.
+    pub recovery: Option<Recovery>,
 }
 
-/// Everything the operator instances of one application share.
-pub struct Operator {
-    /// The provider client (limiters and breakers are shared by all tasks).
-    pub client: LlmClient,
-    /// Prompt templates.
-    pub prompts: PromptBuilder,
-    /// Routing rules: tiers, pinned task types, fallback chains.
-    pub router: Router,
-    /// Prices per model.
-    pub prices: BTreeMap<String, Price>,
-    /// The configuration (routing, topics, tasks).
-    pub config: Config,
-    /// Faults and intake holds.
-    pub health: Health,
-    /// Metrics.
-    pub metrics: OperatorMetrics,
+/// Where `invoke_llm`'s results end up (written by `to_results`), read back
+/// when a task is taken over under exactly-once.
+#[derive(Clone, Debug)]
+pub struct Recovery {
+    /// librdkafka properties of the reading consumer (`bootstrap.servers`
+    /// and security settings).
+    pub client: BTreeMap<String, String>,
+    /// Its group id (it commits nothing).
+    pub group_id: String,
+    /// The results topics.
+    pub topics: Vec<String>,
+}
+
+/// The `invoke_llm` operator's settings and the parts its instances share
+/// (the client, whose limiters and breakers serve every task, the faults,
+/// the metrics).
+#[derive(Clone)]
+pub struct LlmStep(Arc<StepInner>);
+
+struct StepInner {
+    settings: LlmSettings,
+    client: LlmClient,
+    prompts: PromptBuilder,
+    health: Health,
+    metrics: OperatorMetrics,
+}
+
+impl LlmStep {
+    /// A step calling `client` with prompts from `prompts`.
+    pub fn new(
+        settings: LlmSettings,
+        client: LlmClient,
+        prompts: PromptBuilder,
+        health: Health,
+        metrics: OperatorMetrics,
+    ) -> Self {
+        LlmStep(Arc::new(StepInner {
+            settings,
+            client,
+            prompts,
+            health,
+            metrics,
+        }))
+    }
+
+    /// The operator's name.
+    pub fn name(&self) -> &str {
+        &self.0.settings.name
+    }
+
+    /// Its stores: completed tasks (idempotency), bookkeeping.
+    pub fn store_names(&self) -> [String; 2] {
+        [self.completed_store(), self.meta_store()]
+    }
+
+    /// The idempotency store: `<task type>/<task id>` → stored result.
+    pub fn completed_store(&self) -> String {
+        format!("{}-completed", self.name())
+    }
+
+    fn meta_store(&self) -> String {
+        format!("{}-meta", self.name())
+    }
+
+    fn settings(&self) -> &LlmSettings {
+        &self.0.settings
+    }
+
+    /// The minute an idempotency entry written now expires in.
+    pub(crate) fn expiry_bucket(&self) -> i64 {
+        now_ms() / MINUTE_MS + self.settings().idempotency_ttl_hours as i64 * 60
+    }
 }
 
 /// A result as kept in the idempotency store.
@@ -138,66 +213,33 @@ struct Meta {
 
 const META_KEY: &str = "meta";
 
-/// One task on its way through the provider.
-struct Job {
-    task: TaskEnvelope,
-    tenant: String,
+/// A task admitted for a call.
+struct Item {
+    routed: Routed,
     headers: Headers,
-    key: Option<Vec<u8>>,
-    source_topic: String,
-    received_ms: i64,
-    model: String,
-    route: Route,
-    request: Option<ChatRequest>,
-    /// Set on a call that probes a held provider.
-    probe: bool,
-}
-
-/// What comes back from a call.
-pub struct CallDone {
-    job: Box<Job>,
-    result: Result<CallOutcome, CallFailure>,
     held: InFlight,
+    request: ChatRequest,
+    /// Usage of failed batch calls billed to this task.
+    extra: Usage,
 }
 
-/// Builds the operator topology: every task topic (with its dead-letter topic)
-/// merged into one stream — they must be co-partitioned — and processed by the
-/// LLM operator with its stores.
-pub fn build_topology(op: Arc<Operator>) -> Result<Topology, TopologyError> {
-    let cfg = &op.config;
-    let b = StreamBuilder::new();
-    b.add_kv_store(COMPLETED_STORE, true);
-    b.add_kv_store(META_STORE, true);
-    let mut streams = cfg.topics.task_types.iter().map(|t| {
-        b.stream_with(
-            &[&cfg.topics.task_topic(t)],
-            BytesCodec,
-            BytesCodec,
-            SourceOptions {
-                dead_letter_topic: Some(cfg.topics.dlq_topic(t)),
-            },
-        )
-    });
-    let first = streams
-        .next()
-        .ok_or_else(|| TopologyError::Invalid("no task types configured".into()))?;
-    let merged = streams.fold(first, |acc, s| acc.merge(&s));
-    let shared = op.clone();
-    merged.process("llm", &[COMPLETED_STORE, META_STORE], move || {
-        LlmTaskProcessor::new(shared.clone())
-    });
-    b.build()
+/// Why a task failed for good.
+struct Failure {
+    category: DlqCategory,
+    message: String,
+    attempts: u32,
 }
 
-type Ctx<'a> = ProcessorContext<'a, (), (), CallDone>;
-type RawKey = Option<Vec<u8>>;
+type Ctx<'a> = ProcessorContext<'a, String, TaskResult, CallDone>;
 
-/// One instance per task (input partition).
-pub struct LlmTaskProcessor {
-    op: Arc<Operator>,
+/// The operator (one instance per task).
+pub struct LlmProcessor {
+    step: LlmStep,
+    completed_store: String,
+    meta_store: String,
     /// Tasks with a call under way → redeliveries of them waiting for its result.
-    in_flight: std::collections::HashMap<String, Vec<(InFlight, Headers)>>,
-    parked: Vec<(Box<Job>, InFlight)>,
+    in_flight: HashMap<String, Vec<(InFlight, Headers)>>,
+    parked: Vec<call::Job>,
     probing: bool,
     last_probe_ms: i64,
     /// No probe before this time (a provider's `Retry-After`).
@@ -207,7 +249,7 @@ pub struct LlmTaskProcessor {
     meta: Meta,
     meta_dirty: bool,
     /// Token and cost series per model, resolved on first use.
-    counters: std::collections::HashMap<String, metrics::ModelCounters>,
+    counters: HashMap<String, metrics::ModelCounters>,
     /// Where the expiry sweep of the completed store goes on from.
     sweep_cursor: Option<Vec<u8>>,
     last_sweep_ms: i64,
@@ -217,10 +259,13 @@ fn now_ms() -> i64 {
     Utc::now().timestamp_millis()
 }
 
-impl LlmTaskProcessor {
-    fn new(op: Arc<Operator>) -> Self {
-        LlmTaskProcessor {
-            op,
+impl LlmProcessor {
+    /// An instance of `step`.
+    pub fn new(step: LlmStep) -> Self {
+        LlmProcessor {
+            completed_store: step.completed_store(),
+            meta_store: step.meta_store(),
+            step,
             in_flight: Default::default(),
             parked: Vec::new(),
             probing: false,
@@ -235,313 +280,142 @@ impl LlmTaskProcessor {
         }
     }
 
-    fn results_partition(&self, ctx: &Ctx<'_>) -> i32 {
-        ctx.task_id().partition
+    fn metrics(&self) -> &OperatorMetrics {
+        &self.step.0.metrics
     }
 
-    /// The model a task goes to, and why.
-    fn route(&self, task: &TaskEnvelope) -> (String, Route) {
-        let client = &self.op.client;
-        let d = self
-            .op
-            .router
-            .route(task, |m| client.endpoint(m).is_some(), false);
-        self.op
-            .metrics
-            .routes
-            .with_label_values(&[&d.route.tier])
-            .inc();
-        (d.model, d.route)
-    }
-
-    /// Sends a result (completed or failed) and remembers it.
-    fn emit_result(
-        &mut self,
-        ctx: &mut Ctx<'_>,
-        job: &Job,
-        result: &TaskResult,
-    ) -> Result<(), ProcessError> {
-        let json = serde_json::to_vec(result)
-            .map_err(|e| ProcessError::Fatal(format!("result encoding: {e}")))?;
-        let topics = &self.op.config.topics;
-        let topic = if result.success {
-            topics.results_completed.clone()
-        } else {
-            topics.results_failed.clone()
-        };
-        let partition = self.results_partition(ctx);
-        let position = ctx.position();
-        ctx.emit(result_record(
-            topic.clone(),
-            partition,
-            &result.task_id,
-            json.clone(),
-            &job.headers,
-            position,
-        ));
-        let bucket = expiry_bucket(&self.op.config);
-        let key = idempotency_key(&result.task_type, &result.task_id);
-        ctx.kv::<String, StoredOutcome>(COMPLETED_STORE)?.put(
-            &key,
-            &StoredOutcome {
-                result_json: json,
-                success: result.success,
-                bucket,
-            },
-        );
-        self.op.metrics.result(result.success).inc();
-        // Redeliveries that arrived while the call was under way get the same
-        // result, without a call of their own.
-        for (waiter, headers) in self.in_flight.remove(&key).unwrap_or_default() {
-            self.op.metrics.duplicates.inc();
-            let (topic, json) = (topic.clone(), result_json_again(result)?);
-            ctx.with_record(&waiter, |ctx| {
-                let position = ctx.position();
-                ctx.emit(result_record(
-                    topic,
-                    partition,
-                    &result.task_id,
-                    json,
-                    &headers,
-                    position,
-                ));
-            });
+    /// Idempotency and prompt for one task (its record current): `None`
+    /// when it needs no call of its own.
+    fn admit(&mut self, ctx: &mut Ctx<'_>, item: BatchItem) -> Result<Option<Item>, ProcessError> {
+        let env = &item.task.task.envelope;
+        let key = idempotency_key(&env.task_type, &env.task_id);
+        // The same input replayed emits nothing; a redelivered task that
+        // succeeded gets its stored result again without a call. A stored
+        // failure is not final: a task that failed and comes back is a new
+        // attempt (its cause may be gone).
+        let current = ctx.position();
+        if let Some((stored, position)) = ctx
+            .kv::<String, StoredOutcome>(&self.completed_store)?
+            .get_with_position(&key)?
+        {
+            if position.is_some() && position == current {
+                return Ok(None);
+            }
+            if stored.success {
+                if let Ok(result) = serde_json::from_slice::<TaskResult>(&stored.result_json) {
+                    self.metrics().duplicates.inc();
+                    forward_result(ctx, result, &item.headers)?;
+                    return Ok(None);
+                }
+            }
         }
-        Ok(())
+        if let Some(waiters) = self.in_flight.get_mut(&key) {
+            waiters.push((item.held, item.headers));
+            return Ok(None);
+        }
+        let request = match self.step.0.prompts.build_request(env) {
+            Ok(r) => r,
+            Err(e) => {
+                let why = Failure {
+                    category: DlqCategory::BadRequest,
+                    message: e.to_string(),
+                    attempts: 0,
+                };
+                let model = item.task.model.clone();
+                self.fail(ctx, &item.task, &item.headers, &model, why)?;
+                return Ok(None);
+            }
+        };
+        self.in_flight.insert(key, Vec::new());
+        Ok(Some(Item {
+            routed: item.task,
+            headers: item.headers,
+            held: item.held,
+            request,
+            extra: Usage::default(),
+        }))
     }
 
-    fn base_result(&self, job: &Job, success: bool) -> TaskResult {
+    fn base_result(&self, routed: &Routed, model: &str, success: bool) -> TaskResult {
+        let task = &routed.task;
         TaskResult {
-            task_id: job.task.task_id.clone(),
-            task_type: job.task.task_type.clone(),
-            tenant_id: job.tenant.clone(),
+            task_id: task.envelope.task_id.clone(),
+            task_type: task.envelope.task_type.clone(),
+            tenant_id: task.tenant().to_string(),
             success,
             completed_at: Utc::now(),
-            processing_ms: (now_ms() - job.received_ms).max(0) as u64,
-            model: job.model.clone(),
-            route: job.route.clone(),
+            processing_ms: (now_ms() - task.received_ms).max(0) as u64,
+            model: model.to_string(),
+            route: routed.route.clone(),
             input_tokens: 0,
             output_tokens: 0,
             cached_tokens: 0,
             cost_micros: 0,
-            attempts: job.task.attempt_number,
+            attempts: task.envelope.attempt_number,
             batch_id: None,
             output: serde_json::Value::Null,
             error_code: None,
             error_message: None,
-            metadata: job.task.metadata.clone(),
+            metadata: task.envelope.metadata.clone(),
         }
     }
 
+    /// Forwards a result (completed or failed) and remembers it; redeliveries
+    /// that waited for it get it too. The item's record is current.
+    fn emit_result(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        headers: &Headers,
+        result: TaskResult,
+    ) -> Result<(), ProcessError> {
+        let json = serde_json::to_vec(&result)
+            .map_err(|e| ProcessError::Fatal(format!("result encoding: {e}")))?;
+        let key = idempotency_key(&result.task_type, &result.task_id);
+        let success = result.success;
+        ctx.kv::<String, StoredOutcome>(&self.completed_store)?.put(
+            &key,
+            &StoredOutcome {
+                result_json: json,
+                success,
+                bucket: self.step.expiry_bucket(),
+            },
+        );
+        self.metrics().result(success).inc();
+        // Redeliveries that arrived while the call was under way get the same
+        // result, without a call of their own.
+        for (waiter, headers) in self.in_flight.remove(&key).unwrap_or_default() {
+            self.metrics().duplicates.inc();
+            let again = result.clone();
+            ctx.with_record(&waiter, |ctx| forward_result(ctx, again, &headers))?;
+        }
+        forward_result(ctx, result, headers)
+    }
+
+    /// Dead-letters a task and forwards its failed result (its record current).
     fn fail(
         &mut self,
         ctx: &mut Ctx<'_>,
-        job: &Job,
-        category: DlqCategory,
-        code: &str,
-        message: &str,
-        attempts: u32,
+        routed: &Routed,
+        headers: &Headers,
+        model: &str,
+        why: Failure,
     ) -> Result<(), ProcessError> {
-        ctx.dead_letter(code, category.as_str(), attempts)?;
-        let mut r = self.base_result(job, false);
-        r.attempts = attempts;
+        let code = why.category.as_str();
+        ctx.dead_letter(code, code, why.attempts)?;
+        let mut r = self.base_result(routed, model, false);
+        r.attempts = why.attempts;
         r.error_code = Some(code.to_string());
-        r.error_message = Some(message.to_string());
-        self.emit_result(ctx, job, &r)
-    }
-
-    /// Starts (or restarts) the provider call of a job, routing around an open
-    /// breaker when a fallback exists, else holding the job.
-    fn start_call(&mut self, ctx: &mut Ctx<'_>, mut job: Box<Job>, held: InFlight) {
-        if !job.probe && self.op.client.is_open(&job.model) {
-            let client = &self.op.client;
-            let fallback = self
-                .op
-                .router
-                .fallback(&job.model, |m| client.is_open(m))
-                .map(str::to_string);
-            match fallback {
-                Some(fallback) => {
-                    self.op
-                        .metrics
-                        .fallbacks
-                        .with_label_values(&[&job.model])
-                        .inc();
-                    job.route = Route {
-                        tier: fallback.clone(),
-                        reason: format!("fallback:{}:circuit_open", job.model),
-                    };
-                    job.model = fallback.clone();
-                }
-                _ => {
-                    let fault = format!("breaker:{}", job.model);
-                    self.hold(ctx, &fault, "circuit open and no fallback model", job, held);
-                    return;
-                }
-            }
-        }
-        let Some(request) = job.request.clone() else {
-            return;
-        };
-        let client = self.op.client.clone();
-        let priority = job.task.priority;
-        ctx.spawn_detached(async move {
-            let result = client.call(&job.model, request, priority).await;
-            CallDone { job, result, held }
-        });
-    }
-
-    /// Raises `fault` for this task (holding intake) and parks the job
-    /// until a probe finds the provider answering again.
-    fn hold(&mut self, ctx: &Ctx<'_>, fault: &str, detail: &str, job: Box<Job>, held: InFlight) {
-        self.op.health.raise(ctx.task_id(), fault, detail);
-        self.park(job, held);
-    }
-
-    fn park(&mut self, job: Box<Job>, held: InFlight) {
-        self.parked.push((job, held));
-        self.op.metrics.parked.set(self.parked.len() as i64);
-    }
-
-    fn finish(&mut self, ctx: &mut Ctx<'_>, done: CallDone) -> Result<(), ProcessError> {
-        let CallDone {
-            mut job,
-            result,
-            held,
-        } = done;
-        let was_probe = std::mem::take(&mut job.probe);
-        if was_probe {
-            self.probing = false;
-        }
-        match result {
-            Ok(outcome) => {
-                if was_probe || !self.parked.is_empty() {
-                    self.recovered(ctx, &job.model);
-                }
-                let usage = outcome.response.usage;
-                let price = self.op.prices.get(&job.model).copied().unwrap_or_default();
-                let mut r = self.base_result(&job, true);
-                r.input_tokens = usage.prompt_tokens;
-                r.output_tokens = usage.completion_tokens;
-                r.cached_tokens = usage.cached_tokens.min(usage.prompt_tokens);
-                r.cost_micros =
-                    cost_micros(&price, r.input_tokens, r.cached_tokens, r.output_tokens);
-                r.attempts = job.task.attempt_number - 1 + outcome.attempts;
-                r.output = output_value(&job.task.task_type, &outcome.response.content);
-                let m = match self.counters.get(&job.model) {
-                    Some(m) => m,
-                    None => self
-                        .counters
-                        .entry(job.model.clone())
-                        .or_insert_with(|| self.op.metrics.model_counters(&job.model)),
-                };
-                m.input.inc_by(r.input_tokens);
-                m.output.inc_by(r.output_tokens);
-                m.cached.inc_by(r.cached_tokens);
-                m.cost.inc_by(r.cost_micros.max(0) as u64);
-                self.emit_result(ctx, &job, &r)
-            }
-            Err(failure) => {
-                let attempts = job.task.attempt_number - 1 + failure.attempts.max(1);
-                match failure.class() {
-                    ErrorClass::Permanent(kind) => {
-                        if was_probe {
-                            self.recovered(ctx, &job.model);
-                        }
-                        let cat = kind.dlq_category();
-                        self.fail(
-                            ctx,
-                            &job,
-                            cat,
-                            cat.as_str(),
-                            &failure.error.to_string(),
-                            attempts,
-                        )
-                    }
-                    ErrorClass::Config => {
-                        let fault = format!("provider:{}", job.model);
-                        self.hold(ctx, &fault, &failure.error.to_string(), job, held);
-                        Ok(())
-                    }
-                    ErrorClass::CircuitOpen => {
-                        if self.op.router.has_fallback(&job.model) {
-                            self.start_call(ctx, job, held);
-                        } else {
-                            let fault = format!("breaker:{}", job.model);
-                            self.hold(ctx, &fault, "circuit open and no fallback model", job, held);
-                        }
-                        Ok(())
-                    }
-                    ErrorClass::RateLimited { retry_after } => {
-                        // Rate limiting is never a task failure: the job waits,
-                        // intake held, until the time the provider gave (a
-                        // Retry-After longer than a call may wait: Azure's
-                        // 30-60 s, a daily quota), then a probe tries again.
-                        let wait = retry_after.map_or(0, |d| d.as_millis() as i64);
-                        self.probe_not_before_ms = self.probe_not_before_ms.max(now_ms() + wait);
-                        let fault = format!("rate_limited:{}", job.model);
-                        let detail = "rate limited by the provider; waiting as told";
-                        self.hold(ctx, &fault, detail, job, held);
-                        Ok(())
-                    }
-                    ErrorClass::Transient | ErrorClass::Malformed => {
-                        if job.task.attempt_number < self.op.config.tasks.max_attempts {
-                            self.republish(ctx, &job)
-                        } else {
-                            self.fail(
-                                ctx,
-                                &job,
-                                DlqCategory::Exhausted,
-                                "exhausted",
-                                &failure.error.to_string(),
-                                attempts,
-                            )
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    /// The provider answered again: clear the faults of the model and restart
-    /// every held job.
-    fn recovered(&mut self, ctx: &mut Ctx<'_>, model: &str) {
-        self.op.health.clear(&format!("provider:{model}"));
-        self.op.health.clear(&format!("breaker:{model}"));
-        self.op.health.clear(&format!("rate_limited:{model}"));
-        let parked = std::mem::take(&mut self.parked);
-        self.op.metrics.parked.set(0);
-        for (job, held) in parked {
-            ctx.with_record(&held.clone(), |ctx| self.start_call(ctx, job, held));
-        }
-    }
-
-    /// Re-publishes the task to its topic with the next attempt number.
-    fn republish(&mut self, ctx: &mut Ctx<'_>, job: &Job) -> Result<(), ProcessError> {
-        let mut task = job.task.clone();
-        task.attempt_number += 1;
-        let value = serde_json::to_vec(&task)
-            .map_err(|e| ProcessError::Fatal(format!("task encoding: {e}")))?;
-        ctx.emit(OutputRecord {
-            topic: job.source_topic.clone(),
-            partition: Some(ctx.task_id().partition),
-            key: job.key.clone(),
-            value: Some(value),
-            timestamp: now_ms(),
-            headers: job.headers.clone(),
-        });
-        self.op.metrics.republished.inc();
-        // Redeliveries that waited on this attempt finish without a result of
-        // their own: the re-published task produces the task's one result.
-        self.in_flight
-            .remove(&idempotency_key(&job.task.task_type, &job.task.task_id));
-        Ok(())
+        r.error_message = Some(why.message);
+        self.emit_result(ctx, headers, r)
     }
 
     fn save_meta(&mut self, ctx: &mut Ctx<'_>) -> Result<(), ProcessError> {
         if self.meta_dirty {
-            ctx.kv::<String, Meta>(META_STORE)?
-                .put_at(&META_KEY.to_string(), &self.meta, None);
+            ctx.kv::<String, Meta>(&self.meta_store)?.put_at(
+                &META_KEY.to_string(),
+                &self.meta,
+                None,
+            );
             self.meta_dirty = false;
         }
         Ok(())
@@ -556,7 +430,7 @@ impl LlmTaskProcessor {
         }
         self.last_sweep_ms = now;
         let current = now / MINUTE_MS;
-        let mut completed = ctx.kv::<String, StoredOutcome>(COMPLETED_STORE)?;
+        let mut completed = ctx.kv::<String, StoredOutcome>(&self.completed_store)?;
         let page = completed.scan_after_bytes(self.sweep_cursor.as_deref(), PAGE)?;
         if page.is_empty() {
             self.sweep_cursor = None;
@@ -575,151 +449,87 @@ impl LlmTaskProcessor {
 /// A task leaving this instance (moved to another, closed) takes its held
 /// jobs along: the faults only it held no longer hold this instance's intake
 /// (nothing here would ever probe them).
-impl Drop for LlmTaskProcessor {
+impl Drop for LlmProcessor {
     fn drop(&mut self) {
         if let Some(task) = self.task {
-            self.op.health.release(task);
+            self.step.0.health.release(task);
         }
     }
 }
 
-impl Processor<RawKey, Option<Vec<u8>>> for LlmTaskProcessor {
-    type OutKey = ();
-    type OutValue = ();
+impl<K: Data, V: LlmInput> Processor<K, V> for LlmProcessor {
+    type OutKey = String;
+    type OutValue = TaskResult;
     type Output = CallDone;
 
     fn init(&mut self, ctx: &mut Ctx<'_>) -> Result<(), ProcessError> {
         self.task = Some(ctx.task_id());
         if let Some(meta) = ctx
-            .kv::<String, Meta>(META_STORE)?
+            .kv::<String, Meta>(&self.meta_store)?
             .get(&META_KEY.to_string())?
         {
             self.meta = meta;
         }
-        if self.op.config.app.guarantee == sluice_topology::runtime::Guarantee::ExactlyOnce {
-            recover::recover_results(self, ctx)?;
+        if let Some(recovery) = self.step.settings().recovery.clone() {
+            recover::recover_results(self, ctx, &recovery)?;
         }
         Ok(())
     }
 
-    fn process(
-        &mut self,
-        record: Record<RawKey, Option<Vec<u8>>>,
-        ctx: &mut Ctx<'_>,
-    ) -> Result<(), ProcessError> {
-        let received_ms = now_ms();
-        let cfg = &self.op.config;
-        let limits = EnvelopeLimits {
-            max_bytes: cfg.tasks.max_bytes,
-            ..EnvelopeLimits::default()
-        };
-        let Some(bytes) = record.value.as_deref() else {
-            return ctx.dead_letter("missing_value", DlqCategory::Poison.as_str(), 1);
-        };
-        let task = match decode_task(bytes, &limits, &cfg.topics.task_types) {
-            Ok(t) => t,
-            Err(poison) => {
-                return ctx.dead_letter(&poison.reason(), DlqCategory::Poison.as_str(), 1)
+    fn process(&mut self, record: Record<K, V>, ctx: &mut Ctx<'_>) -> Result<(), ProcessError> {
+        let (batch_id, items) = match record.value.into_work() {
+            Work::One(task) => {
+                let Some(held) = ctx.hold() else {
+                    return Err(ProcessError::Fatal("no current record".into()));
+                };
+                let item = BatchItem {
+                    task,
+                    headers: record.headers,
+                    held,
+                };
+                (None, vec![item])
             }
+            Work::Batch(b) => (b.id, b.items),
         };
-        // Idempotency: the same input replayed emits nothing; a redelivered
-        // task that succeeded re-emits its stored result without a call. A
-        // stored failure is not final: a task that failed and comes back is
-        // a new attempt (its cause may be gone).
-        let current = ctx.position();
-        let key = idempotency_key(&task.task_type, &task.task_id);
-        if let Some((stored, position)) = ctx
-            .kv::<String, StoredOutcome>(COMPLETED_STORE)?
-            .get_with_position(&key)?
-        {
-            if position.is_some() && position == current {
-                return Ok(());
-            }
-            if stored.success {
-                self.op.metrics.duplicates.inc();
-                let partition = self.results_partition(ctx);
-                ctx.emit(result_record(
-                    self.op.config.topics.results_completed.clone(),
-                    partition,
-                    &task.task_id,
-                    stored.result_json,
-                    &record.headers,
-                    current,
-                ));
-                return Ok(());
+        let mut admitted = Vec::with_capacity(items.len());
+        for item in items {
+            let held = item.held.clone();
+            if let Some(a) = ctx.with_record(&held, |ctx| self.admit(ctx, item))? {
+                admitted.push(a);
             }
         }
-        if let Some(waiters) = self.in_flight.get_mut(&key) {
-            if let Some(held) = ctx.hold() {
-                waiters.push((held, record.headers));
-            }
-            return Ok(());
-        }
-        let tenant = task.tenant().unwrap_or_default().to_string();
-        let (model, route) = self.route(&task);
-        let source_topic = cfg.topics.task_topic(&task.task_type);
-        let (request, bad_request) = match self.op.prompts.build_request(&task) {
-            Ok(r) => (Some(r), None),
-            Err(e) => (None, Some(e)),
-        };
-        let job = Job {
-            task,
-            tenant,
-            headers: record.headers,
-            key: record.key,
-            source_topic,
-            received_ms,
-            model,
-            route,
-            request,
-            probe: false,
-        };
-        if let Some(e) = bad_request {
-            return self.fail(
-                ctx,
-                &job,
-                DlqCategory::BadRequest,
-                "bad_request",
-                &e.to_string(),
-                0,
-            );
-        }
-        let Some(held) = ctx.hold() else {
-            return Err(ProcessError::Fatal("no current record".into()));
-        };
-        self.in_flight.insert(key, Vec::new());
-        self.start_call(ctx, Box::new(job), held);
+        self.start(ctx, admitted, batch_id);
         Ok(())
     }
 
     fn complete(&mut self, done: CallDone, ctx: &mut Ctx<'_>) -> Result<(), ProcessError> {
-        let held = done.held.clone();
-        ctx.with_record(&held, |ctx| self.finish(ctx, done))
+        self.finish(ctx, done)
     }
 
     fn punctuate(&mut self, time: Punctuation, ctx: &mut Ctx<'_>) -> Result<(), ProcessError> {
-        // Probe a held provider with one held task.
-        let probe_every = self.op.config.tasks.probe_interval_ms as i64;
+        // Probe a held provider with one held job.
+        let probe_every = self.step.settings().probe_interval_ms as i64;
         if !self.parked.is_empty()
             && !self.probing
             && time.wall_clock_ms - self.last_probe_ms >= probe_every
             && time.wall_clock_ms >= self.probe_not_before_ms
         {
             self.last_probe_ms = time.wall_clock_ms;
-            let (mut job, held) = self.parked.remove(0);
-            self.op.metrics.parked.set(self.parked.len() as i64);
+            let mut job = self.parked.remove(0);
+            self.count_parked();
             job.probe = true;
             self.probing = true;
-            ctx.with_record(&held.clone(), |ctx| self.start_call(ctx, job, held));
+            self.start_call(ctx, job);
         }
         // Where this task's committed results end (see `recover`).
-        let partition = ctx.task_id().partition;
-        let topics = self.op.config.topics.clone();
-        for topic in [&topics.results_completed, &topics.results_failed] {
-            if let Some(end) = ctx.output_end(topic, partition) {
-                if self.meta.results_end.get(topic) != Some(&end) {
-                    self.meta.results_end.insert(topic.clone(), end);
-                    self.meta_dirty = true;
+        if let Some(recovery) = &self.step.settings().recovery {
+            let partition = ctx.task_id().partition;
+            for topic in &recovery.topics {
+                if let Some(end) = ctx.output_end(topic, partition) {
+                    if self.meta.results_end.get(topic) != Some(&end) {
+                        self.meta.results_end.insert(topic.clone(), end);
+                        self.meta_dirty = true;
+                    }
                 }
             }
         }
@@ -728,16 +538,25 @@ impl Processor<RawKey, Option<Vec<u8>>> for LlmTaskProcessor {
     }
 }
 
-/// A result record: keyed by task id, in the task's own partition, with the
-/// trace context of `trace_from` and the input position in headers.
-fn result_record(
-    topic: String,
-    partition: i32,
-    task_id: &str,
-    json: Vec<u8>,
+/// Forwards a result keyed by task id, with the trace context of
+/// `trace_from` and the current record's input position in headers.
+fn forward_result(
+    ctx: &mut Ctx<'_>,
+    result: TaskResult,
     trace_from: &Headers,
-    position: Option<Position>,
-) -> OutputRecord {
+) -> Result<(), ProcessError> {
+    let headers = result_headers(trace_from, ctx.position());
+    let key = result.task_id.clone();
+    ctx.forward(Record {
+        key,
+        value: result,
+        timestamp: now_ms(),
+        headers,
+    })
+}
+
+/// A result's headers: the task's trace context and its input position.
+fn result_headers(trace_from: &Headers, position: Option<Position>) -> Headers {
     let mut headers: Headers = trace_from
         .iter()
         .filter(|(k, _)| TRACE_HEADERS.contains(&k.as_str()))
@@ -747,18 +566,7 @@ fn result_record(
         headers.push((HEADER_SOURCE.into(), p.source.to_string().into_bytes()));
         headers.push((HEADER_OFFSET.into(), p.offset.to_string().into_bytes()));
     }
-    OutputRecord {
-        topic,
-        partition: Some(partition),
-        key: Some(task_id.as_bytes().to_vec()),
-        value: Some(json),
-        timestamp: now_ms(),
-        headers,
-    }
-}
-
-fn result_json_again(result: &TaskResult) -> Result<Vec<u8>, ProcessError> {
-    serde_json::to_vec(result).map_err(|e| ProcessError::Fatal(format!("result encoding: {e}")))
+    headers
 }
 
 /// Cost in micro-dollars of a call, from prices per million tokens (rounded

@@ -17,38 +17,30 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use sluice_topology::ProcessError;
 
-use super::{
-    expiry_bucket, idempotency_key, result_position, Ctx, LlmTaskProcessor, StoredOutcome,
-    COMPLETED_STORE,
-};
+use super::{idempotency_key, result_position, Ctx, LlmProcessor, Recovery, StoredOutcome};
 use crate::envelope::TaskResult;
 
 const SCAN_TIMEOUT: Duration = Duration::from_secs(60);
 
 pub(super) fn recover_results(
-    p: &mut LlmTaskProcessor,
+    p: &mut LlmProcessor,
     ctx: &mut Ctx<'_>,
+    recovery: &Recovery,
 ) -> Result<(), ProcessError> {
-    let cfg = &p.op.config;
     let partition = ctx.task_id().partition;
     let fatal = |e: &dyn std::fmt::Display| {
         ProcessError::Fatal(format!("recovering results of partition {partition}: {e}"))
     };
     let mut c = ClientConfig::new();
-    c.set("bootstrap.servers", &cfg.kafka.bootstrap_servers)
-        .set("group.id", format!("{}-recover", cfg.app.id))
-        .set("enable.auto.commit", "false")
-        .set("isolation.level", "read_committed");
-    for (k, v) in &cfg.kafka.client {
+    for (k, v) in &recovery.client {
         c.set(k, v);
     }
+    c.set("group.id", &recovery.group_id)
+        .set("enable.auto.commit", "false")
+        .set("isolation.level", "read_committed");
     let consumer: BaseConsumer = c.create().map_err(|e| fatal(&e))?;
-    let topics = [
-        cfg.topics.results_completed.clone(),
-        cfg.topics.results_failed.clone(),
-    ];
     let mut recovered = 0u64;
-    for topic in &topics {
+    for topic in &recovery.topics {
         let from = p.meta.results_end.get(topic).copied().unwrap_or(0);
         let (_, high) = consumer
             .fetch_watermarks(topic, partition, Duration::from_secs(10))
@@ -94,12 +86,12 @@ pub(super) fn recover_results(
             let Ok(result) = serde_json::from_slice::<TaskResult>(bytes) else {
                 continue;
             };
-            let mut completed = ctx.kv::<String, StoredOutcome>(COMPLETED_STORE)?;
+            let mut completed = ctx.kv::<String, StoredOutcome>(&p.completed_store)?;
             let key = idempotency_key(&result.task_type, &result.task_id);
             if completed.get(&key)?.is_some() {
                 continue;
             }
-            let bucket = expiry_bucket(cfg);
+            let bucket = p.step.expiry_bucket();
             completed.put_at(
                 &key,
                 &StoredOutcome {
@@ -121,7 +113,7 @@ pub(super) fn recover_results(
             recovered,
             "recovered results an interrupted transaction left visible"
         );
-        p.op.metrics.recovered.inc_by(recovered);
+        p.metrics().recovered.inc_by(recovered);
     }
     Ok(())
 }

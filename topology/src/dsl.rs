@@ -365,6 +365,12 @@ impl<K, V> Clone for KStream<K, V> {
 }
 
 impl<K: Data, V: Data> KStream<K, V> {
+    /// The builder this stream belongs to (to declare stores for an operator
+    /// added to it).
+    pub fn builder(&self) -> &StreamBuilder {
+        &self.builder
+    }
+
     fn child<K2: Data, V2: Data>(
         &self,
         factory: impl Fn(Slot<K2, V2>) -> NodeFactory<K, V>,

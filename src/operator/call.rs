@@ -1,0 +1,406 @@
+//! Provider calls of `invoke_llm`: starting them (alone or as a batch),
+//! routing around open breakers, holding jobs while the provider cannot
+//! answer, and turning outcomes into results.
+
+use sluice_topology::{OutputRecord, ProcessError};
+
+use super::{idempotency_key, now_ms, output_value, Ctx, Failure, Item, LlmProcessor};
+use crate::envelope::{DlqCategory, Route};
+use crate::llm::apportion::apportion_usage;
+use crate::llm::prompt::split_batch_answer;
+use crate::llm::{
+    CallFailure, CallOutcome, ChatRequest, ErrorClass, Message, ResponseFormat, Usage,
+};
+use crate::pipeline::batch::estimated_tokens;
+
+/// One provider call: a task, or a micro-batch of tasks.
+pub(super) struct Job {
+    items: Vec<Item>,
+    /// The model called (a fallback replaces the routed one).
+    model: String,
+    batch: Option<BatchCall>,
+    /// Set on a call that probes a held provider.
+    pub(super) probe: bool,
+}
+
+/// A batch's id and its one request.
+struct BatchCall {
+    id: String,
+    request: ChatRequest,
+    /// Batch-local item ids, in item order.
+    ids: Vec<String>,
+}
+
+/// A task's share of a successful call.
+struct Answer {
+    usage: Usage,
+    /// Attempts the call took.
+    attempts: u32,
+    output: serde_json::Value,
+    batch_id: Option<String>,
+}
+
+/// What comes back from a call.
+pub struct CallDone {
+    job: Job,
+    result: Result<CallOutcome, CallFailure>,
+}
+
+impl LlmProcessor {
+    /// Starts the calls of admitted tasks: one call for a batch of several,
+    /// else one each.
+    pub(super) fn start(&mut self, ctx: &mut Ctx<'_>, items: Vec<Item>, batch_id: Option<String>) {
+        let Some(first) = items.first() else { return };
+        let model = first.routed.model.clone();
+        let batch = match (batch_id, items.len()) {
+            (Some(id), n) if n > 1 => self.batch_call(id, &items),
+            _ => None,
+        };
+        match batch {
+            Some(batch) => {
+                let job = Job {
+                    items,
+                    model,
+                    batch: Some(batch),
+                    probe: false,
+                };
+                self.start_call(ctx, job);
+            }
+            None => self.call_singly(ctx, items, model),
+        }
+    }
+
+    /// The batch request of `items`, or `None` when they cannot share one.
+    fn batch_call(&self, id: String, items: &[Item]) -> Option<BatchCall> {
+        let ids: Vec<String> = (1..=items.len()).map(|i| i.to_string()).collect();
+        let pairs: Vec<(String, &crate::envelope::TaskEnvelope)> = ids
+            .iter()
+            .cloned()
+            .zip(items.iter().map(|i| &i.routed.task.envelope))
+            .collect();
+        let messages: Vec<Message> = self.step.0.prompts.build_batch_messages(&pairs).ok()?;
+        let max_tokens = items
+            .iter()
+            .map(|i| i.request.max_tokens)
+            .try_fold(0u32, |sum, m| m.map(|m| sum.saturating_add(m)));
+        Some(BatchCall {
+            id,
+            request: ChatRequest {
+                model: String::new(),
+                messages,
+                max_tokens,
+                temperature: items[0].request.temperature,
+                response_format: Some(ResponseFormat::JsonObject),
+            },
+            ids,
+        })
+    }
+
+    /// A call per task.
+    fn call_singly(&mut self, ctx: &mut Ctx<'_>, items: Vec<Item>, model: String) {
+        for item in items {
+            let job = Job {
+                items: vec![item],
+                model: model.clone(),
+                batch: None,
+                probe: false,
+            };
+            self.start_call(ctx, job);
+        }
+    }
+
+    /// Starts (or restarts) a job's call, routing around an open breaker
+    /// when a fallback exists, else holding the job.
+    pub(super) fn start_call(&mut self, ctx: &mut Ctx<'_>, mut job: Job) {
+        let client = self.step.0.client.clone();
+        if !job.probe && client.is_open(&job.model) {
+            let fallbacks = &self.step.settings().fallbacks;
+            let fallback = crate::route::fallback(fallbacks, &job.model, |m| client.is_open(m))
+                .map(str::to_string);
+            let Some(fallback) = fallback else {
+                let fault = format!("breaker:{}", job.model);
+                self.hold(ctx, &fault, "circuit open and no fallback model", job);
+                return;
+            };
+            self.metrics()
+                .fallbacks
+                .with_label_values(&[&job.model])
+                .inc_by(job.items.len() as u64);
+            for item in &mut job.items {
+                item.routed.route = Route {
+                    tier: fallback.clone(),
+                    reason: format!("fallback:{}:circuit_open", job.model),
+                };
+            }
+            job.model = fallback;
+        }
+        let request = match &job.batch {
+            Some(b) => b.request.clone(),
+            None => job.items[0].request.clone(),
+        };
+        let priority = job
+            .items
+            .iter()
+            .map(|i| i.routed.task.envelope.priority)
+            .min()
+            .unwrap_or_default();
+        ctx.spawn_detached(async move {
+            let result = client.call(&job.model, request, priority).await;
+            CallDone { job, result }
+        });
+    }
+
+    /// Raises `fault` for this task (holding intake) and parks the job
+    /// until a probe finds the provider answering again.
+    fn hold(&mut self, ctx: &Ctx<'_>, fault: &str, detail: &str, job: Job) {
+        self.step.0.health.raise(ctx.task_id(), fault, detail);
+        self.parked.push(job);
+        self.count_parked();
+    }
+
+    pub(super) fn count_parked(&self) {
+        let n: usize = self.parked.iter().map(|j| j.items.len()).sum();
+        self.metrics().parked.set(n as i64);
+    }
+
+    /// Handles a call's outcome.
+    pub(super) fn finish(&mut self, ctx: &mut Ctx<'_>, done: CallDone) -> Result<(), ProcessError> {
+        let CallDone { mut job, result } = done;
+        let was_probe = std::mem::take(&mut job.probe);
+        if was_probe {
+            self.probing = false;
+        }
+        let failure = match result {
+            Ok(outcome) => {
+                if was_probe || !self.parked.is_empty() {
+                    self.recovered(ctx, &job.model);
+                }
+                return self.answered(ctx, job, outcome);
+            }
+            Err(failure) => failure,
+        };
+        match failure.class() {
+            ErrorClass::Permanent(kind) => {
+                if was_probe {
+                    self.recovered(ctx, &job.model);
+                }
+                if job.batch.is_some() {
+                    // Which task the provider refused is unknown: each gets a
+                    // call of its own, so only that one fails.
+                    self.metrics().batch_fallbacks.inc();
+                    let model = job.model.clone();
+                    self.call_singly(ctx, job.items, model);
+                    return Ok(());
+                }
+                let attempts_used = failure.attempts.max(1);
+                let message = failure.error.to_string();
+                for item in job.items {
+                    let why = Failure {
+                        category: kind.dlq_category(),
+                        message: message.clone(),
+                        attempts: item.routed.task.envelope.attempt_number - 1 + attempts_used,
+                    };
+                    let held = item.held.clone();
+                    ctx.with_record(&held, |ctx| {
+                        self.fail(ctx, &item.routed, &item.headers, &job.model, why)
+                    })?;
+                }
+                Ok(())
+            }
+            ErrorClass::Config => {
+                let fault = format!("provider:{}", job.model);
+                self.hold(ctx, &fault, &failure.error.to_string(), job);
+                Ok(())
+            }
+            ErrorClass::CircuitOpen => {
+                if self.step.settings().fallbacks.contains_key(&job.model) {
+                    self.start_call(ctx, job);
+                } else {
+                    let fault = format!("breaker:{}", job.model);
+                    self.hold(ctx, &fault, "circuit open and no fallback model", job);
+                }
+                Ok(())
+            }
+            ErrorClass::RateLimited { retry_after } => {
+                // Rate limiting is never a task failure: the job waits,
+                // intake held, until the time the provider gave (a
+                // Retry-After longer than a call may wait: Azure's 30-60 s,
+                // a daily quota), then a probe tries again.
+                let wait = retry_after.map_or(0, |d| d.as_millis() as i64);
+                self.probe_not_before_ms = self.probe_not_before_ms.max(now_ms() + wait);
+                let fault = format!("rate_limited:{}", job.model);
+                let detail = "rate limited by the provider; waiting as told";
+                self.hold(ctx, &fault, detail, job);
+                Ok(())
+            }
+            ErrorClass::Transient | ErrorClass::Malformed => {
+                let message = failure.error.to_string();
+                let max_attempts = self.step.settings().max_attempts;
+                for item in job.items {
+                    let held = item.held.clone();
+                    let attempt = item.routed.task.envelope.attempt_number;
+                    ctx.with_record(&held, |ctx| {
+                        if attempt < max_attempts {
+                            self.republish(ctx, &item)
+                        } else {
+                            let why = Failure {
+                                category: DlqCategory::Exhausted,
+                                message: message.clone(),
+                                attempts: attempt - 1 + failure.attempts.max(1),
+                            };
+                            self.fail(ctx, &item.routed, &item.headers, &job.model, why)
+                        }
+                    })?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// A successful call: a result per task.
+    fn answered(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        mut job: Job,
+        outcome: CallOutcome,
+    ) -> Result<(), ProcessError> {
+        let usage = outcome.response.usage;
+        let content = &outcome.response.content;
+        let Some(batch) = job.batch.take() else {
+            let mut items = std::mem::take(&mut job.items);
+            let Some(item) = items.pop() else {
+                return Ok(());
+            };
+            let answer = Answer {
+                usage,
+                attempts: outcome.attempts,
+                output: output_value(&item.routed.task.envelope.task_type, content),
+                batch_id: None,
+            };
+            return self.succeed(ctx, &job.model, item, answer);
+        };
+        let sizes: Vec<u64> = job
+            .items
+            .iter()
+            .map(|i| estimated_tokens(&i.routed))
+            .collect();
+        let shares = apportion_usage(&usage, &sizes);
+        match split_batch_answer(content, &batch.ids) {
+            Ok(outputs) => {
+                self.metrics()
+                    .batch_calls_saved
+                    .inc_by(job.items.len() as u64 - 1);
+                let items = std::mem::take(&mut job.items);
+                for ((item, (_, output)), share) in items.into_iter().zip(outputs).zip(shares) {
+                    let answer = Answer {
+                        usage: share,
+                        attempts: outcome.attempts,
+                        output,
+                        batch_id: Some(batch.id.clone()),
+                    };
+                    self.succeed(ctx, &job.model, item, answer)?;
+                }
+                Ok(())
+            }
+            Err(e) => {
+                // The answer cannot be split: a call per task. The tokens of
+                // this call were billed all the same; each task carries its
+                // share into its result.
+                tracing::warn!(batch = %batch.id, error = %e, "batch answer unusable; calling per task");
+                self.metrics().batch_fallbacks.inc();
+                for (item, share) in job.items.iter_mut().zip(shares) {
+                    item.extra = add_usage(item.extra, share);
+                }
+                let model = job.model.clone();
+                self.call_singly(ctx, job.items, model);
+                Ok(())
+            }
+        }
+    }
+
+    /// Forwards a task's completed result.
+    fn succeed(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        model: &str,
+        item: Item,
+        answer: Answer,
+    ) -> Result<(), ProcessError> {
+        let usage = add_usage(answer.usage, item.extra);
+        let price = self
+            .step
+            .settings()
+            .prices
+            .get(model)
+            .copied()
+            .unwrap_or_default();
+        let mut r = self.base_result(&item.routed, model, true);
+        r.input_tokens = usage.prompt_tokens;
+        r.output_tokens = usage.completion_tokens;
+        r.cached_tokens = usage.cached_tokens.min(usage.prompt_tokens);
+        r.cost_micros =
+            super::cost_micros(&price, r.input_tokens, r.cached_tokens, r.output_tokens);
+        r.attempts = item.routed.task.envelope.attempt_number - 1 + answer.attempts;
+        r.output = answer.output;
+        r.batch_id = answer.batch_id;
+        let m = match self.counters.get(model) {
+            Some(m) => m,
+            None => {
+                let m = self.metrics().model_counters(model);
+                self.counters.entry(model.to_string()).or_insert(m)
+            }
+        };
+        m.input.inc_by(r.input_tokens);
+        m.output.inc_by(r.output_tokens);
+        m.cached.inc_by(r.cached_tokens);
+        m.cost.inc_by(r.cost_micros.max(0) as u64);
+        let held = item.held.clone();
+        ctx.with_record(&held, |ctx| self.emit_result(ctx, &item.headers, r))
+    }
+
+    /// The provider answered again: clear the model's faults and restart
+    /// every held job.
+    fn recovered(&mut self, ctx: &mut Ctx<'_>, model: &str) {
+        let health = &self.step.0.health;
+        health.clear(&format!("provider:{model}"));
+        health.clear(&format!("breaker:{model}"));
+        health.clear(&format!("rate_limited:{model}"));
+        let parked = std::mem::take(&mut self.parked);
+        self.count_parked();
+        for job in parked {
+            self.start_call(ctx, job);
+        }
+    }
+
+    /// Re-publishes a task to its topic with the next attempt number (its
+    /// record current).
+    fn republish(&mut self, ctx: &mut Ctx<'_>, item: &Item) -> Result<(), ProcessError> {
+        let task = &item.routed.task;
+        let mut envelope = task.envelope.clone();
+        envelope.attempt_number += 1;
+        let value = serde_json::to_vec(&envelope)
+            .map_err(|e| ProcessError::Fatal(format!("task encoding: {e}")))?;
+        ctx.emit(OutputRecord {
+            topic: task.topic.clone(),
+            partition: Some(ctx.task_id().partition),
+            key: task.key.clone(),
+            value: Some(value),
+            timestamp: now_ms(),
+            headers: item.headers.clone(),
+        });
+        self.metrics().republished.inc();
+        // Redeliveries that waited on this attempt finish without a result of
+        // their own: the re-published task produces the task's one result.
+        self.in_flight
+            .remove(&idempotency_key(&envelope.task_type, &envelope.task_id));
+        Ok(())
+    }
+}
+
+fn add_usage(a: Usage, b: Usage) -> Usage {
+    Usage {
+        prompt_tokens: a.prompt_tokens + b.prompt_tokens,
+        completion_tokens: a.completion_tokens + b.completion_tokens,
+        cached_tokens: a.cached_tokens + b.cached_tokens,
+    }
+}
