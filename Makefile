@@ -1,7 +1,7 @@
 # The two commands a newcomer needs: `make demo` and `make test`.
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/sluice/target
 
-.PHONY: demo test setup lint fmt bench-engine bench-llm
+.PHONY: demo test setup lint fmt bench-engine bench-llm bench-batching
 
 demo:
 	scripts/demo.sh
@@ -24,3 +24,6 @@ bench-engine:
 
 bench-llm:
 	scripts/bench.sh llm
+
+bench-batching:
+	scripts/bench.sh batching

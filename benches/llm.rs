@@ -268,6 +268,10 @@ name = "m"
 provider = "sim"
 limiter = {{ initial_rps = 1000000, max_rps = 1000000, max_concurrency = {concurrency} }}
 
+# The overhead is measured per provider call: one call per task.
+[batching]
+enabled = false
+
 [http]
 listen = "127.0.0.1:0"
 "#,

@@ -105,6 +105,7 @@ pub fn steps(
     health: Health,
 ) -> prometheus::Result<Steps> {
     let results = ResultsSink::from_config(&config.topics);
+    let source = TaskSource::from_config(&config.topics, &config.tasks);
     let recovery = (config.app.guarantee == Guarantee::ExactlyOnce).then(|| {
         let mut kafka = config.kafka.client.clone();
         kafka.insert(
@@ -113,8 +114,9 @@ pub fn steps(
         );
         Recovery {
             client: kafka,
-            group_id: format!("{}-recover", config.app.id),
+            group_id: config.app.id.clone(),
             topics: results.topics(),
+            task_topics: source.topics.iter().map(|t| t.topic.clone()).collect(),
         }
     });
     let settings = LlmSettings {
@@ -129,7 +131,7 @@ pub fn steps(
     let models: Vec<String> = client.models().map(str::to_string).collect();
     let prompts = PromptBuilder::new(config.prompts.clone());
     Ok(Steps {
-        source: TaskSource::from_config(&config.topics, &config.tasks),
+        source,
         route: RouteStep::new(config.router(), models, registry)?,
         batching: Batching::new(
             config.batching.clone(),

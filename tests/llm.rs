@@ -1088,14 +1088,17 @@ fn sigkill_under_load_loses_nothing_and_never_answers_twice() {
 
 /// A crash inside a commit, after the results (or also the idempotency
 /// records) reached the broker: the test broker exposes that interrupted
-/// transaction to `read_committed` readers. The restarted instance must
-/// neither lose a task nor answer one twice.
-fn crash_inside_a_commit(failpoint: &str) {
+/// transaction to `read_committed` readers. Provider errors past the in-call
+/// retry make tasks re-published, so some records finished above the
+/// committed offset with only a re-publish. The restarted instance must
+/// neither lose a task nor answer one twice, nor re-publish an attempt twice.
+fn crash_inside_a_commit(failpoint: &str) -> (Pipeline, App) {
     let sim = SimConfig::from_json_value(serde_json::json!({
         "latency": { "kind": "uniform", "min_ms": 5, "max_ms": 50 },
+        "error_rate": 0.1,
     }))
     .unwrap();
-    let p = Pipeline::new(sim, "");
+    let p = Pipeline::new(sim, "[llm.retry]\nmax_attempts = 1\n");
     let mut first = p.start_env("crash-1", &[("SLUICE_FAILPOINT", failpoint)]);
     let tasks = mixed_tasks(600);
     p.produce(&tasks);
@@ -1106,24 +1109,50 @@ fn crash_inside_a_commit(failpoint: &str) {
     );
     assert!(!status.success());
     let calls_before = p.sim.stats().served_ok;
-    let mut app = p.start("crash-2");
+    let app = p.start("crash-2");
     let results = p.results(tasks.len(), Duration::from_secs(180));
     assert_each_answered_once(&tasks, &results);
     assert!(
         calls_before > 0,
         "the first instance answered tasks before it crashed"
     );
-    app.proc.stop();
+    // Every re-published attempt is on its task topic once.
+    let topics: Vec<String> = ["summarize", "classify", "extract"]
+        .iter()
+        .map(|t| p.topic(t))
+        .collect();
+    let t: Vec<&str> = topics.iter().map(String::as_str).collect();
+    let mut attempts: HashMap<(String, u64), usize> = HashMap::new();
+    for m in read_topics(&bootstrap(), &t, true, Duration::from_secs(3), |_| false).unwrap() {
+        let v: serde_json::Value = serde_json::from_slice(m.payload().unwrap()).unwrap();
+        let attempt = v["attemptNumber"].as_u64().unwrap();
+        if attempt > 1 {
+            let id = v["taskId"].as_str().unwrap().to_string();
+            *attempts.entry((id, attempt)).or_default() += 1;
+        }
+    }
+    assert!(
+        !attempts.is_empty(),
+        "provider errors made tasks re-published"
+    );
+    let twice: Vec<_> = attempts.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(twice.is_empty(), "attempts re-published twice: {twice:?}");
+    (p, app)
 }
 
 #[test]
 fn a_crash_after_results_were_written_answers_no_task_twice() {
-    crash_inside_a_commit("eos_after_output_flush:3");
+    let (p, mut app) = crash_inside_a_commit("eos_after_output_flush:3");
+    // The results of the interrupted transaction were visible: the new owner
+    // found them, and used them instead of answering those tasks again.
+    assert!(p.metric(&app, "sluice_results_recovered_total") >= 1.0);
+    app.proc.stop();
 }
 
 #[test]
 fn a_crash_after_idempotency_records_were_written_answers_no_task_twice() {
-    crash_inside_a_commit("eos_after_changelog_flush:3");
+    let (_p, mut app) = crash_inside_a_commit("eos_after_changelog_flush:3");
+    app.proc.stop();
 }
 
 /// Tasks of one type whose prompts can share a batch (same labels).

@@ -92,10 +92,13 @@ pub struct Recovery {
     /// librdkafka properties of the reading consumer (`bootstrap.servers`
     /// and security settings).
     pub client: BTreeMap<String, String>,
-    /// Its group id (it commits nothing).
+    /// The application's group id (its committed offsets say where replay
+    /// starts; the reading consumer never joins it and commits nothing).
     pub group_id: String,
     /// The results topics.
     pub topics: Vec<String>,
+    /// The task topics (tasks are re-published to them).
+    pub task_topics: Vec<String>,
 }
 
 /// The `invoke_llm` operator's settings and the parts its instances share
@@ -307,6 +310,11 @@ impl LlmProcessor {
                     forward_result(ctx, result, &item.headers)?;
                     return Ok(None);
                 }
+            }
+            // This attempt (or a later one) was re-published by a transaction
+            // a crash left visible: its outcome is out already.
+            if recover::republished_attempt(&stored).is_some_and(|a| a > env.attempt_number) {
+                return Ok(None);
             }
         }
         if let Some(waiters) = self.in_flight.get_mut(&key) {
@@ -562,11 +570,20 @@ fn result_headers(trace_from: &Headers, position: Option<Position>) -> Headers {
         .filter(|(k, _)| TRACE_HEADERS.contains(&k.as_str()))
         .cloned()
         .collect();
-    if let Some(p) = position {
-        headers.push((HEADER_SOURCE.into(), p.source.to_string().into_bytes()));
-        headers.push((HEADER_OFFSET.into(), p.offset.to_string().into_bytes()));
-    }
+    headers.extend(position_headers(position));
     headers
+}
+
+/// The headers naming an input position.
+fn position_headers(position: Option<Position>) -> Headers {
+    position
+        .map(|p| {
+            vec![
+                (HEADER_SOURCE.into(), p.source.to_string().into_bytes()),
+                (HEADER_OFFSET.into(), p.offset.to_string().into_bytes()),
+            ]
+        })
+        .unwrap_or_default()
 }
 
 /// Cost in micro-dollars of a call, from prices per million tokens (rounded

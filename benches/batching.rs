@@ -1,0 +1,235 @@
+//! `make bench-batching`, in one run against the simulated provider: one
+//! classify workload at 1,000 tasks/s through the whole `sluice run`
+//! pipeline (Kafka in, route, micro-batch, provider call, Kafka out), once
+//! with micro-batching off and once on, each on fresh topics.
+//!
+//! - provider calls per task: the simulator's request count over the tasks;
+//! - time to result: each task's `completedAt` minus the time the bench
+//!   handed it to the producer (carried in its metadata), over every task
+//!   after the first second; `added_*` is batched minus unbatched at the
+//!   same percentile.
+//!
+//! Environment: `SLUICE_BENCH_RATE` (tasks/s, default 1000),
+//! `SLUICE_BENCH_SECS` (seconds of load per run, default 15).
+
+/// The same allocator as the `sluice` binary.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+use std::io::BufRead;
+use std::time::{Duration, Instant};
+
+use rdkafka::Message as _;
+use sluice::envelope::TaskResult;
+use sluice::kafka::{produce, read_topics, OutRecord};
+use sluice::sim::{SimConfig, SimHandle};
+
+struct Run {
+    calls_per_task: f64,
+    /// Time to result of each task after the warm-up, ms, sorted.
+    latencies: Vec<i64>,
+}
+
+fn percentile(sorted: &[i64], p: f64) -> f64 {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i] as f64
+}
+
+fn run(bootstrap: &str, sim: &SimHandle, batched: bool, rate: u64, secs: u64) -> Run {
+    let bin = env!("CARGO_BIN_EXE_sluice");
+    let prefix = format!(
+        "bench-batch-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("sluice.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+[app]
+id = "{prefix}-app"
+state_dir = "{state}"
+
+[kafka]
+bootstrap_servers = "{bootstrap}"
+
+[topics]
+task_types = ["classify"]
+tasks_prefix = "{prefix}.tasks."
+results_completed = "{prefix}.results.completed"
+results_failed = "{prefix}.results.failed"
+partitions = 2
+
+[[llm.providers]]
+name = "sim"
+base_url = "{url}"
+
+[[llm.models]]
+name = "m"
+provider = "sim"
+limiter = {{ initial_rps = 1000000, max_rps = 1000000, max_concurrency = 512 }}
+
+[batching]
+enabled = {batched}
+
+[http]
+listen = "127.0.0.1:0"
+"#,
+            state = dir.path().join("state").display(),
+            url = sim.base_url(),
+        ),
+    )
+    .unwrap();
+    let cfg = config.display().to_string();
+    let out = std::process::Command::new(bin)
+        .args(["topics", "create", "--config", &cfg])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut child = std::process::Command::new(bin)
+        .args(["run", "--config", &cfg])
+        .env("SLUICE_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let addr = loop {
+        let line = lines.next().expect("sluice run listens").unwrap();
+        if let Some(a) = line.strip_prefix("LISTENING ") {
+            break a.trim().to_string();
+        }
+    };
+    std::thread::spawn(move || lines.for_each(drop));
+    wait_ready(&addr);
+    sim.reset_stats();
+    let n = (rate * secs) as usize;
+    let start = Instant::now();
+    let topic = format!("{prefix}.tasks.classify");
+    // Paced: task i is handed to the producer at i / rate seconds.
+    let tasks = (0..n).map(|i| {
+        let due = start + Duration::from_micros(i as u64 * 1_000_000 / rate);
+        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+        let tenant = format!("tenant-{}", i % 16);
+        OutRecord {
+            key: Some(tenant.clone().into_bytes()),
+            value: Some(
+                serde_json::to_vec(&serde_json::json!({
+                    "taskId": format!("t{i}"), "taskType": "classify", "tenantId": tenant,
+                    "submittedAt": chrono::Utc::now().timestamp_millis(),
+                    "metadata": { "sentAt": chrono::Utc::now().timestamp_millis().to_string() },
+                    "payload": {
+                        "content": format!("Item {i}: shares rose after the quarterly report."),
+                        "labels": ["news", "sports", "tech"],
+                    },
+                }))
+                .unwrap(),
+            ),
+            ..Default::default()
+        }
+    });
+    produce(bootstrap, &topic, tasks).unwrap();
+    let completed = format!("{prefix}.results.completed");
+    let msgs = read_topics(
+        bootstrap,
+        &[&completed],
+        true,
+        Duration::from_secs(300),
+        |m| m.len() >= n,
+    )
+    .unwrap();
+    let calls = sim.stats().requests_total;
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let _ = child.wait();
+    let results: Vec<TaskResult> = msgs
+        .iter()
+        .filter_map(|m| serde_json::from_slice(m.payload()?).ok())
+        .collect();
+    assert_eq!(results.len(), n, "every task has one result");
+    let warm_up = rate as usize;
+    let mut latencies: Vec<i64> = results
+        .iter()
+        .filter(|r| r.task_id[1..].parse::<usize>().unwrap() >= warm_up)
+        .map(|r| {
+            let sent: i64 = r.metadata["sentAt"].parse().unwrap();
+            r.completed_at.timestamp_millis() - sent
+        })
+        .collect();
+    latencies.sort_unstable();
+    Run {
+        calls_per_task: calls as f64 / n as f64,
+        latencies,
+    }
+}
+
+fn wait_ready(addr: &str) {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while Instant::now() < deadline {
+        if let Ok(mut s) = std::net::TcpStream::connect(addr) {
+            use std::io::{Read, Write};
+            let _ = write!(s, "GET /readyz HTTP/1.0\r\nHost: x\r\n\r\n");
+            let mut buf = String::new();
+            let _ = s.read_to_string(&mut buf);
+            if buf.starts_with("HTTP/1.1 200") || buf.starts_with("HTTP/1.0 200") {
+                return;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    panic!("sluice run never became ready");
+}
+
+fn main() {
+    let bootstrap =
+        std::env::var("SLUICE_BENCH_BOOTSTRAP").expect("run through `make bench-batching`");
+    let env = |k: &str, d: u64| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(d)
+    };
+    let (rate, secs) = (env("SLUICE_BENCH_RATE", 1000), env("SLUICE_BENCH_SECS", 15));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let sim_config = SimConfig::from_json_value(serde_json::json!({
+        "latency": { "kind": "uniform", "min_ms": 20, "max_ms": 60 },
+    }))
+    .unwrap();
+    let sim = rt
+        .block_on(sluice::sim::start(
+            sim_config,
+            "127.0.0.1:0".parse().unwrap(),
+        ))
+        .unwrap();
+    let off = run(&bootstrap, &sim, false, rate, secs);
+    let on = run(&bootstrap, &sim, true, rate, secs);
+    let show = |name: &str, r: &Run| {
+        eprintln!(
+            "{name}: {:.3} calls per task; time to result p50 {:.0} ms, p99 {:.0} ms ({} tasks after warm-up)",
+            r.calls_per_task,
+            percentile(&r.latencies, 0.5),
+            percentile(&r.latencies, 0.99),
+            r.latencies.len()
+        );
+    };
+    show("unbatched", &off);
+    show("batched", &on);
+    println!(
+        "RESULT calls_per_task_batched={:.3} calls_per_task_unbatched={:.3} added_p50_ms={:.0} added_p99_ms={:.0}",
+        on.calls_per_task,
+        off.calls_per_task,
+        percentile(&on.latencies, 0.5) - percentile(&off.latencies, 0.5),
+        percentile(&on.latencies, 0.99) - percentile(&off.latencies, 0.99),
+    );
+}
