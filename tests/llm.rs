@@ -1378,3 +1378,79 @@ fn a_users_own_pipeline_filters_and_enriches_before_the_call_and_sinks_every_res
     stop_tx.send(()).unwrap();
     p.rt.block_on(app).unwrap().unwrap();
 }
+
+#[test]
+fn held_jobs_return_to_their_recovered_model_and_the_hold_goes_with_them() {
+    // small fails (its breaker opens, jobs move to its fallback large), and
+    // large rejects the key: the jobs are held.
+    let sim = SimConfig::from_json_value(serde_json::json!({
+        "model_overrides": {
+            "small": { "status_override": 503 },
+            "large": { "status_override": 401 },
+        }
+    }))
+    .unwrap();
+    let p = Pipeline::new(
+        sim,
+        &format!("{UNBATCHED}[routing.fallbacks]\nsmall = \"large\"\n"),
+    );
+    let mut app = p.start("sticky");
+    let tasks: Vec<Task> = (0..30)
+        .map(|i| Task::new(i, "summarize", "acme", "normal"))
+        .collect();
+    p.produce(&tasks);
+    eventually(Duration::from_secs(60), "intake held", || {
+        (p.http(&app, "/readyz").0 == 503).then_some(())
+    });
+    // small recovers; large still rejects the key. The held jobs go back to
+    // small, and with no job left for large the hold ends.
+    p.sim
+        .update(|c| {
+            c.model_overrides.remove("small");
+        })
+        .unwrap();
+    let results = p.results(tasks.len(), Duration::from_secs(90));
+    assert_each_answered_once(&tasks, &results);
+    for (r, _) in &results {
+        assert!(r.success && r.model == "small", "{r:?}");
+    }
+    eventually(Duration::from_secs(30), "ready again", || {
+        (p.http(&app, "/readyz").0 == 200).then_some(())
+    });
+    app.proc.stop();
+}
+
+#[test]
+fn another_tenants_task_reusing_an_id_never_gets_the_first_tenants_answer() {
+    let p = Pipeline::new(SimConfig::default(), UNBATCHED);
+    let mut app = p.start("idtenant");
+    let first = Task::new(1, "summarize", "acme", "normal");
+    p.produce(std::slice::from_ref(&first));
+    assert_eq!(p.results(1, Duration::from_secs(60)).len(), 1);
+    // Same id and type, another tenant, sent under the first one's key (so
+    // it reaches the same partition and its idempotency store).
+    let mut other = Task::new(2, "summarize", "globex", "normal");
+    other.id = first.id.clone();
+    let mut record = other.record();
+    record.key = Some(b"acme".to_vec());
+    produce(&bootstrap(), &p.topic("summarize"), vec![record]).unwrap();
+    let both = p.results_at_least(2, Duration::from_secs(60));
+    let tenants: BTreeMap<String, String> = both
+        .iter()
+        .map(|(r, _)| (r.tenant_id.clone(), r.output.to_string()))
+        .collect();
+    assert_eq!(
+        tenants.len(),
+        2,
+        "each tenant has its own result: {tenants:?}"
+    );
+    assert_ne!(tenants["acme"], tenants["globex"], "its own answer");
+    assert_eq!(
+        p.sim.calls_containing(&other.content),
+        1,
+        "called for itself"
+    );
+    assert_eq!(p.metric(&app, "sluice_task_id_conflicts_total"), 1.0);
+    assert_eq!(p.metric(&app, "sluice_duplicates_skipped_total"), 0.0);
+    app.proc.stop();
+}

@@ -5,10 +5,10 @@
 use sluice_topology::{Headers, OutputRecord, ProcessError};
 
 use super::{
-    idempotency_key, now_ms, output_value, position_headers, Ctx, Failure, Item, LlmProcessor,
-    HEADER_OFFSET, HEADER_SOURCE,
+    idempotency_key, in_flight_key, now_ms, output_value, position_headers, Ctx, Failure, Item,
+    LlmProcessor, HEADER_OFFSET, HEADER_SOURCE,
 };
-use crate::envelope::{DlqCategory, Route};
+use crate::envelope::DlqCategory;
 use crate::llm::apportion::apportion_usage;
 use crate::llm::prompt::split_batch_answer;
 use crate::llm::{
@@ -112,31 +112,46 @@ impl LlmProcessor {
         }
     }
 
-    /// Starts (or restarts) a job's call, routing around an open breaker
-    /// when a fallback exists, else holding the job.
+    /// Starts (or restarts) a job's call: on its routed model again once that
+    /// model's breaker closed (a job moved to a fallback returns), around an
+    /// open breaker to a fallback, else held.
     pub(super) fn start_call(&mut self, ctx: &mut Ctx<'_>, mut job: Job) {
-        let client = self.step.0.client.clone();
-        if !job.probe && client.is_open(&job.model) {
-            let fallbacks = &self.step.settings().fallbacks;
-            let fallback = crate::route::fallback(fallbacks, &job.model, |m| client.is_open(m))
-                .map(str::to_string);
-            let Some(fallback) = fallback else {
-                let fault = format!("breaker:{}", job.model);
-                self.hold(ctx, &fault, "circuit open and no fallback model", job);
-                return;
-            };
-            self.metrics()
-                .fallbacks
-                .with_label_values(&[&job.model])
-                .inc_by(job.items.len() as u64);
-            for item in &mut job.items {
-                item.routed.route = Route {
-                    tier: fallback.clone(),
-                    reason: format!("fallback:{}:circuit_open", job.model),
-                };
-            }
-            job.model = fallback;
+        let client = &self.step.0.client;
+        let routed = &job.items[0].routed.model;
+        if job.model != *routed && !client.is_open(routed) {
+            job.model = routed.clone();
         }
+        if !job.probe && client.is_open(&job.model) {
+            match self.reroute(ctx, job) {
+                Some(j) => job = j,
+                None => return,
+            }
+        }
+        self.spawn_call(ctx, job);
+    }
+
+    /// Moves a job whose model cannot take it to the first fallback whose
+    /// breaker is closed; without one, holds it (`None`).
+    fn reroute(&mut self, ctx: &mut Ctx<'_>, mut job: Job) -> Option<Job> {
+        let client = &self.step.0.client;
+        let fallbacks = &self.step.settings().fallbacks;
+        let Some(fallback) = crate::route::fallback(fallbacks, &job.model, |m| client.is_open(m))
+            .map(str::to_string)
+        else {
+            let fault = format!("breaker:{}", job.model);
+            self.hold(ctx, &fault, "circuit open and no fallback model", job);
+            return None;
+        };
+        self.metrics()
+            .fallbacks
+            .with_label_values(&[&job.model])
+            .inc_by(job.items.len() as u64);
+        job.model = fallback;
+        Some(job)
+    }
+
+    fn spawn_call(&mut self, ctx: &mut Ctx<'_>, job: Job) {
+        let client = self.step.0.client.clone();
         let request = match &job.batch {
             Some(b) => b.request.clone(),
             None => job.items[0].request.clone(),
@@ -157,6 +172,7 @@ impl LlmProcessor {
     /// until a probe finds the provider answering again.
     fn hold(&mut self, ctx: &Ctx<'_>, fault: &str, detail: &str, job: Job) {
         self.step.0.health.raise(ctx.task_id(), fault, detail);
+        self.faulted.insert(job.model.clone());
         self.parked.push(job);
         self.count_parked();
     }
@@ -175,7 +191,7 @@ impl LlmProcessor {
         }
         let failure = match result {
             Ok(outcome) => {
-                if was_probe || !self.parked.is_empty() {
+                if was_probe || self.faulted.contains(&job.model) {
                     self.recovered(ctx, &job.model);
                 }
                 return self.answered(ctx, job, outcome);
@@ -216,11 +232,11 @@ impl LlmProcessor {
                 Ok(())
             }
             ErrorClass::CircuitOpen => {
-                if self.step.settings().fallbacks.contains_key(&job.model) {
-                    self.start_call(ctx, job);
-                } else {
-                    let fault = format!("breaker:{}", job.model);
-                    self.hold(ctx, &fault, "circuit open and no fallback model", job);
+                // Refused without a call: open, or half-open with every probe
+                // slot taken. Not the same model again at once (that would spin
+                // while the probes run): a fallback, else held for a probe.
+                if let Some(job) = self.reroute(ctx, job) {
+                    self.spawn_call(ctx, job);
                 }
                 Ok(())
             }
@@ -361,17 +377,28 @@ impl LlmProcessor {
         ctx.with_record(&held, |ctx| self.emit_result(ctx, &item.headers, r))
     }
 
-    /// The provider answered again: clear the model's faults and restart
-    /// every held job.
+    /// `model` answered again: clear its faults and restart the jobs held
+    /// for it or moved away from it (jobs held for other models wait for
+    /// their own probe).
     fn recovered(&mut self, ctx: &mut Ctx<'_>, model: &str) {
         let health = &self.step.0.health;
         health.clear(&format!("provider:{model}"));
         health.clear(&format!("breaker:{model}"));
         health.clear(&format!("rate_limited:{model}"));
-        let parked = std::mem::take(&mut self.parked);
+        self.faulted.remove(model);
+        let (resume, keep): (Vec<Job>, Vec<Job>) = std::mem::take(&mut self.parked)
+            .into_iter()
+            .partition(|j| j.model == model || j.items[0].routed.model == model);
+        self.parked = keep;
         self.count_parked();
-        for job in parked {
+        for job in resume {
             self.start_call(ctx, job);
+        }
+        // A hold needs a job here to probe it: with none left, this task's
+        // holds go (a fault no task holds is cleared).
+        if self.parked.is_empty() && !self.faulted.is_empty() {
+            self.step.0.health.release(ctx.task_id());
+            self.faulted.clear();
         }
     }
 
@@ -403,8 +430,8 @@ impl LlmProcessor {
         self.metrics().republished.inc();
         // Redeliveries that waited on this attempt finish without a result of
         // their own: the re-published task produces the task's one result.
-        self.in_flight
-            .remove(&idempotency_key(&envelope.task_type, &envelope.task_id));
+        let key = idempotency_key(&envelope.task_type, &envelope.task_id);
+        self.in_flight.remove(&in_flight_key(task.tenant(), &key));
         Ok(())
     }
 }

@@ -68,7 +68,7 @@ impl Health {
         }
         for name in gone {
             f.remove(&name);
-            tracing::info!(fault = name, task = %holder, "the task holding the fault left; resuming intake");
+            tracing::info!(fault = name, task = %holder, "no task holds jobs for the fault any more; resuming intake");
             self.intake.release(&name);
         }
     }

@@ -19,6 +19,9 @@ pub mod names {
     pub const COST: &str = "sluice_cost_micros_total";
     /// Tasks routed to a fallback model.
     pub const FALLBACKS: &str = "sluice_fallback_routed_total";
+    /// Tasks whose id was answered before for another tenant (each is called
+    /// as a task of its own).
+    pub const ID_CONFLICTS: &str = "sluice_task_id_conflicts_total";
     /// Provider calls micro-batching saved (a batch of n answered in one call saves n - 1).
     pub const BATCH_CALLS_SAVED: &str = "sluice_batch_calls_saved_total";
     /// Micro-batches answered by a call per task instead (answer unusable, refused).
@@ -38,6 +41,7 @@ pub struct OperatorMetrics {
     pub(crate) tokens: IntCounterVec,
     pub(crate) cost: IntCounterVec,
     pub(crate) fallbacks: IntCounterVec,
+    pub(crate) id_conflicts: IntCounter,
     pub(crate) batch_calls_saved: IntCounter,
     pub(crate) batch_fallbacks: IntCounter,
     pub(crate) recovered: IntCounter,
@@ -74,6 +78,10 @@ impl OperatorMetrics {
                 Opts::new(names::FALLBACKS, "Tasks routed to a fallback model"),
                 &["model"],
             )?,
+            id_conflicts: IntCounter::new(
+                names::ID_CONFLICTS,
+                "Tasks whose id was answered before for another tenant",
+            )?,
             batch_calls_saved: IntCounter::new(
                 names::BATCH_CALLS_SAVED,
                 "Provider calls saved by micro-batching",
@@ -93,6 +101,7 @@ impl OperatorMetrics {
         registry.register(Box::new(m.tokens.clone()))?;
         registry.register(Box::new(m.cost.clone()))?;
         registry.register(Box::new(m.fallbacks.clone()))?;
+        registry.register(Box::new(m.id_conflicts.clone()))?;
         registry.register(Box::new(m.batch_calls_saved.clone()))?;
         registry.register(Box::new(m.batch_fallbacks.clone()))?;
         registry.register(Box::new(m.recovered.clone()))?;

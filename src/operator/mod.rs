@@ -30,7 +30,7 @@ pub mod health;
 pub mod metrics;
 mod recover;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use chrono::Utc;
@@ -41,7 +41,7 @@ use sluice_topology::{
 };
 
 use crate::config::Price;
-use crate::envelope::{DlqCategory, TaskResult};
+use crate::envelope::{DlqCategory, Route, TaskResult};
 use crate::llm::{ChatRequest, LlmClient, PromptBuilder, Usage};
 use crate::pipeline::{BatchItem, LlmInput, Routed, Work};
 pub use call::CallDone;
@@ -63,6 +63,12 @@ const MINUTE_MS: i64 = 60_000;
 /// the partition — and the store — that answered it.
 pub(crate) fn idempotency_key(task_type: &str, task_id: &str) -> String {
     format!("{task_type}/{task_id}")
+}
+
+/// A task under way, by tenant too: another tenant's task under the same id
+/// never waits for (and gets) this one's answer.
+pub(crate) fn in_flight_key(tenant: &str, key: &str) -> String {
+    format!("{tenant}\n{key}")
 }
 
 /// The `invoke_llm` operator's own settings.
@@ -240,9 +246,12 @@ pub struct LlmProcessor {
     step: LlmStep,
     completed_store: String,
     meta_store: String,
-    /// Tasks with a call under way → redeliveries of them waiting for its result.
+    /// Tasks with a call under way (by tenant and idempotency key) →
+    /// redeliveries of them waiting for its result.
     in_flight: HashMap<String, Vec<(InFlight, Headers)>>,
     parked: Vec<call::Job>,
+    /// Models this task raised a fault for; a success of one clears it.
+    faulted: HashSet<String>,
     probing: bool,
     last_probe_ms: i64,
     /// No probe before this time (a provider's `Retry-After`).
@@ -271,6 +280,7 @@ impl LlmProcessor {
             step,
             in_flight: Default::default(),
             parked: Vec::new(),
+            faulted: HashSet::new(),
             probing: false,
             last_probe_ms: 0,
             probe_not_before_ms: 0,
@@ -305,10 +315,16 @@ impl LlmProcessor {
                 return Ok(None);
             }
             if stored.success {
-                if let Ok(result) = serde_json::from_slice::<TaskResult>(&stored.result_json) {
-                    self.metrics().duplicates.inc();
-                    forward_result(ctx, result, &item.headers)?;
-                    return Ok(None);
+                match serde_json::from_slice::<TaskResult>(&stored.result_json) {
+                    Ok(result) if result.tenant_id == item.task.task.tenant() => {
+                        self.metrics().duplicates.inc();
+                        forward_result(ctx, result, &item.headers)?;
+                        return Ok(None);
+                    }
+                    // Another tenant's task under the same id: never its
+                    // answer; a task of its own.
+                    Ok(_) => self.metrics().id_conflicts.inc(),
+                    Err(_) => {}
                 }
             }
             // This attempt (or a later one) was re-published by a transaction
@@ -317,7 +333,8 @@ impl LlmProcessor {
                 return Ok(None);
             }
         }
-        if let Some(waiters) = self.in_flight.get_mut(&key) {
+        let flight = in_flight_key(item.task.task.tenant(), &key);
+        if let Some(waiters) = self.in_flight.get_mut(&flight) {
             waiters.push((item.held, item.headers));
             return Ok(None);
         }
@@ -334,7 +351,7 @@ impl LlmProcessor {
                 return Ok(None);
             }
         };
-        self.in_flight.insert(key, Vec::new());
+        self.in_flight.insert(flight, Vec::new());
         Ok(Some(Item {
             routed: item.task,
             headers: item.headers,
@@ -346,6 +363,14 @@ impl LlmProcessor {
 
     fn base_result(&self, routed: &Routed, model: &str, success: bool) -> TaskResult {
         let task = &routed.task;
+        let route = if model == routed.model {
+            routed.route.clone()
+        } else {
+            Route {
+                tier: model.to_string(),
+                reason: format!("fallback:{}:circuit_open", routed.model),
+            }
+        };
         TaskResult {
             task_id: task.envelope.task_id.clone(),
             task_type: task.envelope.task_type.clone(),
@@ -354,7 +379,7 @@ impl LlmProcessor {
             completed_at: Utc::now(),
             processing_ms: (now_ms() - task.received_ms).max(0) as u64,
             model: model.to_string(),
-            route: routed.route.clone(),
+            route,
             input_tokens: 0,
             output_tokens: 0,
             cached_tokens: 0,
@@ -391,7 +416,8 @@ impl LlmProcessor {
         self.metrics().result(success).inc();
         // Redeliveries that arrived while the call was under way get the same
         // result, without a call of their own.
-        for (waiter, headers) in self.in_flight.remove(&key).unwrap_or_default() {
+        let flight = in_flight_key(&result.tenant_id, &key);
+        for (waiter, headers) in self.in_flight.remove(&flight).unwrap_or_default() {
             self.metrics().duplicates.inc();
             let again = result.clone();
             ctx.with_record(&waiter, |ctx| forward_result(ctx, again, &headers))?;
