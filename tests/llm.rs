@@ -602,7 +602,20 @@ fn rejected_credentials_hold_intake_until_the_provider_recovers() {
         let (code, body) = p.http(&app, "/readyz");
         (code == 503 && body.contains("provider:small")).then_some(())
     });
+    // Intake is stopped: tasks published now stay on the topic.
+    let read_before = p.metric(&app, "sluice_records_in_total");
+    let later: Vec<Task> = (100..300)
+        .map(|i| Task::new(i, "classify", "acme", "normal"))
+        .collect();
+    p.produce(&later);
     std::thread::sleep(Duration::from_secs(3));
+    let read_during = p.metric(&app, "sluice_records_in_total") - read_before;
+    assert!(
+        read_during < 20.0,
+        "{read_during} records taken in while intake is held"
+    );
+    // Every partition of the three task topics (two each) is paused.
+    assert_eq!(p.metric(&app, "sluice_paused_partitions"), 6.0);
     let none = read_topics(
         &bootstrap(),
         &[&p.completed(), &p.failed()],
@@ -617,9 +630,10 @@ fn rejected_credentials_hold_intake_until_the_provider_recovers() {
         "nothing is dead-lettered for a bad key"
     );
     p.sim.update(|c| c.status_override = None).unwrap();
-    let counts = count_by_task(&p.results(tasks.len(), Duration::from_secs(60)));
+    let all = [tasks, later].concat();
+    let counts = count_by_task(&p.results(all.len(), Duration::from_secs(60)));
     assert!(
-        tasks.iter().all(|t| counts.get(&t.id) == Some(&1)),
+        all.iter().all(|t| counts.get(&t.id) == Some(&1)),
         "{counts:?}"
     );
     eventually(Duration::from_secs(20), "ready again", || {
@@ -1061,7 +1075,7 @@ fn sigkill_under_load_loses_nothing_and_never_answers_twice() {
         "error_rate": 0.05,
     }))
     .unwrap();
-    let p = Pipeline::new(sim, "");
+    let p = Pipeline::new(sim, "[llm.retry]\nmax_attempts = 1\n");
     let mut app = p.start("kill-1");
     let tasks = mixed_tasks(2_000);
     p.produce(&tasks);
@@ -1078,10 +1092,35 @@ fn sigkill_under_load_loses_nothing_and_never_answers_twice() {
         .len();
         (n > tasks.len() / 3).then_some(())
     });
+    let batches_before_kill = p.sim.stats().batch_requests;
     app.proc.kill9();
     let mut app = p.start("kill-2");
     let results = p.results(tasks.len(), Duration::from_secs(240));
     assert_each_answered_once(&tasks, &results);
+    assert!(
+        batches_before_kill > 0,
+        "the kill came while tasks were batched"
+    );
+    // With one try per call, 5 % errors re-publish tasks (re-published
+    // attempts went through the kill too).
+    let republished = ["summarize", "classify", "extract"]
+        .iter()
+        .flat_map(|t| {
+            read_topics(
+                &bootstrap(),
+                &[&p.topic(t)],
+                true,
+                Duration::from_secs(2),
+                |_| false,
+            )
+            .unwrap()
+        })
+        .filter(|m| {
+            let v: serde_json::Value = serde_json::from_slice(m.payload().unwrap()).unwrap();
+            v["attemptNumber"].as_u64() > Some(1)
+        })
+        .count();
+    assert!(republished >= 20, "{republished} tasks re-published");
     let _ = &p.state;
     app.proc.stop();
 }

@@ -55,10 +55,18 @@ mod error_code {
     pub const UNKNOWN_URL: &str = "unknown_url";
 }
 
-/// Names of the headers the simulator sends: the rate-limit headers the client
-/// reads, and a request id.
+/// Names of the headers the simulator sends: OpenAI's rate-limit headers, and
+/// a request id. (Written here from the wire protocol, not taken from the
+/// client the simulator is used to test.)
 mod header {
-    pub use crate::llm::client::rate_limit_headers::*;
+    pub const LIMIT_REQUESTS: &str = "x-ratelimit-limit-requests";
+    pub const REMAINING_REQUESTS: &str = "x-ratelimit-remaining-requests";
+    pub const RESET_REQUESTS: &str = "x-ratelimit-reset-requests";
+    pub const LIMIT_TOKENS: &str = "x-ratelimit-limit-tokens";
+    pub const REMAINING_TOKENS: &str = "x-ratelimit-remaining-tokens";
+    pub const RESET_TOKENS: &str = "x-ratelimit-reset-tokens";
+    pub const RETRY_AFTER: &str = "retry-after";
+    pub const RETRY_AFTER_MS: &str = "retry-after-ms";
     pub const REQUEST_ID: &str = "x-request-id";
 }
 
