@@ -22,9 +22,27 @@ pub enum RunError {
     /// The configuration is invalid (exit code 2).
     #[error(transparent)]
     Config(#[from] ConfigError),
-    /// Anything else.
+    /// Kafka could not be reached or refused a request.
     #[error(transparent)]
-    Other(#[from] anyhow::Error),
+    Kafka(#[from] crate::kafka::KafkaError),
+    /// Metrics could not be registered.
+    #[error("metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+    /// The topology is invalid.
+    #[error("topology: {0}")]
+    Topology(#[from] TopologyError),
+    /// The stream application could not start (topics, state, Kafka clients).
+    #[error("cannot start: {0}")]
+    Start(TopologyError),
+    /// The HTTP listener could not start.
+    #[error("http listener: {0}")]
+    Http(#[from] std::io::Error),
+    /// The stream application failed.
+    #[error("stream application failed: {0}")]
+    Runtime(#[from] sluice_topology::runtime::RuntimeError),
+    /// The stream application's thread panicked.
+    #[error("stream application thread: {0}")]
+    Join(#[from] tokio::task::JoinError),
 }
 
 /// Loads the config and runs until SIGTERM/SIGINT or a fatal error.
@@ -56,21 +74,21 @@ pub async fn run_pipeline(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), RunError> {
     let registry = Registry::new();
-    let engine_metrics = EngineMetrics::register(&registry).map_err(anyhow::Error::from)?;
+    let engine_metrics = EngineMetrics::register(&registry)?;
     let client = LlmClient::from_config(&config.llm, &registry).map_err(|e| ConfigError {
         key: "llm".into(),
         message: e.to_string(),
     })?;
     let intake = IntakeControl::default();
     let health = Health::new(intake.clone());
-    let steps = steps(&config, client, &registry, health.clone()).map_err(anyhow::Error::from)?;
-    let topology = build(&steps).map_err(anyhow::Error::from)?;
+    let steps = steps(&config, client, &registry, health.clone())?;
+    let topology = build(&steps)?;
     tracing::info!(topology = %topology.describe(&config.app.id), "starting");
     let app = StreamsApp::new(topology, config.streams(), engine_metrics)
         .with_runtime(tokio::runtime::Handle::current())
         .with_intake(intake)
         .start()
-        .map_err(|e| anyhow::anyhow!("cannot start: {e}"))?;
+        .map_err(RunError::Start)?;
     let addr = config.http.listen.parse().map_err(|_| ConfigError {
         key: "http.listen".into(),
         message: "not an address".into(),
@@ -88,12 +106,10 @@ pub async fn run_pipeline(
     println!("LISTENING {local}");
     let result = wait(&app, shutdown).await;
     app.shutdown();
-    let joined = tokio::task::spawn_blocking(move || app.join())
-        .await
-        .map_err(anyhow::Error::from)?;
+    let joined = tokio::task::spawn_blocking(move || app.join()).await?;
     http.abort();
     result?;
-    joined.map_err(|e| anyhow::anyhow!("stream application failed: {e}"))?;
+    joined?;
     Ok(())
 }
 
@@ -187,8 +203,7 @@ fn check_results_partitions(config: &Config) -> Result<(), RunError> {
     let mut names: Vec<String> = t.task_types.iter().map(|x| t.task_topic(x)).collect();
     names.push(t.results_completed.clone());
     names.push(t.results_failed.clone());
-    let counts = crate::kafka::partition_counts(&config.kafka.bootstrap_servers, &names)
-        .map_err(RunError::Other)?;
+    let counts = crate::kafka::partition_counts(&config.kafka.bootstrap_servers, &names)?;
     let tasks_max = t
         .task_types
         .iter()
@@ -221,7 +236,7 @@ fn check_results_partitions(config: &Config) -> Result<(), RunError> {
 }
 
 /// Creates the task, dead-letter and results topics of a config.
-pub fn create_topics(config: &Config) -> anyhow::Result<Vec<String>> {
+pub fn create_topics(config: &Config) -> Result<Vec<String>, crate::kafka::KafkaError> {
     let t = &config.topics;
     let results_retention = t.results_retention_ms.to_string();
     let dlq_retention = t.dlq_retention_ms.to_string();

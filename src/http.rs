@@ -37,7 +37,7 @@ pub fn router(state: HttpState) -> Router {
 pub async fn serve(
     addr: SocketAddr,
     state: HttpState,
-) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
     let app = router(state);

@@ -3,7 +3,6 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
@@ -28,6 +27,30 @@ pub struct OutRecord {
     pub partition: Option<i32>,
 }
 
+/// What a Kafka helper met.
+#[derive(Debug, thiserror::Error)]
+pub enum KafkaError {
+    /// The client failed.
+    #[error("kafka: {0}")]
+    Client(#[from] rdkafka::error::KafkaError),
+    /// The broker refused to create a topic.
+    #[error("cannot create topic {name}: {code}")]
+    CreateTopic {
+        /// The topic.
+        name: String,
+        /// The broker's answer.
+        code: RDKafkaErrorCode,
+    },
+    /// Producing or flushing failed.
+    #[error("{step}: {source}")]
+    Produce {
+        /// `produce` or `flush`.
+        step: &'static str,
+        /// The client's error.
+        source: rdkafka::error::KafkaError,
+    },
+}
+
 fn base(bootstrap: &str) -> ClientConfig {
     let mut c = ClientConfig::new();
     c.set("bootstrap.servers", bootstrap);
@@ -38,7 +61,7 @@ fn base(bootstrap: &str) -> ClientConfig {
 pub type TopicDef<'a> = (&'a str, i32, &'a [(&'a str, &'a str)]);
 
 /// Creates topics; existing ones are left alone.
-pub fn create_topics(bootstrap: &str, topics: &[TopicDef<'_>]) -> anyhow::Result<()> {
+pub fn create_topics(bootstrap: &str, topics: &[TopicDef<'_>]) -> Result<(), KafkaError> {
     create_topics_rf(bootstrap, topics, 1)
 }
 
@@ -47,7 +70,7 @@ pub fn create_topics_rf(
     bootstrap: &str,
     topics: &[TopicDef<'_>],
     replication: i32,
-) -> anyhow::Result<()> {
+) -> Result<(), KafkaError> {
     let admin: AdminClient<DefaultClientContext> = base(bootstrap).create()?;
     let new: Vec<NewTopic<'_>> = topics
         .iter()
@@ -63,7 +86,7 @@ pub fn create_topics_rf(
     for r in results {
         if let Err((name, code)) = r {
             if code != RDKafkaErrorCode::TopicAlreadyExists {
-                anyhow::bail!("cannot create topic {name}: {code}");
+                return Err(KafkaError::CreateTopic { name, code });
             }
         }
     }
@@ -74,7 +97,7 @@ pub fn create_topics_rf(
 pub fn partition_counts(
     bootstrap: &str,
     topics: &[String],
-) -> anyhow::Result<std::collections::HashMap<String, i32>> {
+) -> Result<std::collections::HashMap<String, i32>, KafkaError> {
     let consumer: BaseConsumer = base(bootstrap).create()?;
     let md = consumer.fetch_metadata(None, Duration::from_secs(10))?;
     Ok(md
@@ -95,7 +118,7 @@ pub fn produce(
     bootstrap: &str,
     topic: &str,
     records: impl IntoIterator<Item = OutRecord>,
-) -> anyhow::Result<usize> {
+) -> Result<usize, KafkaError> {
     let producer: ThreadedProducer<DefaultProducerContext> = base(bootstrap)
         .set("enable.idempotence", "true")
         .set("linger.ms", "10")
@@ -132,12 +155,22 @@ pub fn produce(
                     rec = back;
                     std::thread::sleep(Duration::from_millis(2));
                 }
-                Err((e, _)) => return Err(e).context("produce"),
+                Err((source, _)) => {
+                    return Err(KafkaError::Produce {
+                        step: "produce",
+                        source,
+                    })
+                }
             }
         }
         n += 1;
     }
-    producer.flush(Duration::from_secs(60)).context("flush")?;
+    producer
+        .flush(Duration::from_secs(60))
+        .map_err(|source| KafkaError::Produce {
+            step: "flush",
+            source,
+        })?;
     Ok(n)
 }
 
@@ -150,7 +183,7 @@ pub fn read_topics(
     read_committed: bool,
     timeout: Duration,
     mut done: impl FnMut(&[OwnedMessage]) -> bool,
-) -> anyhow::Result<Vec<OwnedMessage>> {
+) -> Result<Vec<OwnedMessage>, KafkaError> {
     let consumer: BaseConsumer = base(bootstrap)
         .set(
             "group.id",

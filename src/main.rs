@@ -79,7 +79,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Run(a) => sluice::app::run(&a.config).await.map_err(|e| match e {
                 sluice::app::RunError::Config(c) => (EXIT_CONFIG, c.to_string()),
-                sluice::app::RunError::Other(o) => fail(o),
+                other => fail(other.into()),
             }),
             Command::Topics {
                 command: TopicsCommand::Create(a),
@@ -89,14 +89,17 @@ fn main() -> ExitCode {
                 let created = tokio::task::spawn_blocking(move || sluice::app::create_topics(&cfg))
                     .await
                     .map_err(|e| fail(e.into()))?
-                    .map_err(fail)?;
+                    .map_err(|e| fail(e.into()))?;
                 for t in created {
                     println!("{t}");
                 }
                 Ok(())
             }
             Command::Demo(args) => sluice::demo::run(args).await.map_err(fail),
-            Command::SimProvider(args) => sluice::sim::run(args).await.map_err(fail),
+            Command::SimProvider(args) => sluice::sim::run(args).await.map_err(|e| match e {
+                sluice::sim::SimError::Config(c) => (EXIT_CONFIG, c.to_string()),
+                other => fail(other.into()),
+            }),
             Command::Example(args) => sluice::examples::run_example(args).await.map_err(fail),
         }
     });

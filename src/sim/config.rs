@@ -233,19 +233,20 @@ impl EffectiveLimits {
 
 impl SimConfig {
     /// Reads a TOML configuration file; errors name the offending key path.
-    pub fn from_toml_file(path: &Path) -> anyhow::Result<Self> {
+    pub fn from_toml_file(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path)
-            .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
-        let config =
-            Self::from_toml_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        Ok(config)
+            .map_err(|e| ConfigError::Invalid(format!("cannot read {}: {e}", path.display())))?;
+        Self::from_toml_str(&text).map_err(|ConfigError::Invalid(e)| {
+            ConfigError::Invalid(format!("{}: {e}", path.display()))
+        })
     }
 
     /// Parses a TOML configuration and validates it.
-    pub fn from_toml_str(text: &str) -> anyhow::Result<Self> {
-        let de = toml::Deserializer::parse(text).map_err(|e| anyhow::anyhow!("{e}"))?;
-        let config: SimConfig =
-            serde_path_to_error::deserialize(de).map_err(|e| anyhow::anyhow!("{e}"))?;
+    pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
+        let de =
+            toml::Deserializer::parse(text).map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        let config: SimConfig = serde_path_to_error::deserialize(de)
+            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
         config.validate()?;
         Ok(config)
     }

@@ -23,7 +23,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context as _;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -61,14 +60,29 @@ impl std::fmt::Debug for SimHandle {
     }
 }
 
+/// Why the simulator cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// Its configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// It cannot listen.
+    #[error("simulated provider cannot listen on {addr}: {source}")]
+    Listen {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
 /// Binds `addr` and serves the simulator on the current tokio runtime; returns once the
 /// socket is listening. Use port 0 to pick a free port ([`SimHandle::local_addr`]).
-pub async fn start(config: SimConfig, addr: SocketAddr) -> anyhow::Result<SimHandle> {
+pub async fn start(config: SimConfig, addr: SocketAddr) -> Result<SimHandle, SimError> {
     config.validate()?;
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("simulated provider cannot listen on {addr}"))?;
-    let local_addr = listener.local_addr()?;
+    let listen = |source| SimError::Listen { addr, source };
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(listen)?;
+    let local_addr = listener.local_addr().map_err(listen)?;
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let state = Arc::new(SimState::new(config, shutdown_rx.clone()));
     let app = server::router(state.clone());
@@ -221,7 +235,7 @@ pub struct SimArgs {
 
 impl SimArgs {
     /// The configuration these options describe: the file (or defaults), then the flags.
-    pub fn to_config(&self) -> anyhow::Result<SimConfig> {
+    pub fn to_config(&self) -> Result<SimConfig, ConfigError> {
         let mut config = match &self.config {
             Some(path) => SimConfig::from_toml_file(path)?,
             None => SimConfig::default(),
@@ -262,7 +276,7 @@ impl SimArgs {
 }
 
 /// Runs `sluice sim-provider`: serves until Ctrl-C (or SIGTERM).
-pub async fn run(args: SimArgs) -> anyhow::Result<()> {
+pub async fn run(args: SimArgs) -> Result<(), SimError> {
     let config = args.to_config()?;
     let handle = start(config, args.listen).await?;
     tracing::info!(base_url = %handle.base_url(), "simulated provider listening");
