@@ -14,7 +14,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-use super::client::ErrorClass;
+use super::error::ErrorClass;
 
 fn default_consecutive() -> u32 {
     5
@@ -369,7 +369,7 @@ impl CircuitBreaker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::llm::client::PermanentKind;
+    use crate::llm::error::PermanentKind;
 
     fn config() -> BreakerConfig {
         BreakerConfig {

@@ -7,9 +7,10 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::breaker::BreakerConfig;
-use super::client::{LlmError, Secret};
+use super::error::LlmError;
 use super::limiter::LimiterConfig;
 use super::retry::RetryPolicy;
+use super::secret::Secret;
 
 fn default_connect_timeout_ms() -> u64 {
     5_000
@@ -172,7 +173,7 @@ mod tests {
         let key = cfg.resolve_api_key().unwrap().unwrap();
         assert_eq!(key.expose(), "sk-very-secret");
         assert_eq!(format!("{key:?} {key}"), "*** ***");
-        let provider = super::super::client::HttpProvider::new(&cfg).unwrap();
+        let provider = super::super::transport::HttpProvider::new(&cfg).unwrap();
         assert!(!format!("{provider:?}").contains("very-secret"));
     }
 

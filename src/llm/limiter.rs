@@ -43,7 +43,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::client::RateLimitInfo;
+use super::ratelimit::RateLimitInfo;
 use crate::envelope::Priority;
 
 fn default_initial_rps() -> f64 {

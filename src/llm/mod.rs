@@ -16,12 +16,16 @@
 
 pub mod apportion;
 pub mod breaker;
-pub mod client;
 pub mod config;
+pub mod error;
 pub mod limiter;
 pub mod metrics;
 pub mod prompt;
+pub mod ratelimit;
 pub mod retry;
+pub mod secret;
+pub mod transport;
+pub mod wire;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -30,15 +34,16 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 pub use breaker::{BreakerConfig, BreakerState, CircuitBreaker};
-pub use client::{
-    ChatRequest, ChatResponse, ChatTransport, ErrorClass, HttpProvider, LlmError, Message,
-    PermanentKind, RateLimitInfo, ResponseFormat, Role, Secret, Usage,
-};
 pub use config::{LlmConfig, ModelConfig, ProviderConfig};
+pub use error::{ErrorClass, LlmError, PermanentKind};
 pub use limiter::{AimdLimiter, LimiterConfig, Outcome, Permit};
 pub use metrics::LlmMetrics;
 pub use prompt::{PromptBuilder, PromptConfig};
+pub use ratelimit::RateLimitInfo;
 pub use retry::{RetryDecision, RetryPolicy};
+pub use secret::Secret;
+pub use transport::{ChatTransport, HttpProvider};
+pub use wire::{ChatRequest, ChatResponse, Message, ResponseFormat, Role, Usage};
 
 use crate::envelope::Priority;
 

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, HashSet};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::client::{ChatRequest, Message, ResponseFormat};
+use super::wire::{ChatRequest, Message, ResponseFormat};
 use crate::envelope::TaskEnvelope;
 
 /// The fixed line prefixes of the prompt contract (also parsed by the simulator).

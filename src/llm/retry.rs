@@ -6,7 +6,7 @@ use std::time::Duration;
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
-use super::client::{ErrorClass, LlmError};
+use super::error::{ErrorClass, LlmError};
 
 /// What to do after a failed attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -121,7 +121,7 @@ impl RetryPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::llm::client::RateLimitInfo;
+    use crate::llm::ratelimit::RateLimitInfo;
     use rand::rngs::StdRng;
     use rand::SeedableRng;
 
