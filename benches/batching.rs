@@ -70,6 +70,10 @@ name = "m"
 provider = "sim"
 limiter = {{ initial_rps = 1000000, max_rps = 1000000, max_concurrency = 512 }}
 
+[prices.m]
+input = 150000
+output = 600000
+
 [batching]
 enabled = {batched}
 

@@ -268,6 +268,10 @@ name = "m"
 provider = "sim"
 limiter = {{ initial_rps = 1000000, max_rps = 1000000, max_concurrency = {concurrency} }}
 
+[prices.m]
+input = 150000
+output = 600000
+
 # The overhead is measured per provider call: one call per task.
 [batching]
 enabled = false

@@ -7,6 +7,7 @@ use std::time::Duration;
 use prometheus::Registry;
 use sluice_topology::runtime::{EngineMetrics, IntakeControl, RunningApp, StreamsApp};
 
+use crate::accounting::{Accounting, AccountingSettings};
 use crate::config::{Config, ConfigError};
 use crate::http::{serve, HttpState};
 use crate::llm::{LlmClient, PromptBuilder};
@@ -161,6 +162,13 @@ pub fn steps(
             health,
             OperatorMetrics::register(registry)?,
         ),
+        accounting: config.accounting.enabled.then(|| {
+            Accounting::new(AccountingSettings {
+                name: "usage".into(),
+                windows: config.accounting.windows.clone(),
+                usage_topic: config.topics.usage.clone(),
+            })
+        }),
         results,
     })
 }
@@ -203,6 +211,7 @@ fn check_results_partitions(config: &Config) -> Result<(), RunError> {
     let mut names: Vec<String> = t.task_types.iter().map(|x| t.task_topic(x)).collect();
     names.push(t.results_completed.clone());
     names.push(t.results_failed.clone());
+    names.push(t.usage.clone());
     let counts = crate::kafka::partition_counts(&config.kafka.bootstrap_servers, &names)?;
     let tasks_max = t
         .task_types
@@ -211,7 +220,11 @@ fn check_results_partitions(config: &Config) -> Result<(), RunError> {
         .max()
         .copied()
         .unwrap_or(0);
-    for results in [&t.results_completed, &t.results_failed] {
+    let mut outputs = vec![&t.results_completed, &t.results_failed];
+    if config.accounting.enabled {
+        outputs.push(&t.usage);
+    }
+    for results in outputs {
         match counts.get(results) {
             None => {
                 return Err(ConfigError {
@@ -254,6 +267,10 @@ pub fn create_topics(config: &Config) -> Result<Vec<String>, crate::kafka::Kafka
     ));
     defs.push((
         t.results_failed.clone(),
+        vec![("retention.ms", results_retention.as_str())],
+    ));
+    defs.push((
+        t.usage.clone(),
         vec![("retention.ms", results_retention.as_str())],
     ));
     let specs: Vec<crate::kafka::TopicDef<'_>> = defs

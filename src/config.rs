@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use sluice_topology::runtime::{Guarantee, StreamsConfig};
 use sluice_topology::RocksSettings;
 
+use crate::accounting::{default_windows, WindowSpec};
 use crate::llm::{LlmConfig, PromptConfig};
 use crate::pipeline::BatchingConfig;
 use crate::route::{FeatureWeights, Router, Tier};
@@ -59,6 +60,9 @@ pub struct Config {
     /// Micro-batching of small tasks.
     #[serde(default)]
     pub batching: BatchingConfig,
+    /// Per-tenant token and cost accounts.
+    #[serde(default)]
+    pub accounting: AccountingSection,
     /// Prices per model, in micro-dollars per million tokens.
     #[serde(default)]
     pub prices: BTreeMap<String, Price>,
@@ -160,6 +164,8 @@ pub struct TopicsSection {
     pub results_completed: String,
     /// Topic of failed results.
     pub results_failed: String,
+    /// Topic of per-tenant usage updates.
+    pub usage: String,
     /// Partitions of the topics `sluice topics create` makes. Task topics must
     /// share one partition count; results topics need at least as many.
     pub partitions: i32,
@@ -178,6 +184,7 @@ impl Default for TopicsSection {
             tasks_prefix: "ai.tasks.".into(),
             results_completed: "ai.results.completed".into(),
             results_failed: "ai.results.failed".into(),
+            usage: "ai.usage.tenant".into(),
             partitions: 6,
             replication_factor: 1,
             results_retention_ms: 30 * 24 * 3600 * 1000,
@@ -195,6 +202,25 @@ impl TopicsSection {
     /// The dead-letter topic of a task type.
     pub fn dlq_topic(&self, task_type: &str) -> String {
         format!("{}{task_type}.dlq", self.tasks_prefix)
+    }
+}
+
+/// `[accounting]`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AccountingSection {
+    /// Whether completed results are accounted per tenant.
+    pub enabled: bool,
+    /// Tumbling window sizes and their retention.
+    pub windows: Vec<WindowSpec>,
+}
+
+impl Default for AccountingSection {
+    fn default() -> Self {
+        AccountingSection {
+            enabled: true,
+            windows: default_windows(),
+        }
     }
 }
 
@@ -423,6 +449,7 @@ impl Config {
         }
         self.validate_tiers()?;
         self.validate_batching()?;
+        self.validate_accounting()?;
         for m in self.prices.keys() {
             if !known(m) {
                 return Err(ConfigError::new(
@@ -486,6 +513,42 @@ impl Config {
             fallbacks: self.routing.fallbacks.clone(),
             features: self.routing.features.clone(),
         }
+    }
+
+    fn validate_accounting(&self) -> Result<(), ConfigError> {
+        // Costs are exact sums of integers: a model without a price would
+        // count as free without anyone noticing.
+        for m in &self.llm.models {
+            if !self.prices.contains_key(&m.name) {
+                return Err(ConfigError::new(
+                    format!("prices.{}", m.name),
+                    "every model needs a price (input, output, cached micro-dollars per million tokens)",
+                ));
+            }
+        }
+        let windows = &self.accounting.windows;
+        for (i, w) in windows.iter().enumerate() {
+            let key = |field: &str| format!("accounting.windows[{i}].{field}");
+            if w.name.is_empty()
+                || !w.name.chars().all(|c| c.is_ascii_alphanumeric())
+                || windows[..i].iter().any(|o| o.name == w.name)
+            {
+                return Err(ConfigError::new(
+                    key("name"),
+                    "must be a unique, non-empty name of letters and digits",
+                ));
+            }
+            if w.size_ms <= 0 {
+                return Err(ConfigError::new(key("size_ms"), "must be positive"));
+            }
+            if w.retention_ms < w.size_ms {
+                return Err(ConfigError::new(
+                    key("retention_ms"),
+                    "must be at least the window size",
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn validate_batching(&self) -> Result<(), ConfigError> {
@@ -618,6 +681,9 @@ base_url = "http://127.0.0.1:8089/v1"
 [[llm.models]]
 name = "small"
 provider = "sim"
+
+[prices.small]
+input = 150000
 "#;
 
     fn load(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
@@ -678,6 +744,9 @@ provider = "sim"
 [[llm.models]]
 name = "large"
 provider = "sim"
+
+[prices.large]
+input = 2500000
 
 [routing]
 fallbacks = { large = "small" }

@@ -4,6 +4,7 @@
 //! everything specific to LLM workloads, built on their public API, plus the command-line
 //! tools.
 
+pub mod accounting;
 pub mod app;
 pub mod config;
 pub mod demo;

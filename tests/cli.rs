@@ -30,6 +30,9 @@ base_url = "http://127.0.0.1:1/v1"
 [[llm.models]]
 name = "small"
 provider = "sim"
+
+[prices.small]
+input = 150000
 "#;
 
 #[test]
@@ -44,6 +47,15 @@ fn wrong_type_exits_2_naming_the_key() {
     let (code, err) = run_with_config(&format!("{VALID}\n[tasks]\nmax_attempts = \"three\"\n"));
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("tasks.max_attempts"), "{err}");
+}
+
+#[test]
+fn a_model_without_a_price_exits_2_naming_it() {
+    let (code, err) = run_with_config(&format!(
+        "{VALID}\n[[llm.models]]\nname = \"large\"\nprovider = \"sim\"\n"
+    ));
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("prices.large"), "{err}");
 }
 
 #[test]

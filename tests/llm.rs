@@ -67,6 +67,7 @@ session_timeout_ms = 6000
 tasks_prefix = "{prefix}.tasks."
 results_completed = "{prefix}.results.completed"
 results_failed = "{prefix}.results.failed"
+usage = "{prefix}.usage"
 partitions = 2
 
 [tasks]
@@ -97,6 +98,11 @@ default_model = "small"
 input = 150000
 output = 600000
 cached = 75000
+
+[prices.large]
+input = 2500000
+output = 10000000
+cached = 1250000
 
 [http]
 listen = "127.0.0.1:0"
@@ -1491,5 +1497,81 @@ fn another_tenants_task_reusing_an_id_never_gets_the_first_tenants_answer() {
     );
     assert_eq!(p.metric(&app, "sluice_task_id_conflicts_total"), 1.0);
     assert_eq!(p.metric(&app, "sluice_duplicates_skipped_total"), 0.0);
+    app.proc.stop();
+}
+
+#[test]
+fn each_tenants_usage_windows_equal_the_sum_of_its_results() {
+    let sim = SimConfig::from_json_value(serde_json::json!({
+        "latency": { "kind": "uniform", "min_ms": 5, "max_ms": 30 },
+        "content_policy_rate": 0.02,
+    }))
+    .unwrap();
+    let p = Pipeline::new(sim, "");
+    let mut app = p.start("usage");
+    let tasks = mixed_tasks(1_200);
+    p.produce(&tasks);
+    let results = p.results(tasks.len(), Duration::from_secs(180));
+    assert_each_answered_once(&tasks, &results);
+    let windows = sluice::accounting::default_windows();
+    type Key = (String, String, i64);
+    let mut want: BTreeMap<Key, sluice::accounting::TenantUsage> = BTreeMap::new();
+    for (r, _) in results.iter().filter(|(r, _)| r.success) {
+        let at = r.completed_at.timestamp_millis();
+        for w in &windows {
+            let start = at - at.rem_euclid(w.size_ms);
+            want.entry((r.tenant_id.clone(), w.name.clone(), start))
+                .or_default()
+                .add(r);
+        }
+    }
+    // Every update is on the usage topic; the last one of each window (a
+    // tenant's updates are in one partition, in order) holds its totals.
+    let usage_topic = format!("{}.usage", p.prefix);
+    let mut got: BTreeMap<Key, sluice::accounting::UsageRecord> = BTreeMap::new();
+    let mut updates = 0;
+    for m in read_topics(
+        &bootstrap(),
+        &[&usage_topic],
+        true,
+        Duration::from_secs(5),
+        |_| false,
+    )
+    .unwrap()
+    {
+        let u: sluice::accounting::UsageRecord =
+            serde_json::from_slice(m.payload().unwrap()).unwrap();
+        assert_eq!(m.key(), Some(u.tenant_id.as_bytes()));
+        updates += 1;
+        got.insert((u.tenant_id.clone(), u.window.clone(), u.window_start), u);
+    }
+    let completed = results.iter().filter(|(r, _)| r.success).count();
+    assert_eq!(
+        updates,
+        completed * windows.len(),
+        "one update per result and window"
+    );
+    assert_eq!(got.len(), want.len());
+    for (key, w) in &want {
+        let u = &got[key];
+        assert_eq!(
+            (
+                u.requests,
+                u.input_tokens,
+                u.output_tokens,
+                u.cached_tokens,
+                u.cost_micros
+            ),
+            (
+                w.total.requests,
+                w.total.input_tokens,
+                w.total.output_tokens,
+                w.total.cached_tokens,
+                w.total.cost_micros
+            ),
+            "{key:?}"
+        );
+        assert_eq!(u.by_model, w.by_model, "{key:?}");
+    }
     app.proc.stop();
 }

@@ -12,6 +12,7 @@
 //!     .route(&router)                // each task with its model, tier and reason
 //!     .micro_batch(&batching)        // small tasks of one (model, task type) share a call
 //!     .invoke_llm(&llm)              // results keyed by task id
+//!     .account(&accounting)          // per-tenant windows → ai.usage.tenant
 //!     .to_results(&results);         // ai.results.completed / ai.results.failed
 //! let topology = b.build()?;
 //! ```
@@ -27,6 +28,7 @@ mod source;
 
 use sluice_topology::{Data, KStream, StreamBuilder, Topology, TopologyError};
 
+use crate::accounting::{AccountStreamExt, Accounting};
 use crate::envelope::{Route, TaskEnvelope, TaskResult};
 use crate::operator::{LlmProcessor, LlmStep};
 use crate::route::RouteStep;
@@ -39,6 +41,7 @@ pub mod prelude {
     pub use super::{
         tasks, BatchStreamExt, ResultStreamExt, RoutedStreamExt, TaskSource, TaskStreamExt,
     };
+    pub use crate::accounting::AccountStreamExt;
     pub use sluice_topology::{KStream, Record, StreamBuilder};
 }
 
@@ -187,18 +190,24 @@ pub struct Steps {
     pub batching: Batching,
     /// The provider call.
     pub llm: LlmStep,
+    /// Per-tenant accounts (none when accounting is off).
+    pub accounting: Option<Accounting>,
     /// Results topics.
     pub results: ResultsSink,
 }
 
-/// `sluice run`'s default pipeline: tasks → route → micro-batch → LLM → results.
+/// `sluice run`'s default pipeline: tasks → route → micro-batch → LLM →
+/// per-tenant accounts → results.
 pub fn default_topology(steps: &Steps) -> Result<Topology, TopologyError> {
     let b = StreamBuilder::new();
-    tasks(&b, &steps.source)?
+    let results = tasks(&b, &steps.source)?
         .route(&steps.route)
         .micro_batch(&steps.batching)
-        .invoke_llm(&steps.llm)
-        .to_results(&steps.results);
+        .invoke_llm(&steps.llm);
+    match &steps.accounting {
+        Some(a) => results.account(a).to_results(&steps.results),
+        None => results.to_results(&steps.results),
+    }
     b.build()
 }
 

@@ -46,6 +46,10 @@ base_url = "{}"
 [[llm.models]]
 name = "small"
 provider = "sim"
+
+[prices.small]
+input = 150000
+output = 600000
 {extra}
 "#,
         sim.base_url()

@@ -1,0 +1,265 @@
+//! `account`: per-tenant token and cost accounts in windowed stores.
+//!
+//! On the results stream, in the same task as the LLM call: tasks are keyed
+//! by tenant, so the task that owns a tenant's partition owns its accounts,
+//! and no other instance ever updates them. Each completed result adds its
+//! request, tokens and cost (and its model's share) to the tenant's tumbling
+//! window of every configured size (by default 1 minute, 1 hour, 1 day and
+//! 30 days), one RocksDB window store with a changelog topic per size, each
+//! with its own retention. Every update goes to the usage topic
+//! (`ai.usage.tenant`), keyed by tenant, in the task's own partition.
+//!
+//! Under exactly-once the window updates, the usage records and the results
+//! commit in one transaction, so the accounts always equal the sum of the
+//! results a `read_committed` reader sees. A record replayed after a crash
+//! whose update is already in the restored window (its position stamp covers
+//! it) is not counted again.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use sluice_topology::{
+    KStream, OutputRecord, ProcessError, Processor, ProcessorContext, Punctuation, Record,
+};
+
+use crate::envelope::TaskResult;
+
+/// A window size and how long its windows are kept.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WindowSpec {
+    /// Its name in usage records and store names (e.g. `1h`).
+    pub name: String,
+    /// Window size, ms (tumbling, aligned to the epoch).
+    pub size_ms: i64,
+    /// How long a window is kept after it starts, ms.
+    pub retention_ms: i64,
+}
+
+const HOUR_MS: i64 = 3_600_000;
+const DAY_MS: i64 = 24 * HOUR_MS;
+
+/// The default windows: 1 minute, 1 hour, 1 day, 30 days.
+pub fn default_windows() -> Vec<WindowSpec> {
+    let w = |name: &str, size_ms, retention_ms| WindowSpec {
+        name: name.into(),
+        size_ms,
+        retention_ms,
+    };
+    vec![
+        w("1m", 60_000, 2 * HOUR_MS),
+        w("1h", HOUR_MS, 2 * DAY_MS),
+        w("1d", DAY_MS, 35 * DAY_MS),
+        w("30d", 30 * DAY_MS, 90 * DAY_MS),
+    ]
+}
+
+/// One model's share of a window.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelUsage {
+    /// Completed requests.
+    pub requests: u64,
+    /// Prompt tokens (cached included).
+    pub input_tokens: u64,
+    /// Completion tokens.
+    pub output_tokens: u64,
+    /// Prompt tokens served from cache.
+    pub cached_tokens: u64,
+    /// Cost, micro-dollars.
+    pub cost_micros: i64,
+}
+
+impl ModelUsage {
+    fn add(&mut self, r: &TaskResult) {
+        self.requests += 1;
+        self.input_tokens += r.input_tokens;
+        self.output_tokens += r.output_tokens;
+        self.cached_tokens += r.cached_tokens;
+        self.cost_micros += r.cost_micros;
+    }
+}
+
+/// A tenant's window: totals and the per-model breakdown.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TenantUsage {
+    /// Totals over every model.
+    pub total: ModelUsage,
+    /// Per model.
+    pub by_model: BTreeMap<String, ModelUsage>,
+}
+
+impl TenantUsage {
+    /// Adds a completed result.
+    pub fn add(&mut self, r: &TaskResult) {
+        self.total.add(r);
+        self.by_model.entry(r.model.clone()).or_default().add(r);
+    }
+}
+
+/// A usage update, on the usage topic (keyed by tenant).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct UsageRecord {
+    /// The tenant.
+    pub tenant_id: String,
+    /// The window size's name (`1m`, `1h`, …).
+    pub window: String,
+    /// Window start, ms since the epoch.
+    pub window_start: i64,
+    /// Window end (exclusive), ms since the epoch.
+    pub window_end: i64,
+    /// Completed requests.
+    pub requests: u64,
+    /// Prompt tokens (cached included).
+    pub input_tokens: u64,
+    /// Completion tokens.
+    pub output_tokens: u64,
+    /// Prompt tokens served from cache.
+    pub cached_tokens: u64,
+    /// Cost, micro-dollars.
+    pub cost_micros: i64,
+    /// Per model.
+    pub by_model: BTreeMap<String, ModelUsage>,
+}
+
+/// The `account` operator's settings.
+#[derive(Clone, Debug)]
+pub struct AccountingSettings {
+    /// The operator's name; its stores are `<name>-<window name>`.
+    pub name: String,
+    /// Window sizes.
+    pub windows: Vec<WindowSpec>,
+    /// Where usage updates go.
+    pub usage_topic: String,
+}
+
+/// The `account` operator.
+#[derive(Clone)]
+pub struct Accounting(Arc<AccountingSettings>);
+
+impl Accounting {
+    /// An operator with `settings`.
+    pub fn new(settings: AccountingSettings) -> Self {
+        Accounting(Arc::new(settings))
+    }
+
+    /// The window store of a window size.
+    pub fn store_name(&self, window: &WindowSpec) -> String {
+        format!("{}-{}", self.0.name, window.name)
+    }
+
+    /// The window sizes.
+    pub fn windows(&self) -> &[WindowSpec] {
+        &self.0.windows
+    }
+}
+
+/// `account` on a stream of results.
+pub trait AccountStreamExt {
+    /// Adds each completed result to its tenant's windows and passes every
+    /// result on unchanged.
+    fn account(&self, accounting: &Accounting) -> KStream<String, TaskResult>;
+}
+
+impl AccountStreamExt for KStream<String, TaskResult> {
+    fn account(&self, accounting: &Accounting) -> KStream<String, TaskResult> {
+        let names: Vec<String> = accounting
+            .windows()
+            .iter()
+            .map(|w| {
+                let name = accounting.store_name(w);
+                let retention = Duration::from_millis(w.retention_ms.max(w.size_ms) as u64);
+                self.builder().add_window_store(&name, retention);
+                name
+            })
+            .collect();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let (a, stores) = (accounting.clone(), names.clone());
+        self.process(&accounting.0.name, &refs, move || Accountant {
+            accounting: a.clone(),
+            stores: stores.clone(),
+            last_expiry_ms: 0,
+        })
+    }
+}
+
+/// One instance per task.
+struct Accountant {
+    accounting: Accounting,
+    /// Store name per window, in `windows` order.
+    stores: Vec<String>,
+    last_expiry_ms: i64,
+}
+
+type Ctx<'a> = ProcessorContext<'a, String, TaskResult, ()>;
+
+impl Processor<String, TaskResult> for Accountant {
+    type OutKey = String;
+    type OutValue = TaskResult;
+    type Output = ();
+
+    fn process(
+        &mut self,
+        record: Record<String, TaskResult>,
+        ctx: &mut Ctx<'_>,
+    ) -> Result<(), ProcessError> {
+        let r = &record.value;
+        if r.success {
+            let at = r.completed_at.timestamp_millis();
+            let partition = ctx.task_id().partition;
+            for (w, store) in self.accounting.windows().iter().zip(&self.stores) {
+                let start = at - at.rem_euclid(w.size_ms);
+                let mut windows = ctx.window::<String, TenantUsage>(store)?;
+                // Replayed after a crash and already in the restored window.
+                if windows.reflects_current(&r.tenant_id, start)? {
+                    continue;
+                }
+                let mut usage = windows.get(&r.tenant_id, start)?.unwrap_or_default();
+                usage.add(r);
+                windows.put(&r.tenant_id, start, &usage);
+                let update = UsageRecord {
+                    tenant_id: r.tenant_id.clone(),
+                    window: w.name.clone(),
+                    window_start: start,
+                    window_end: start + w.size_ms,
+                    requests: usage.total.requests,
+                    input_tokens: usage.total.input_tokens,
+                    output_tokens: usage.total.output_tokens,
+                    cached_tokens: usage.total.cached_tokens,
+                    cost_micros: usage.total.cost_micros,
+                    by_model: usage.by_model,
+                };
+                let json = serde_json::to_vec(&update)
+                    .map_err(|e| ProcessError::Fatal(format!("usage encoding: {e}")))?;
+                ctx.emit(OutputRecord {
+                    topic: self.accounting.0.usage_topic.clone(),
+                    // The task's own partition, as its results.
+                    partition: Some(partition),
+                    key: Some(r.tenant_id.clone().into_bytes()),
+                    value: Some(json),
+                    timestamp: at,
+                    headers: Vec::new(),
+                });
+            }
+        }
+        ctx.forward(record)
+    }
+
+    fn punctuate(&mut self, time: Punctuation, ctx: &mut Ctx<'_>) -> Result<(), ProcessError> {
+        if time.wall_clock_ms - self.last_expiry_ms < 60_000 {
+            return Ok(());
+        }
+        self.last_expiry_ms = time.wall_clock_ms;
+        for (w, store) in self.accounting.windows().iter().zip(&self.stores) {
+            ctx.window::<String, TenantUsage>(store)?
+                .expire_before(time.wall_clock_ms - w.retention_ms.max(w.size_ms))?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;
