@@ -1,9 +1,8 @@
 //! `sluice demo`: the main job end to end on a local broker with the simulated
 //! provider. It publishes a batch of AI tasks (with a few bad ones), runs the
-//! LLM pipeline until every task has its result, then runs a second topology
-//! on the engine — per-tenant usage in one-minute windows over the results
-//! topic, through a repartition by tenant — and prints what both computed,
-//! checked against each other.
+//! LLM pipeline until every task has its result, then prints the per-tenant
+//! usage the pipeline kept in its one-minute windows (from the usage topic),
+//! checked against the sum of the results.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -11,9 +10,9 @@ use std::time::Duration;
 use clap::Args;
 use rdkafka::message::{Headers, OwnedMessage};
 use rdkafka::Message;
-use sluice_topology::runtime::{EngineMetrics, Guarantee, StreamsApp, StreamsConfig};
-use sluice_topology::{JsonCodec, Record, StreamBuilder, StringCodec, TimeWindows, Windowed};
+use sluice_topology::Windowed;
 
+use crate::accounting::UsageRecord;
 use crate::config::Config;
 use crate::envelope::TaskResult;
 use crate::kafka::{produce, read_topics, OutRecord};
@@ -50,6 +49,7 @@ session_timeout_ms = 6000
 tasks_prefix = "demo-{run}.tasks."
 results_completed = "demo-{run}.results.completed"
 results_failed = "demo-{run}.results.failed"
+usage = "demo-{run}.usage"
 partitions = 4
 
 [[llm.providers]]
@@ -244,16 +244,9 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         );
     }
 
-    // The engine on its own: usage per tenant and minute over the results.
+    // The accounts sluice run kept in the same topology, per tenant and minute.
     let completed_count = results.iter().filter(|r| r.success).count() as u64;
-    let usage = usage_per_minute(
-        &args.bootstrap,
-        &run,
-        &topics.results_completed,
-        &state,
-        completed_count,
-    )
-    .await?;
+    let usage = usage_per_minute(&args.bootstrap, &topics.usage, completed_count).await?;
     let mut by_tenant: BTreeMap<String, (u64, i64)> = BTreeMap::new();
     for r in results.iter().filter(|r| r.success) {
         let e = by_tenant.entry(r.tenant_id.clone()).or_default();
@@ -261,7 +254,10 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         e.1 += r.cost_micros;
     }
     let mut from_windows: BTreeMap<String, (u64, i64)> = BTreeMap::new();
-    println!("\nusage per tenant and minute (a windowed aggregation on the engine, repartitioned by tenant):");
+    println!(
+        "\nusage per tenant and minute (sluice run's 1-minute windows, from {}):",
+        topics.usage
+    );
     println!(
         "  {:<18} {:<10} {:>7} {:>14}",
         "window (UTC)", "tenant", "tasks", "cost (µ$)"
@@ -339,69 +335,33 @@ fn report_results(results: &[TaskResult], sim: &crate::sim::SimStats) {
     }
 }
 
-/// Per-tenant task count and cost in one-minute windows, over the results.
+/// The latest (tasks, cost) per (window start, tenant) of the 1-minute
+/// windows on the usage topic, once they add up to `expected_tasks`.
 async fn usage_per_minute(
     bootstrap: &str,
-    run: &str,
-    results_topic: &str,
-    state: &std::path::Path,
+    usage_topic: &str,
     expected_tasks: u64,
 ) -> anyhow::Result<BTreeMap<(i64, String), (u64, i64)>> {
-    let output = format!("demo-{run}.usage-per-minute");
-    crate::kafka::create_topics(bootstrap, &[(&output, 4, &[])])?;
-    let b = StreamBuilder::new();
-    b.stream(
-        &[results_topic],
-        StringCodec,
-        JsonCodec::<TaskResult>::default(),
-    )
-    .map(|r: Record<String, TaskResult>| {
-        Record::new(r.value.tenant_id.clone(), r.value.cost_micros, r.timestamp)
-    })
-    .group_by(|r| r.key.clone())
-    .windowed_by(TimeWindows::tumbling(Duration::from_secs(60)).grace(Duration::from_secs(3600)))
-    .aggregate(
-        "usage",
-        || (0u64, 0i64),
-        |_, cost, (n, c)| (n + 1, c + cost),
-    )
-    .to_stream()
-    .to(
-        &output,
-        JsonCodec::<Windowed<String>>::default(),
-        JsonCodec::<(u64, i64)>::default(),
-    );
-    let mut cfg = StreamsConfig::new(&format!("demo-{run}-usage"), bootstrap, state.join("usage"));
-    cfg.guarantee = Guarantee::ExactlyOnce;
-    cfg.session_timeout = Duration::from_secs(6);
-    let topology = b.build()?;
-    println!(
-        "\nengine topology:\n{}",
-        topology.describe(&cfg.application_id)
-    );
-    let app = StreamsApp::new(topology, cfg, EngineMetrics::unregistered())
-        .with_runtime(tokio::runtime::Handle::current())
-        .start()?;
-    let b = bootstrap.to_string();
+    let (b, topic) = (bootstrap.to_string(), usage_topic.to_string());
     let msgs = tokio::task::spawn_blocking(move || {
-        read_topics(&b, &[&output], true, Duration::from_secs(120), |m| {
+        read_topics(&b, &[&topic], true, Duration::from_secs(120), |m| {
             latest_usage(m).values().map(|(n, _)| n).sum::<u64>() >= expected_tasks
         })
     })
     .await??;
-    app.shutdown();
-    tokio::task::spawn_blocking(move || app.join()).await??;
     Ok(latest_usage(&msgs))
 }
 
-/// The latest (tasks, cost) per (window start, tenant) in the usage output.
+/// The latest (tasks, cost) per (window start, tenant) of the 1-minute
+/// windows in usage updates.
 fn latest_usage(msgs: &[OwnedMessage]) -> BTreeMap<(i64, String), (u64, i64)> {
     let mut latest = BTreeMap::new();
     for m in msgs {
-        let k = serde_json::from_slice::<Windowed<String>>(m.key().unwrap_or_default());
-        let v = serde_json::from_slice::<(u64, i64)>(m.payload().unwrap_or_default());
-        if let (Ok(k), Ok(v)) = (k, v) {
-            latest.insert((k.window.start, k.key), v);
+        let Ok(u) = serde_json::from_slice::<UsageRecord>(m.payload().unwrap_or_default()) else {
+            continue;
+        };
+        if u.window == "1m" {
+            latest.insert((u.window_start, u.tenant_id), (u.requests, u.cost_micros));
         }
     }
     latest
