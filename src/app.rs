@@ -167,6 +167,9 @@ pub fn steps(
                 name: "usage".into(),
                 windows: config.accounting.windows.clone(),
                 usage_topic: config.topics.usage.clone(),
+                budgets: config.accounting.budgets.clone(),
+                thresholds: config.accounting.thresholds.clone(),
+                alerts_topic: config.topics.alerts.clone(),
             })
         }),
         results,
@@ -212,6 +215,7 @@ fn check_results_partitions(config: &Config) -> Result<(), RunError> {
     names.push(t.results_completed.clone());
     names.push(t.results_failed.clone());
     names.push(t.usage.clone());
+    names.push(t.alerts.clone());
     let counts = crate::kafka::partition_counts(&config.kafka.bootstrap_servers, &names)?;
     let tasks_max = t
         .task_types
@@ -223,6 +227,7 @@ fn check_results_partitions(config: &Config) -> Result<(), RunError> {
     let mut outputs = vec![&t.results_completed, &t.results_failed];
     if config.accounting.enabled {
         outputs.push(&t.usage);
+        outputs.push(&t.alerts);
     }
     for results in outputs {
         match counts.get(results) {
@@ -271,6 +276,10 @@ pub fn create_topics(config: &Config) -> Result<Vec<String>, crate::kafka::Kafka
     ));
     defs.push((
         t.usage.clone(),
+        vec![("retention.ms", results_retention.as_str())],
+    ));
+    defs.push((
+        t.alerts.clone(),
         vec![("retention.ms", results_retention.as_str())],
     ));
     let specs: Vec<crate::kafka::TopicDef<'_>> = defs

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use sluice_topology::runtime::{Guarantee, StreamsConfig};
 use sluice_topology::RocksSettings;
 
-use crate::accounting::{default_windows, WindowSpec};
+use crate::accounting::{default_windows, Budgets, WindowSpec};
 use crate::llm::{LlmConfig, PromptConfig};
 use crate::pipeline::BatchingConfig;
 use crate::route::{FeatureWeights, Router, Tier};
@@ -166,6 +166,8 @@ pub struct TopicsSection {
     pub results_failed: String,
     /// Topic of per-tenant usage updates.
     pub usage: String,
+    /// Topic of cost alerts.
+    pub alerts: String,
     /// Partitions of the topics `sluice topics create` makes. Task topics must
     /// share one partition count; results topics need at least as many.
     pub partitions: i32,
@@ -185,6 +187,7 @@ impl Default for TopicsSection {
             results_completed: "ai.results.completed".into(),
             results_failed: "ai.results.failed".into(),
             usage: "ai.usage.tenant".into(),
+            alerts: "ai.alerts.cost".into(),
             partitions: 6,
             replication_factor: 1,
             results_retention_ms: 30 * 24 * 3600 * 1000,
@@ -213,6 +216,10 @@ pub struct AccountingSection {
     pub enabled: bool,
     /// Tumbling window sizes and their retention.
     pub windows: Vec<WindowSpec>,
+    /// Cost budgets per window name, micro-dollars (a default and per tenant).
+    pub budgets: Budgets,
+    /// Fractions of a budget that raise an alert, rising.
+    pub thresholds: Vec<f64>,
 }
 
 impl Default for AccountingSection {
@@ -220,6 +227,8 @@ impl Default for AccountingSection {
         AccountingSection {
             enabled: true,
             windows: default_windows(),
+            budgets: Budgets::default(),
+            thresholds: vec![0.5, 0.8, 1.0],
         }
     }
 }
@@ -546,6 +555,34 @@ impl Config {
                     key("retention_ms"),
                     "must be at least the window size",
                 ));
+            }
+        }
+        let t = &self.accounting.thresholds;
+        if t.len() > 16
+            || t.iter().any(|x| !(x.is_finite() && *x > 0.0))
+            || t.windows(2).any(|p| p[0] >= p[1])
+        {
+            return Err(ConfigError::new(
+                "accounting.thresholds",
+                "at most 16 positive fractions, rising",
+            ));
+        }
+        let budgets = &self.accounting.budgets;
+        let named = std::iter::once(("default".to_string(), &budgets.default)).chain(
+            budgets
+                .tenants
+                .iter()
+                .map(|(tenant, b)| (format!("tenants.{tenant}"), b)),
+        );
+        for (at, b) in named {
+            for (window, micros) in b {
+                let key = format!("accounting.budgets.{at}.{window}");
+                if !windows.iter().any(|w| &w.name == window) {
+                    return Err(ConfigError::new(key, "not a window in accounting.windows"));
+                }
+                if *micros <= 0 {
+                    return Err(ConfigError::new(key, "must be positive (micro-dollars)"));
+                }
             }
         }
         Ok(())

@@ -7,7 +7,11 @@
 //! window of every configured size (by default 1 minute, 1 hour, 1 day and
 //! 30 days), one RocksDB window store with a changelog topic per size, each
 //! with its own retention. Every update goes to the usage topic
-//! (`ai.usage.tenant`), keyed by tenant, in the task's own partition.
+//! (`ai.usage.tenant`), keyed by tenant, in the task's own partition. When a
+//! window's cost crosses a threshold of the tenant's budget for that window
+//! size (default 50 %, 80 %, 100 %), one alert goes to the alerts topic
+//! (`ai.alerts.cost`); the window itself records the thresholds alerted, so
+//! each (tenant, window, threshold) is alerted once.
 //!
 //! Under exactly-once the window updates, the usage records and the results
 //! commit in one transaction, so the accounts always equal the sum of the
@@ -25,6 +29,7 @@ use sluice_topology::{
 };
 
 use crate::envelope::TaskResult;
+use crate::operator::HEADER_DUPLICATE;
 
 /// A window size and how long its windows are kept.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -82,13 +87,17 @@ impl ModelUsage {
     }
 }
 
-/// A tenant's window: totals and the per-model breakdown.
+/// A tenant's window: totals, the per-model breakdown, and how many of the
+/// alert thresholds it has crossed (kept with the window, so an alert is
+/// emitted once per window and threshold, across restarts and replays).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TenantUsage {
     /// Totals over every model.
     pub total: ModelUsage,
     /// Per model.
     pub by_model: BTreeMap<String, ModelUsage>,
+    /// Thresholds alerted (the first `alerted` of the configured ones).
+    pub alerted: u8,
 }
 
 impl TenantUsage {
@@ -125,6 +134,53 @@ pub struct UsageRecord {
     pub by_model: BTreeMap<String, ModelUsage>,
 }
 
+/// A cost alert, on the alerts topic (keyed by tenant).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AlertRecord {
+    /// `<tenant>/<window>/<window start>/<threshold>`: the same alert always
+    /// has the same id.
+    pub alert_id: String,
+    /// The tenant.
+    pub tenant_id: String,
+    /// The window size's name.
+    pub window: String,
+    /// Window start, ms since the epoch.
+    pub window_start: i64,
+    /// Window end (exclusive), ms since the epoch.
+    pub window_end: i64,
+    /// The fraction of the budget crossed (e.g. 0.8).
+    pub threshold: f64,
+    /// Spent in the window when it was crossed, micro-dollars.
+    pub spent_micros: i64,
+    /// The window's budget, micro-dollars.
+    pub budget_micros: i64,
+    /// When the alert was emitted.
+    pub emitted_at: chrono::DateTime<chrono::Utc>,
+}
+
+/// Budgets per window name (micro-dollars), with per-tenant overrides.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Budgets {
+    /// Every tenant's budget per window name, unless overridden.
+    pub default: BTreeMap<String, i64>,
+    /// Per tenant: budget per window name.
+    pub tenants: BTreeMap<String, BTreeMap<String, i64>>,
+}
+
+impl Budgets {
+    /// A tenant's budget for a window size, if any.
+    pub fn budget(&self, tenant: &str, window: &str) -> Option<i64> {
+        self.tenants
+            .get(tenant)
+            .and_then(|b| b.get(window))
+            .or_else(|| self.default.get(window))
+            .copied()
+            .filter(|b| *b > 0)
+    }
+}
+
 /// The `account` operator's settings.
 #[derive(Clone, Debug)]
 pub struct AccountingSettings {
@@ -134,6 +190,12 @@ pub struct AccountingSettings {
     pub windows: Vec<WindowSpec>,
     /// Where usage updates go.
     pub usage_topic: String,
+    /// Budgets.
+    pub budgets: Budgets,
+    /// Alert thresholds, fractions of a budget, rising.
+    pub thresholds: Vec<f64>,
+    /// Where cost alerts go.
+    pub alerts_topic: String,
 }
 
 /// The `account` operator.
@@ -196,6 +258,43 @@ struct Accountant {
 
 type Ctx<'a> = ProcessorContext<'a, String, TaskResult, ()>;
 
+impl Accountant {
+    /// The alerts a window's new total crosses (each threshold once per
+    /// window: `usage.alerted` moves past it).
+    fn crossed(
+        &self,
+        tenant: &str,
+        w: &WindowSpec,
+        start: i64,
+        usage: &mut TenantUsage,
+    ) -> Vec<AlertRecord> {
+        let settings = &self.accounting.0;
+        let Some(budget) = settings.budgets.budget(tenant, &w.name) else {
+            return Vec::new();
+        };
+        let spent = usage.total.cost_micros;
+        let mut alerts = Vec::new();
+        while let Some(&threshold) = settings.thresholds.get(usize::from(usage.alerted)) {
+            if (spent as f64) < threshold * budget as f64 {
+                break;
+            }
+            usage.alerted += 1;
+            alerts.push(AlertRecord {
+                alert_id: format!("{tenant}/{}/{start}/{threshold}", w.name),
+                tenant_id: tenant.to_string(),
+                window: w.name.clone(),
+                window_start: start,
+                window_end: start + w.size_ms,
+                threshold,
+                spent_micros: spent,
+                budget_micros: budget,
+                emitted_at: chrono::Utc::now(),
+            });
+        }
+        alerts
+    }
+}
+
 impl Processor<String, TaskResult> for Accountant {
     type OutKey = String;
     type OutValue = TaskResult;
@@ -207,7 +306,10 @@ impl Processor<String, TaskResult> for Accountant {
         ctx: &mut Ctx<'_>,
     ) -> Result<(), ProcessError> {
         let r = &record.value;
-        if r.success {
+        // A result given again to a redelivered task was accounted with its
+        // one call.
+        let duplicate = record.header(HEADER_DUPLICATE).is_some();
+        if r.success && !duplicate {
             let at = r.completed_at.timestamp_millis();
             let partition = ctx.task_id().partition;
             for (w, store) in self.accounting.windows().iter().zip(&self.stores) {
@@ -219,7 +321,20 @@ impl Processor<String, TaskResult> for Accountant {
                 }
                 let mut usage = windows.get(&r.tenant_id, start)?.unwrap_or_default();
                 usage.add(r);
+                let alerts = self.crossed(&r.tenant_id, w, start, &mut usage);
                 windows.put(&r.tenant_id, start, &usage);
+                for alert in alerts {
+                    let json = serde_json::to_vec(&alert)
+                        .map_err(|e| ProcessError::Fatal(format!("alert encoding: {e}")))?;
+                    ctx.emit(OutputRecord {
+                        topic: self.accounting.0.alerts_topic.clone(),
+                        partition: Some(partition),
+                        key: Some(r.tenant_id.clone().into_bytes()),
+                        value: Some(json),
+                        timestamp: at,
+                        headers: Vec::new(),
+                    });
+                }
                 let update = UsageRecord {
                     tenant_id: r.tenant_id.clone(),
                     window: w.name.clone(),

@@ -38,6 +38,15 @@ fn driver() -> TopologyTestDriver {
         name: "usage".into(),
         windows: default_windows(),
         usage_topic: "usage".into(),
+        budgets: Budgets {
+            default: BTreeMap::from([("1h".to_string(), 1_000)]),
+            tenants: BTreeMap::from([(
+                "globex".to_string(),
+                BTreeMap::from([("1d".to_string(), 100)]),
+            )]),
+        },
+        thresholds: vec![0.5, 0.8, 1.0],
+        alerts_topic: "alerts".into(),
     });
     b.stream(
         &["results"],
@@ -57,6 +66,20 @@ fn pipe(d: &mut TopologyTestDriver, r: &TaskResult) {
         &StringCodec,
         &JsonCodec::default(),
         0,
+    )
+    .unwrap();
+}
+
+/// A result given again to a redelivered task (marked as such by invoke_llm).
+fn redelivered(d: &mut TopologyTestDriver, r: &TaskResult) {
+    let json = serde_json::to_vec(r).unwrap();
+    let headers = vec![(HEADER_DUPLICATE.to_string(), b"1".to_vec())];
+    d.pipe_raw_with_headers(
+        "results",
+        Some(r.task_id.as_bytes()),
+        Some(&json),
+        0,
+        headers,
     )
     .unwrap();
 }
@@ -121,4 +144,58 @@ fn a_crash_counts_nothing_twice() {
     let usage = latest(&d.committed_output("usage"));
     let hour = &usage[&("acme".into(), "1h".into(), T0)];
     assert_eq!((hour.requests, hour.input_tokens), (3, 111));
+}
+
+fn alerts(records: &[OutputRecord]) -> Vec<AlertRecord> {
+    records
+        .iter()
+        .map(|r| serde_json::from_slice(r.value.as_deref().unwrap()).unwrap())
+        .collect()
+}
+
+#[test]
+fn crossing_each_threshold_alerts_once_per_window_across_a_crash_and_a_redelivery() {
+    let mut d = driver();
+    // acme's 1-hour budget is 1,000 µ$ (cost = 3 µ$ per input token here).
+    pipe(&mut d, &result("a1", "acme", "small", T0 + 1_000, 100)); // 300: nothing
+    pipe(&mut d, &result("a2", "acme", "small", T0 + 2_000, 70)); // 510: 50 %
+    d.commit().unwrap();
+    pipe(&mut d, &result("a3", "acme", "small", T0 + 3_000, 100)); // 810: 80 %
+    d.crash().unwrap(); // a3's update and alert are gone, then a3 is replayed
+    redelivered(&mut d, &result("a2", "acme", "small", T0 + 2_000, 70)); // not counted again
+    pipe(&mut d, &result("a4", "acme", "small", T0 + 4_000, 70)); // 1,020: 100 %
+    pipe(&mut d, &result("a6", "acme", "small", T0 + 5_000, 100)); // 1,320: nothing more
+    pipe(&mut d, &result("a5", "acme", "small", T0 + 3_600_000, 200)); // next hour: 600: 50 %
+    d.commit().unwrap();
+    let got: Vec<(String, i64, f64, i64)> = alerts(&d.committed_output("alerts"))
+        .into_iter()
+        .map(|a| (a.window, a.window_start, a.threshold, a.spent_micros))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            ("1h".to_string(), T0, 0.5, 510),
+            ("1h".to_string(), T0, 0.8, 810),
+            ("1h".to_string(), T0, 1.0, 1_020),
+            ("1h".to_string(), T0 + 3_600_000, 0.5, 600),
+        ]
+    );
+    let usage = latest(&d.committed_output("usage"));
+    let hour = &usage[&("acme".into(), "1h".into(), T0)];
+    assert_eq!(
+        hour.cost_micros, 1_320,
+        "the redelivery is not counted again"
+    );
+    // globex's own 1-day budget of 100 µ$: one result crosses all three at once.
+    pipe(&mut d, &result("g1", "globex", "small", T0, 40));
+    let g: Vec<AlertRecord> = alerts(&d.read_output("alerts"))
+        .into_iter()
+        .filter(|a| a.tenant_id == "globex")
+        .collect();
+    assert_eq!(g.len(), 3);
+    assert!(g.iter().all(|a| a.window == "1d" && a.budget_micros == 100));
+    assert_eq!(
+        g[2].alert_id,
+        format!("globex/1d/{}/1", T0 - T0 % 86_400_000)
+    );
 }

@@ -52,6 +52,9 @@ pub use metrics::OperatorMetrics;
 pub const HEADER_SOURCE: &str = "sluice.source";
 /// Result header: offset of the task's input record.
 pub const HEADER_OFFSET: &str = "sluice.offset";
+/// Result header on a result given again to a redelivered task: the task's
+/// one call was answered (and accounted) before.
+pub const HEADER_DUPLICATE: &str = "sluice.duplicate";
 /// W3C trace context headers carried from task to result.
 pub const TRACE_HEADERS: [&str; 2] = ["traceparent", "tracestate"];
 
@@ -318,7 +321,7 @@ impl LlmProcessor {
                 match serde_json::from_slice::<TaskResult>(&stored.result_json) {
                     Ok(result) if result.tenant_id == item.task.task.tenant() => {
                         self.metrics().duplicates.inc();
-                        forward_result(ctx, result, &item.headers)?;
+                        forward_result(ctx, result, &item.headers, true)?;
                         return Ok(None);
                     }
                     // Another tenant's task under the same id: never its
@@ -420,9 +423,9 @@ impl LlmProcessor {
         for (waiter, headers) in self.in_flight.remove(&flight).unwrap_or_default() {
             self.metrics().duplicates.inc();
             let again = result.clone();
-            ctx.with_record(&waiter, |ctx| forward_result(ctx, again, &headers))?;
+            ctx.with_record(&waiter, |ctx| forward_result(ctx, again, &headers, true))?;
         }
-        forward_result(ctx, result, headers)
+        forward_result(ctx, result, headers, false)
     }
 
     /// Dead-letters a task and forwards its failed result (its record current).
@@ -573,13 +576,19 @@ impl<K: Data, V: LlmInput> Processor<K, V> for LlmProcessor {
 }
 
 /// Forwards a result keyed by task id, with the trace context of
-/// `trace_from` and the current record's input position in headers.
+/// `trace_from` and the current record's input position in headers; a result
+/// given again to a redelivered task (no call of its own) is marked
+/// [`HEADER_DUPLICATE`], so its tokens are not accounted twice.
 fn forward_result(
     ctx: &mut Ctx<'_>,
     result: TaskResult,
     trace_from: &Headers,
+    duplicate: bool,
 ) -> Result<(), ProcessError> {
-    let headers = result_headers(trace_from, ctx.position());
+    let mut headers = result_headers(trace_from, ctx.position());
+    if duplicate {
+        headers.push((HEADER_DUPLICATE.into(), b"1".to_vec()));
+    }
     let key = result.task_id.clone();
     ctx.forward(Record {
         key,

@@ -12,7 +12,7 @@ use sluice_state::{ChangelogRecord, RocksEnv, RocksSettings, TaskState};
 
 use crate::context::CompletionMsg;
 use crate::task::{Input, TaskCore};
-use crate::{Codec, OutputRecord, ProcessError, TaskCounters, Topology, TopologyError};
+use crate::{Codec, Headers, OutputRecord, ProcessError, TaskCounters, Topology, TopologyError};
 
 /// A record kept in a topic's log (so a crashed driver can replay it).
 #[derive(Clone)]
@@ -164,6 +164,18 @@ impl TopologyTestDriver {
         value: Option<&[u8]>,
         timestamp: i64,
     ) -> Result<(), ProcessError> {
+        self.pipe_raw_with_headers(topic, key, value, timestamp, Vec::new())
+    }
+
+    /// Pipes an encoded record with headers into a topic.
+    pub fn pipe_raw_with_headers(
+        &mut self,
+        topic: &str,
+        key: Option<&[u8]>,
+        value: Option<&[u8]>,
+        timestamp: i64,
+        headers: Headers,
+    ) -> Result<(), ProcessError> {
         self.route(
             vec![OutputRecord {
                 topic: topic.to_string(),
@@ -171,7 +183,7 @@ impl TopologyTestDriver {
                 key: key.map(<[u8]>::to_vec),
                 value: value.map(<[u8]>::to_vec),
                 timestamp,
-                headers: Vec::new(),
+                headers,
             }],
             true,
         )
