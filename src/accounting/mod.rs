@@ -43,6 +43,14 @@ pub struct WindowSpec {
     pub retention_ms: i64,
 }
 
+impl WindowSpec {
+    /// How long a window is kept after it starts: its retention, at least its
+    /// size.
+    pub fn kept_ms(&self) -> i64 {
+        self.retention_ms.max(self.size_ms)
+    }
+}
+
 const HOUR_MS: i64 = 3_600_000;
 const DAY_MS: i64 = 24 * HOUR_MS;
 
@@ -233,7 +241,7 @@ impl AccountStreamExt for KStream<String, TaskResult> {
             .iter()
             .map(|w| {
                 let name = accounting.store_name(w);
-                let retention = Duration::from_millis(w.retention_ms.max(w.size_ms) as u64);
+                let retention = Duration::from_millis(w.kept_ms() as u64);
                 self.builder().add_window_store(&name, retention);
                 name
             })
@@ -257,6 +265,28 @@ struct Accountant {
 }
 
 type Ctx<'a> = ProcessorContext<'a, String, TaskResult, ()>;
+
+/// Emits a record keyed by tenant, as JSON, in the task's own partition (as
+/// its results).
+fn emit_json(
+    ctx: &mut Ctx<'_>,
+    topic: &str,
+    tenant: &str,
+    value: &impl Serialize,
+    at: i64,
+) -> Result<(), ProcessError> {
+    let json = serde_json::to_vec(value)
+        .map_err(|e| ProcessError::Fatal(format!("{topic} record encoding: {e}")))?;
+    ctx.emit(OutputRecord {
+        topic: topic.to_string(),
+        partition: Some(ctx.task_id().partition),
+        key: Some(tenant.as_bytes().to_vec()),
+        value: Some(json),
+        timestamp: at,
+        headers: Vec::new(),
+    });
+    Ok(())
+}
 
 impl Accountant {
     /// The alerts a window's new total crosses (each threshold once per
@@ -311,29 +341,20 @@ impl Processor<String, TaskResult> for Accountant {
         let duplicate = record.header(HEADER_DUPLICATE).is_some();
         if r.success && !duplicate {
             let at = r.completed_at.timestamp_millis();
-            let partition = ctx.task_id().partition;
             for (w, store) in self.accounting.windows().iter().zip(&self.stores) {
                 let start = at - at.rem_euclid(w.size_ms);
                 let mut windows = ctx.window::<String, TenantUsage>(store)?;
-                // Replayed after a crash and already in the restored window.
-                if windows.reflects_current(&r.tenant_id, start)? {
+                // `None`: replayed after a crash and already in the restored window.
+                let Some(stored) = windows.get_for_update(&r.tenant_id, start)? else {
                     continue;
-                }
-                let mut usage = windows.get(&r.tenant_id, start)?.unwrap_or_default();
+                };
+                let mut usage = stored.unwrap_or_default();
                 usage.add(r);
                 let alerts = self.crossed(&r.tenant_id, w, start, &mut usage);
                 windows.put(&r.tenant_id, start, &usage);
+                let settings = &self.accounting.0;
                 for alert in alerts {
-                    let json = serde_json::to_vec(&alert)
-                        .map_err(|e| ProcessError::Fatal(format!("alert encoding: {e}")))?;
-                    ctx.emit(OutputRecord {
-                        topic: self.accounting.0.alerts_topic.clone(),
-                        partition: Some(partition),
-                        key: Some(r.tenant_id.clone().into_bytes()),
-                        value: Some(json),
-                        timestamp: at,
-                        headers: Vec::new(),
-                    });
+                    emit_json(ctx, &settings.alerts_topic, &r.tenant_id, &alert, at)?;
                 }
                 let update = UsageRecord {
                     tenant_id: r.tenant_id.clone(),
@@ -347,17 +368,7 @@ impl Processor<String, TaskResult> for Accountant {
                     cost_micros: usage.total.cost_micros,
                     by_model: usage.by_model,
                 };
-                let json = serde_json::to_vec(&update)
-                    .map_err(|e| ProcessError::Fatal(format!("usage encoding: {e}")))?;
-                ctx.emit(OutputRecord {
-                    topic: self.accounting.0.usage_topic.clone(),
-                    // The task's own partition, as its results.
-                    partition: Some(partition),
-                    key: Some(r.tenant_id.clone().into_bytes()),
-                    value: Some(json),
-                    timestamp: at,
-                    headers: Vec::new(),
-                });
+                emit_json(ctx, &settings.usage_topic, &r.tenant_id, &update, at)?;
             }
         }
         ctx.forward(record)
@@ -370,7 +381,7 @@ impl Processor<String, TaskResult> for Accountant {
         self.last_expiry_ms = time.wall_clock_ms;
         for (w, store) in self.accounting.windows().iter().zip(&self.stores) {
             ctx.window::<String, TenantUsage>(store)?
-                .expire_before(time.wall_clock_ms - w.retention_ms.max(w.size_ms))?;
+                .expire_before(time.wall_clock_ms - w.kept_ms())?;
         }
         Ok(())
     }

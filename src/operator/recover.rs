@@ -37,9 +37,7 @@ pub(super) fn recover_results(
     recovery: &Recovery,
 ) -> Result<(), ProcessError> {
     let partition = ctx.task_id().partition;
-    let fatal = |e: &dyn std::fmt::Display| {
-        ProcessError::Fatal(format!("recovering results of partition {partition}: {e}"))
-    };
+    let fatal = |e: &dyn std::fmt::Display| fatal(partition, e);
     let mut c = ClientConfig::new();
     for (k, v) in &recovery.client {
         c.set(k, v);
@@ -73,8 +71,7 @@ pub(super) fn recover_results(
             completed.put_at(&key, &outcome, Some(position));
             recovered += 1;
             Ok(())
-        })
-        .map_err(|e| e.fatal(partition))?;
+        })?;
     }
     let mut tpl = TopicPartitionList::new();
     for topic in &recovery.task_topics {
@@ -110,8 +107,7 @@ pub(super) fn recover_results(
             completed.put_at(&key, &outcome, Some(position));
             recovered += 1;
             Ok(())
-        })
-        .map_err(|e| e.fatal(partition))?;
+        })?;
     }
     // Recovery runs on the engine's thread, which need not wait for the
     // consumer to close (about a tenth of a second).
@@ -141,26 +137,8 @@ pub(super) fn republished_attempt(stored: &StoredOutcome) -> Option<u32> {
         .ok()
 }
 
-enum ScanError {
-    Kafka(String),
-    Process(ProcessError),
-}
-
-impl From<ProcessError> for ScanError {
-    fn from(e: ProcessError) -> Self {
-        ScanError::Process(e)
-    }
-}
-
-impl ScanError {
-    fn fatal(self, partition: i32) -> ProcessError {
-        match self {
-            ScanError::Process(e) => e,
-            ScanError::Kafka(e) => {
-                ProcessError::Fatal(format!("recovering results of partition {partition}: {e}"))
-            }
-        }
-    }
+fn fatal(partition: i32, e: &dyn std::fmt::Display) -> ProcessError {
+    ProcessError::Fatal(format!("recovering results of partition {partition}: {e}"))
 }
 
 /// Reads `topic`'s `partition` from `from` to its end, handing every record
@@ -171,8 +149,8 @@ fn scan(
     partition: i32,
     from: i64,
     mut f: impl FnMut(&BorrowedMessage<'_>, Position) -> Result<(), ProcessError>,
-) -> Result<(), ScanError> {
-    let kafka = |e: &dyn std::fmt::Display| ScanError::Kafka(e.to_string());
+) -> Result<(), ProcessError> {
+    let kafka = |e: &dyn std::fmt::Display| fatal(partition, e);
     let (_, high) = consumer
         .fetch_watermarks(topic, partition, Duration::from_secs(10))
         .map_err(|e| kafka(&e))?;
