@@ -1,7 +1,7 @@
 # The two commands a newcomer needs: `make demo` and `make test`.
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/sluice/target
 
-.PHONY: demo test setup lint fmt bench-engine bench-llm bench-batching
+.PHONY: demo test setup lint fmt bench-engine bench-llm bench-batching test-helm
 
 demo:
 	scripts/demo.sh
@@ -11,6 +11,10 @@ test:
 
 setup:
 	scripts/setup.sh
+
+# The Helm chart: lint, render, Kubernetes schemas, sluice.toml (no cluster needed).
+test-helm:
+	scripts/check-helm.sh
 
 lint:
 	cargo fmt --all -- --check

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Checks the Helm chart helm/sluice (see scripts/check_helm.py): lint, render,
+# Kubernetes schema validation and the rendered sluice.toml, for the default
+# values and every helm/sluice/ci/*.yaml. Needs no cluster and no helm binary:
+# the tools come from PyPI into a project-local venv (.tools/helm-venv):
+#   helm-python-sdk      Helm's Go SDK (lint, values schema, template engine)
+#   kubernetes-validate  the Kubernetes API's JSON schemas, per version
+# Dependencies are pinned too, so a release upstream cannot change the verdict.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="$root/.tools/helm-venv"
+pins=(
+  helm-python-sdk==0.2.2
+  kubernetes-validate==1.37.0
+  attrs==26.1.0
+  importlib_resources==7.1.0
+  jsonschema==4.26.0
+  jsonschema-specifications==2025.9.1
+  packaging==26.4
+  PyYAML==6.0.4
+  referencing==0.37.0
+  rpds-py==2026.9.1
+  typing_extensions==4.16.0
+)
+
+die() { echo "check-helm: $*" >&2; exit 1; }
+
+command -v python3 >/dev/null || die "python3 not found (3.11 or later is needed)"
+python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+  || die "python3 is $(python3 -V 2>&1 | cut -d' ' -f2); 3.11 or later is needed (tomllib)"
+
+# Reinstall when the venv is missing, broken, or was made for other pins.
+if ! "$venv/bin/python" -c 'import helm_python, kubernetes_validate' 2>/dev/null \
+  || [ "$(cat "$venv/.pins" 2>/dev/null)" != "${pins[*]}" ]; then
+  echo "check-helm: installing ${pins[0]} and ${pins[1]} into .tools/helm-venv"
+  rm -rf "$venv"
+  python3 -m venv "$venv" || die "cannot create the venv $venv (is python3-venv installed?)"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-input \
+    --only-binary=:all: "${pins[@]}" \
+    || { rm -rf "$venv"; die "pip install of ${pins[*]} failed"; }
+  echo "${pins[*]}" > "$venv/.pins"
+fi
+
+exec "$venv/bin/python" "$root/scripts/check_helm.py" "$root/helm/sluice"
