@@ -2,6 +2,7 @@
 //! listener; and `sluice topics create`.
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus::Registry;
@@ -136,7 +137,7 @@ pub fn steps(
             task_topics: source.topics.iter().map(|t| t.topic.clone()).collect(),
         }
     });
-    let settings = LlmSettings {
+    let mut settings = LlmSettings {
         name: "llm".into(),
         max_attempts: config.tasks.max_attempts,
         idempotency_ttl_hours: config.tasks.idempotency_ttl_hours,
@@ -144,17 +145,45 @@ pub fn steps(
         fallbacks: config.routing.fallbacks.clone(),
         prices: config.prices.clone(),
         recovery,
+        quota: None,
     };
     let models: Vec<String> = client.models().map(str::to_string).collect();
     let prompts = PromptBuilder::new(config.prompts.clone());
+    let accounting = if config.accounting.enabled {
+        let a = &config.accounting;
+        Some(Accounting::registered(
+            AccountingSettings {
+                name: "usage".into(),
+                windows: a.windows.clone(),
+                usage_topic: config.topics.usage.clone(),
+                budgets: a.budgets.clone(),
+                thresholds: a.thresholds.clone(),
+                alerts_topic: config.topics.alerts.clone(),
+                quotas: a.quotas.clone(),
+                downgrade_at: a.downgrade_at,
+            },
+            registry,
+        )?)
+    } else {
+        None
+    };
+    settings.quota = accounting.as_ref().and_then(Accounting::quota_gate);
+    let mut route = RouteStep::new(config.router(), models, registry)?;
+    let mut batching = Batching::new(
+        config.batching.clone(),
+        prompts.clone(),
+        BatchMetrics::register(registry)?,
+    );
+    if let Some(a) = accounting.as_ref().filter(|a| a.routes_down()) {
+        route = route.with_downgrade(a.downgrade_hook());
+    }
+    if let Some(gate) = settings.quota.clone() {
+        batching = batching.with_isolated_tenants(Arc::new(move |t| gate.is_hard(t)));
+    }
     Ok(Steps {
         source,
-        route: RouteStep::new(config.router(), models, registry)?,
-        batching: Batching::new(
-            config.batching.clone(),
-            prompts.clone(),
-            BatchMetrics::register(registry)?,
-        ),
+        route,
+        batching,
         llm: LlmStep::new(
             settings,
             client,
@@ -162,16 +191,7 @@ pub fn steps(
             health,
             OperatorMetrics::register(registry)?,
         ),
-        accounting: config.accounting.enabled.then(|| {
-            Accounting::new(AccountingSettings {
-                name: "usage".into(),
-                windows: config.accounting.windows.clone(),
-                usage_topic: config.topics.usage.clone(),
-                budgets: config.accounting.budgets.clone(),
-                thresholds: config.accounting.thresholds.clone(),
-                alerts_topic: config.topics.alerts.clone(),
-            })
-        }),
+        accounting,
         results,
     })
 }

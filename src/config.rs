@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use sluice_topology::runtime::{Guarantee, StreamsConfig};
 use sluice_topology::RocksSettings;
 
-use crate::accounting::{default_windows, Budgets, WindowSpec};
+use crate::accounting::{default_windows, Budgets, Quotas, WindowSpec};
 use crate::llm::{LlmConfig, PromptConfig};
 use crate::pipeline::BatchingConfig;
 use crate::route::{FeatureWeights, Router, Tier};
@@ -220,6 +220,12 @@ pub struct AccountingSection {
     pub budgets: Budgets,
     /// Fractions of a budget that raise an alert, rising.
     pub thresholds: Vec<f64>,
+    /// Token and cost quotas per window (a default and per tenant), hard or
+    /// soft.
+    pub quotas: Quotas,
+    /// Route a tenant's tiered tasks one tier down once its cost passes this
+    /// fraction of a budget (off when unset; a soft quota crossed always does).
+    pub downgrade_at: Option<f64>,
 }
 
 impl Default for AccountingSection {
@@ -229,6 +235,8 @@ impl Default for AccountingSection {
             windows: default_windows(),
             budgets: Budgets::default(),
             thresholds: vec![0.5, 0.8, 1.0],
+            quotas: Quotas::default(),
+            downgrade_at: None,
         }
     }
 }
@@ -583,6 +591,52 @@ impl Config {
                 if *micros <= 0 {
                     return Err(ConfigError::new(key, "must be positive (micro-dollars)"));
                 }
+            }
+        }
+        if let Some(f) = self.accounting.downgrade_at {
+            if !(f.is_finite() && f > 0.0) {
+                return Err(ConfigError::new(
+                    "accounting.downgrade_at",
+                    "must be a positive fraction of a budget",
+                ));
+            }
+        }
+        let quotas = &self.accounting.quotas;
+        let named = quotas
+            .default
+            .iter()
+            .map(|q| ("default".to_string(), q))
+            .chain(
+                quotas
+                    .tenants
+                    .iter()
+                    .map(|(t, q)| (format!("tenants.{t}"), q)),
+            );
+        for (at, q) in named {
+            let key = |field: &str| format!("accounting.quotas.{at}.{field}");
+            if !self.accounting.enabled {
+                return Err(ConfigError::new(
+                    "accounting.enabled",
+                    "quotas need accounting (their windows are its windows)",
+                ));
+            }
+            if !windows.iter().any(|w| w.name == q.window) {
+                return Err(ConfigError::new(
+                    key("window"),
+                    "not a window in accounting.windows",
+                ));
+            }
+            if q.tokens.is_none() && q.cost_micros.is_none() {
+                return Err(ConfigError::new(
+                    key("tokens"),
+                    "a quota needs tokens, cost_micros or both",
+                ));
+            }
+            if q.tokens == Some(0) {
+                return Err(ConfigError::new(key("tokens"), "must be positive"));
+            }
+            if q.cost_micros.is_some_and(|c| c <= 0) {
+                return Err(ConfigError::new(key("cost_micros"), "must be positive"));
             }
         }
         Ok(())

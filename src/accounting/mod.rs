@@ -19,17 +19,23 @@
 //! whose update is already in the restored window (its position stamp covers
 //! it) is not counted again.
 
-use std::collections::BTreeMap;
+pub mod quota;
+
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
+use parking_lot::Mutex;
+use prometheus::{IntCounterVec, Opts, Registry};
 use serde::{Deserialize, Serialize};
 use sluice_topology::{
     KStream, OutputRecord, ProcessError, Processor, ProcessorContext, Punctuation, Record,
 };
 
-use crate::envelope::TaskResult;
+use crate::envelope::{TaskEnvelope, TaskResult};
 use crate::operator::HEADER_DUPLICATE;
+use crate::route::DowngradeHook;
+pub use quota::{Amount, Quota, QuotaGate, QuotaMode, Quotas, Reservations};
 
 /// A window size and how long its windows are kept.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -106,6 +112,8 @@ pub struct TenantUsage {
     pub by_model: BTreeMap<String, ModelUsage>,
     /// Thresholds alerted (the first `alerted` of the configured ones).
     pub alerted: u8,
+    /// Whether the tenant's soft quota for this window was alerted.
+    pub quota_alerted: bool,
 }
 
 impl TenantUsage {
@@ -113,6 +121,14 @@ impl TenantUsage {
     pub fn add(&mut self, r: &TaskResult) {
         self.total.add(r);
         self.by_model.entry(r.model.clone()).or_default().add(r);
+    }
+
+    /// Prompt plus completion tokens, and cost: what quotas count.
+    pub fn amount(&self) -> Amount {
+        Amount {
+            tokens: self.total.input_tokens + self.total.output_tokens,
+            cost_micros: self.total.cost_micros,
+        }
     }
 }
 
@@ -146,9 +162,12 @@ pub struct UsageRecord {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct AlertRecord {
-    /// `<tenant>/<window>/<window start>/<threshold>`: the same alert always
-    /// has the same id.
+    /// `<tenant>/<window>/<window start>/<threshold>` (a budget's) or
+    /// `…/quota` (a soft quota's): the same alert always has the same id.
     pub alert_id: String,
+    /// `budget` (a threshold of the cost budget) or `quota` (a soft quota
+    /// crossed).
+    pub kind: String,
     /// The tenant.
     pub tenant_id: String,
     /// The window size's name.
@@ -161,8 +180,15 @@ pub struct AlertRecord {
     pub threshold: f64,
     /// Spent in the window when it was crossed, micro-dollars.
     pub spent_micros: i64,
-    /// The window's budget, micro-dollars.
+    /// The window's budget (for a quota: its cost cap, 0 without one),
+    /// micro-dollars.
     pub budget_micros: i64,
+    /// A quota alert: tokens used in the window.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spent_tokens: Option<u64>,
+    /// A quota alert: the quota's token cap.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quota_tokens: Option<u64>,
     /// When the alert was emitted.
     pub emitted_at: chrono::DateTime<chrono::Utc>,
 }
@@ -204,26 +230,117 @@ pub struct AccountingSettings {
     pub thresholds: Vec<f64>,
     /// Where cost alerts go.
     pub alerts_topic: String,
+    /// Token and cost quotas.
+    pub quotas: Quotas,
+    /// Route a tenant's tasks one tier down once its cost passes this
+    /// fraction of a budget (soft quotas crossed always do).
+    pub downgrade_at: Option<f64>,
 }
 
 /// The `account` operator.
 #[derive(Clone)]
-pub struct Accounting(Arc<AccountingSettings>);
+pub struct Accounting(Arc<Inner>);
+
+struct Inner {
+    settings: AccountingSettings,
+    /// Tenants routed down, until the end of the window that put them there
+    /// (ms). Every task of a tenant runs where its partition is, so this
+    /// instance's view is the tenant's.
+    pressure: Mutex<HashMap<String, i64>>,
+    alerts: Option<IntCounterVec>,
+}
 
 impl Accounting {
-    /// An operator with `settings`.
+    /// An operator with `settings` (no metrics).
     pub fn new(settings: AccountingSettings) -> Self {
-        Accounting(Arc::new(settings))
+        Accounting(Arc::new(Inner {
+            settings,
+            pressure: Mutex::new(HashMap::new()),
+            alerts: None,
+        }))
+    }
+
+    /// An operator counting its alerts in `sluice_alerts_emitted_total{kind}`.
+    pub fn registered(
+        settings: AccountingSettings,
+        registry: &Registry,
+    ) -> prometheus::Result<Self> {
+        let alerts = IntCounterVec::new(
+            Opts::new(
+                "sluice_alerts_emitted_total",
+                "Cost alerts emitted, by kind (budget, quota).",
+            ),
+            &["kind"],
+        )?;
+        registry.register(Box::new(alerts.clone()))?;
+        Ok(Accounting(Arc::new(Inner {
+            settings,
+            pressure: Mutex::new(HashMap::new()),
+            alerts: Some(alerts),
+        })))
+    }
+
+    fn settings(&self) -> &AccountingSettings {
+        &self.0.settings
+    }
+
+    /// The gate `invoke_llm` enforces hard quotas with (none without quotas).
+    pub fn quota_gate(&self) -> Option<QuotaGate> {
+        let s = self.settings();
+        if s.quotas.is_empty() {
+            return None;
+        }
+        let windows = s
+            .windows
+            .iter()
+            .filter(|w| {
+                s.quotas
+                    .default
+                    .iter()
+                    .chain(s.quotas.tenants.values())
+                    .any(|q| q.window == w.name)
+            })
+            .map(|w| (w.name.clone(), (self.store_name(w), w.clone())))
+            .collect();
+        Some(QuotaGate::new(s.quotas.clone(), windows))
+    }
+
+    /// Whether any tenant can be routed down (`downgrade_at` set, or a soft
+    /// quota).
+    pub fn routes_down(&self) -> bool {
+        let s = self.settings();
+        s.downgrade_at.is_some()
+            || s.quotas
+                .default
+                .iter()
+                .chain(s.quotas.tenants.values())
+                .any(|q| q.mode == QuotaMode::Soft)
+    }
+
+    /// The router's down-routing hook: a tenant past a soft quota (or
+    /// `downgrade_at` of a budget) in a window that has not ended.
+    pub fn downgrade_hook(&self) -> DowngradeHook {
+        let me = self.clone();
+        Arc::new(move |task: &TaskEnvelope| {
+            let Some(tenant) = task.tenant() else {
+                return false;
+            };
+            let now = chrono::Utc::now().timestamp_millis();
+            me.0.pressure
+                .lock()
+                .get(tenant)
+                .is_some_and(|until| now < *until)
+        })
     }
 
     /// The window store of a window size.
     pub fn store_name(&self, window: &WindowSpec) -> String {
-        format!("{}-{}", self.0.name, window.name)
+        format!("{}-{}", self.settings().name, window.name)
     }
 
     /// The window sizes.
     pub fn windows(&self) -> &[WindowSpec] {
-        &self.0.windows
+        &self.settings().windows
     }
 }
 
@@ -241,14 +358,17 @@ impl AccountStreamExt for KStream<String, TaskResult> {
             .iter()
             .map(|w| {
                 let name = accounting.store_name(w);
-                let retention = Duration::from_millis(w.kept_ms() as u64);
-                self.builder().add_window_store(&name, retention);
+                // `invoke_llm` may have declared it (its quota gate reads it).
+                if !self.builder().has_store(&name) {
+                    let retention = Duration::from_millis(w.kept_ms() as u64);
+                    self.builder().add_window_store(&name, retention);
+                }
                 name
             })
             .collect();
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         let (a, stores) = (accounting.clone(), names.clone());
-        self.process(&accounting.0.name, &refs, move || Accountant {
+        self.process(&accounting.settings().name, &refs, move || Accountant {
             accounting: a.clone(),
             stores: stores.clone(),
             last_expiry_ms: 0,
@@ -298,12 +418,18 @@ impl Accountant {
         start: i64,
         usage: &mut TenantUsage,
     ) -> Vec<AlertRecord> {
-        let settings = &self.accounting.0;
+        let settings = self.accounting.settings();
+        let mut alerts = self.quota_crossed(tenant, w, start, usage);
         let Some(budget) = settings.budgets.budget(tenant, &w.name) else {
-            return Vec::new();
+            return alerts;
         };
         let spent = usage.total.cost_micros;
-        let mut alerts = Vec::new();
+        if settings
+            .downgrade_at
+            .is_some_and(|f| spent as f64 >= f * budget as f64)
+        {
+            self.press(tenant, start + w.size_ms);
+        }
         while let Some(&threshold) = settings.thresholds.get(usize::from(usage.alerted)) {
             if (spent as f64) < threshold * budget as f64 {
                 break;
@@ -311,6 +437,7 @@ impl Accountant {
             usage.alerted += 1;
             alerts.push(AlertRecord {
                 alert_id: format!("{tenant}/{}/{start}/{threshold}", w.name),
+                kind: "budget".into(),
                 tenant_id: tenant.to_string(),
                 window: w.name.clone(),
                 window_start: start,
@@ -318,10 +445,58 @@ impl Accountant {
                 threshold,
                 spent_micros: spent,
                 budget_micros: budget,
+                spent_tokens: None,
+                quota_tokens: None,
                 emitted_at: chrono::Utc::now(),
             });
         }
         alerts
+    }
+
+    /// A soft quota on this window crossed for the first time: its alert,
+    /// and the tenant routed down until the window ends.
+    fn quota_crossed(
+        &self,
+        tenant: &str,
+        w: &WindowSpec,
+        start: i64,
+        usage: &mut TenantUsage,
+    ) -> Vec<AlertRecord> {
+        let Some(q) = self.accounting.settings().quotas.quota(tenant) else {
+            return Vec::new();
+        };
+        let a = usage.amount();
+        let over = q.tokens.is_some_and(|cap| a.tokens > cap)
+            || q.cost_micros.is_some_and(|cap| a.cost_micros > cap);
+        if q.mode != QuotaMode::Soft || q.window != w.name || !over {
+            return Vec::new();
+        }
+        self.press(tenant, start + w.size_ms);
+        if usage.quota_alerted {
+            return Vec::new();
+        }
+        usage.quota_alerted = true;
+        vec![AlertRecord {
+            alert_id: format!("{tenant}/{}/{start}/quota", w.name),
+            kind: "quota".into(),
+            tenant_id: tenant.to_string(),
+            window: w.name.clone(),
+            window_start: start,
+            window_end: start + w.size_ms,
+            threshold: 1.0,
+            spent_micros: a.cost_micros,
+            budget_micros: q.cost_micros.unwrap_or_default(),
+            spent_tokens: Some(a.tokens),
+            quota_tokens: q.tokens,
+            emitted_at: chrono::Utc::now(),
+        }]
+    }
+
+    /// Routes `tenant` down until `until` (ms).
+    fn press(&self, tenant: &str, until: i64) {
+        let mut p = self.accounting.0.pressure.lock();
+        let e = p.entry(tenant.to_string()).or_insert(until);
+        *e = (*e).max(until);
     }
 }
 
@@ -352,8 +527,11 @@ impl Processor<String, TaskResult> for Accountant {
                 usage.add(r);
                 let alerts = self.crossed(&r.tenant_id, w, start, &mut usage);
                 windows.put(&r.tenant_id, start, &usage);
-                let settings = &self.accounting.0;
+                let settings = self.accounting.settings();
                 for alert in alerts {
+                    if let Some(m) = &self.accounting.0.alerts {
+                        m.with_label_values(&[&alert.kind]).inc();
+                    }
                     emit_json(ctx, &settings.alerts_topic, &r.tenant_id, &alert, at)?;
                 }
                 let update = UsageRecord {
@@ -379,6 +557,11 @@ impl Processor<String, TaskResult> for Accountant {
             return Ok(());
         }
         self.last_expiry_ms = time.wall_clock_ms;
+        self.accounting
+            .0
+            .pressure
+            .lock()
+            .retain(|_, until| *until > time.wall_clock_ms);
         for (w, store) in self.accounting.windows().iter().zip(&self.stores) {
             ctx.window::<String, TenantUsage>(store)?
                 .expire_before(time.wall_clock_ms - w.kept_ms())?;

@@ -32,7 +32,7 @@ fn result(id: &str, tenant: &str, model: &str, at_ms: i64, tokens: u64) -> TaskR
     }
 }
 
-fn driver() -> TopologyTestDriver {
+fn accounting() -> (Accounting, StreamBuilder) {
     let b = StreamBuilder::new();
     let accounting = Accounting::new(AccountingSettings {
         name: "usage".into(),
@@ -47,7 +47,29 @@ fn driver() -> TopologyTestDriver {
         },
         thresholds: vec![0.5, 0.8, 1.0],
         alerts_topic: "alerts".into(),
+        quotas: Quotas {
+            default: None,
+            tenants: BTreeMap::from([(
+                "soft".to_string(),
+                Quota {
+                    window: "1h".into(),
+                    tokens: Some(1_000),
+                    cost_micros: None,
+                    mode: QuotaMode::Soft,
+                },
+            )]),
+        },
+        downgrade_at: None,
     });
+    (accounting, b)
+}
+
+fn driver() -> TopologyTestDriver {
+    driver_with().1
+}
+
+fn driver_with() -> (Accounting, TopologyTestDriver) {
+    let (accounting, b) = accounting();
     b.stream(
         &["results"],
         StringCodec,
@@ -55,7 +77,10 @@ fn driver() -> TopologyTestDriver {
     )
     .account(&accounting)
     .to("out", StringCodec, JsonCodec::<TaskResult>::default());
-    TopologyTestDriver::new(b.build().unwrap()).unwrap()
+    (
+        accounting,
+        TopologyTestDriver::new(b.build().unwrap()).unwrap(),
+    )
 }
 
 fn pipe(d: &mut TopologyTestDriver, r: &TaskResult) {
@@ -198,4 +223,41 @@ fn crossing_each_threshold_alerts_once_per_window_across_a_crash_and_a_redeliver
         g[2].alert_id,
         format!("globex/1d/{}/1", T0 - T0 % 86_400_000)
     );
+}
+
+#[test]
+fn a_soft_quota_alerts_once_and_routes_its_tenant_down_until_the_window_ends() {
+    let (accounting, mut d) = driver_with();
+    let now = chrono::Utc::now().timestamp_millis();
+    let hour = now - now.rem_euclid(3_600_000);
+    let hook = accounting.downgrade_hook();
+    let task = |tenant: &str| {
+        serde_json::from_value::<TaskEnvelope>(serde_json::json!({
+            "taskId": "x", "taskType": "classify", "tenantId": tenant, "requesterId": "r",
+            "priority": "normal", "submittedAt": "2026-12-01T10:00:00Z", "attemptNumber": 1,
+            "payload": { "content": "c" }
+        }))
+        .unwrap()
+    };
+    // 1,000 tokens an hour, soft: 600 (400 in, 200 out) are under it.
+    pipe(&mut d, &result("s1", "soft", "small", hour + 1, 400));
+    assert!(!hook(&task("soft")));
+    pipe(&mut d, &result("s2", "soft", "small", hour + 2, 400)); // 1,200: over
+    d.commit().unwrap();
+    pipe(&mut d, &result("s3", "soft", "small", hour + 3, 40));
+    d.crash().unwrap(); // s3 is replayed
+    d.commit().unwrap();
+    let quota: Vec<AlertRecord> = alerts(&d.committed_output("alerts"))
+        .into_iter()
+        .filter(|a| a.kind == "quota")
+        .collect();
+    assert_eq!(quota.len(), 1, "{quota:?}");
+    assert_eq!(
+        (quota[0].spent_tokens, quota[0].quota_tokens),
+        (Some(1_200), Some(1_000))
+    );
+    assert!(hook(&task("soft")), "routed down while the window lasts");
+    assert!(!hook(&task("acme")), "other tenants are not");
+    // Every result still passes (a soft quota refuses nothing).
+    assert_eq!(d.committed_output("out").len(), 3);
 }

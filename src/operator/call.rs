@@ -8,6 +8,7 @@ use super::{
     idempotency_key, in_flight_key, now_ms, output_value, position_headers, Ctx, Failure, Item,
     LlmProcessor, HEADER_OFFSET, HEADER_SOURCE,
 };
+use crate::accounting::Amount;
 use crate::envelope::DlqCategory;
 use crate::llm::apportion::apportion_usage;
 use crate::llm::prompt::split_batch_answer;
@@ -327,14 +328,75 @@ impl LlmProcessor {
                 // share into its result.
                 tracing::warn!(batch = %batch.id, error = %e, "batch answer unusable; calling per task");
                 self.metrics().batch_fallbacks.inc();
-                for (item, share) in job.items.iter_mut().zip(shares) {
+                let mut again = Vec::with_capacity(job.items.len());
+                for (mut item, share) in job.items.into_iter().zip(shares) {
                     item.extra = add_usage(item.extra, share);
+                    if self.reserve_spoiled(ctx, &item, &job.model, share)? {
+                        again.push(item);
+                    }
                 }
                 let model = job.model.clone();
-                self.call_singly(ctx, job.items, model);
+                self.call_singly(ctx, again, model);
                 Ok(())
             }
         }
+    }
+
+    /// A task of a hard-quota tenant called again after its batch's answer
+    /// was unusable: its reservation grows by its share of the spoiled call
+    /// (billed with its result), or, when that no longer fits the quota, it
+    /// gets `quota_exceeded` (and the spoiled share is not billed to the
+    /// tenant). `false` when refused.
+    fn reserve_spoiled(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        item: &Item,
+        model: &str,
+        share: Usage,
+    ) -> Result<bool, ProcessError> {
+        let env = &item.routed.task.envelope;
+        let flight = in_flight_key(
+            item.routed.task.tenant(),
+            &idempotency_key(&env.task_type, &env.task_id),
+        );
+        let (Some(gate), Some((tenant, _))) = (
+            self.step.quota().cloned(),
+            self.reserved.get(&flight).cloned(),
+        ) else {
+            return Ok(true);
+        };
+        let price = self
+            .step
+            .settings()
+            .prices
+            .get(model)
+            .copied()
+            .unwrap_or_default();
+        let cached = share.cached_tokens.min(share.prompt_tokens);
+        let grow = Amount {
+            tokens: share.prompt_tokens + share.completion_tokens,
+            cost_micros: super::cost_micros(
+                &price,
+                share.prompt_tokens,
+                cached,
+                share.completion_tokens,
+            ),
+        };
+        let held = item.held.clone();
+        ctx.with_record(&held, |ctx| {
+            match gate.reserve(ctx, &mut self.reservations, &tenant, grow, now_ms(), true)? {
+                Ok(_) => {
+                    if let Some((_, a)) = self.reserved.get_mut(&flight) {
+                        *a = a.plus(grow);
+                    }
+                    Ok(true)
+                }
+                Err(exceeded) => {
+                    self.reject(ctx, &item.routed, &item.headers, exceeded.message)?;
+                    Ok(false)
+                }
+            }
+        })
     }
 
     /// Forwards a task's completed result.
@@ -431,7 +493,7 @@ impl LlmProcessor {
         // Redeliveries that waited on this attempt finish without a result of
         // their own: the re-published task produces the task's one result.
         let key = idempotency_key(&envelope.task_type, &envelope.task_id);
-        self.in_flight.remove(&in_flight_key(task.tenant(), &key));
+        self.end_flight(&in_flight_key(task.tenant(), &key));
         Ok(())
     }
 }

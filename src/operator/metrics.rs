@@ -28,6 +28,10 @@ pub mod names {
     pub const BATCH_FALLBACKS: &str = "sluice_batch_fallbacks_total";
     /// Results found in the results topics when a task was taken over.
     pub const RECOVERED: &str = "sluice_results_recovered_total";
+    /// Tasks refused by a hard quota (`quota_exceeded`).
+    pub const QUOTA_REJECTIONS: &str = "sluice_quota_rejections_total";
+    /// Hard-quota reservations of calls under way.
+    pub const RESERVATIONS: &str = "sluice_quota_reservations";
 }
 
 /// The operator's metric handles.
@@ -45,6 +49,8 @@ pub struct OperatorMetrics {
     pub(crate) batch_calls_saved: IntCounter,
     pub(crate) batch_fallbacks: IntCounter,
     pub(crate) recovered: IntCounter,
+    pub(crate) quota_rejections: IntCounter,
+    pub(crate) reservations: IntGauge,
 }
 
 impl OperatorMetrics {
@@ -94,6 +100,14 @@ impl OperatorMetrics {
                 names::RECOVERED,
                 "Results recovered from the results topics on takeover",
             )?,
+            quota_rejections: IntCounter::new(
+                names::QUOTA_REJECTIONS,
+                "Tasks refused by a hard quota (quota_exceeded)",
+            )?,
+            reservations: IntGauge::new(
+                names::RESERVATIONS,
+                "Hard-quota reservations of calls under way",
+            )?,
         };
         registry.register(Box::new(m.duplicates.clone()))?;
         registry.register(Box::new(m.republished.clone()))?;
@@ -105,6 +119,8 @@ impl OperatorMetrics {
         registry.register(Box::new(m.batch_calls_saved.clone()))?;
         registry.register(Box::new(m.batch_fallbacks.clone()))?;
         registry.register(Box::new(m.recovered.clone()))?;
+        registry.register(Box::new(m.quota_rejections.clone()))?;
+        registry.register(Box::new(m.reservations.clone()))?;
         Ok(m)
     }
 

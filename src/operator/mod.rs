@@ -40,6 +40,7 @@ use sluice_topology::{
     Record,
 };
 
+use crate::accounting::{Amount, QuotaGate, Reservations};
 use crate::config::Price;
 use crate::envelope::{DlqCategory, Route, TaskResult};
 use crate::llm::{ChatRequest, LlmClient, PromptBuilder, Usage};
@@ -59,6 +60,9 @@ pub const HEADER_DUPLICATE: &str = "sluice.duplicate";
 pub const TRACE_HEADERS: [&str; 2] = ["traceparent", "tracestate"];
 
 const MINUTE_MS: i64 = 60_000;
+
+/// `errorCode` of a task a hard quota refused.
+pub const QUOTA_EXCEEDED: &str = "quota_exceeded";
 
 /// The idempotency key of a task: its type and its id, since two task types
 /// may reuse an id. (Task types are topic-name suffixes, which cannot hold
@@ -92,6 +96,8 @@ pub struct LlmSettings {
     /// Under exactly-once: where the results are written, to recover what an
     /// interrupted transaction left visible when a task is taken over.
     pub recovery: Option<Recovery>,
+    /// Hard quotas, enforced before each call (see [`crate::accounting::quota`]).
+    pub quota: Option<QuotaGate>,
 }
 
 /// Where `invoke_llm`'s results end up (written by `to_results`), read back
@@ -147,9 +153,14 @@ impl LlmStep {
         &self.0.settings.name
     }
 
-    /// Its stores: completed tasks (idempotency), bookkeeping.
+    /// Its own stores: completed tasks (idempotency), bookkeeping.
     pub fn store_names(&self) -> [String; 2] {
         [self.completed_store(), self.meta_store()]
+    }
+
+    /// The hard-quota gate, if any (it reads the accountant's windows).
+    pub fn quota(&self) -> Option<&QuotaGate> {
+        self.settings().quota.as_ref()
     }
 
     /// The idempotency store: `<task type>/<task id>` → stored result.
@@ -268,6 +279,10 @@ pub struct LlmProcessor {
     /// Where the expiry sweep of the completed store goes on from.
     sweep_cursor: Option<Vec<u8>>,
     last_sweep_ms: i64,
+    /// Hard-quota reservations of the calls under way, per tenant.
+    reservations: Reservations,
+    /// The reservation of each task under way (by in-flight key).
+    reserved: HashMap<String, (String, Amount)>,
 }
 
 fn now_ms() -> i64 {
@@ -293,6 +308,8 @@ impl LlmProcessor {
             counters: Default::default(),
             sweep_cursor: None,
             last_sweep_ms: 0,
+            reservations: Reservations::default(),
+            reserved: HashMap::new(),
         }
     }
 
@@ -354,6 +371,21 @@ impl LlmProcessor {
                 return Ok(None);
             }
         };
+        if let Some(gate) = self.step.quota() {
+            let tenant = item.task.task.tenant().to_string();
+            let worst = self.worst_case(&item.task, &request);
+            match gate.reserve(ctx, &mut self.reservations, &tenant, worst, now_ms(), false)? {
+                Err(exceeded) => {
+                    self.reject(ctx, &item.task, &item.headers, exceeded.message)?;
+                    return Ok(None);
+                }
+                Ok(true) => {
+                    self.metrics().reservations.inc();
+                    self.reserved.insert(flight.clone(), (tenant, worst));
+                }
+                Ok(false) => {}
+            }
+        }
         self.in_flight.insert(flight, Vec::new());
         Ok(Some(Item {
             routed: item.task,
@@ -362,6 +394,58 @@ impl LlmProcessor {
             request,
             extra: Usage::default(),
         }))
+    }
+
+    /// A call's worst case: the prompt estimate plus the completion cap,
+    /// priced at the dearest rates of the models it may end on (its own and
+    /// its fallbacks).
+    fn worst_case(&self, routed: &Routed, request: &ChatRequest) -> Amount {
+        let output = u64::from(request.max_tokens.unwrap_or(256));
+        let tokens = u64::from(request.estimated_tokens());
+        let prices = &self.step.settings().prices;
+        let fallbacks = &self.step.settings().fallbacks;
+        let mut dearest = Price::default();
+        let mut model = Some(routed.model.as_str());
+        let mut seen = HashSet::new();
+        while let Some(m) = model.filter(|m| seen.insert(*m)) {
+            if let Some(p) = prices.get(m) {
+                dearest.input = dearest.input.max(p.input);
+                dearest.output = dearest.output.max(p.output);
+                dearest.cached = dearest.cached.max(p.cached);
+            }
+            model = fallbacks.get(m).map(String::as_str);
+        }
+        Amount {
+            tokens,
+            cost_micros: cost_micros(&dearest, tokens.saturating_sub(output), 0, output),
+        }
+    }
+
+    /// A task a hard quota refuses: a failed result `quota_exceeded` (no
+    /// call, no dead letter). Its record is current.
+    fn reject(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        routed: &Routed,
+        headers: &Headers,
+        message: String,
+    ) -> Result<(), ProcessError> {
+        self.metrics().quota_rejections.inc();
+        let mut r = self.base_result(routed, &routed.model, false);
+        r.error_code = Some(QUOTA_EXCEEDED.to_string());
+        r.error_message = Some(message);
+        self.emit_result(ctx, headers, r)
+    }
+
+    /// A task's call is over: its reservation is released (the accountant
+    /// settles its real usage as its result passes, in this same step) and
+    /// the redeliveries that waited for it are returned.
+    fn end_flight(&mut self, flight: &str) -> Vec<(InFlight, Headers)> {
+        if let Some((tenant, amount)) = self.reserved.remove(flight) {
+            self.reservations.release(&tenant, amount);
+            self.metrics().reservations.dec();
+        }
+        self.in_flight.remove(flight).unwrap_or_default()
     }
 
     fn base_result(&self, routed: &Routed, model: &str, success: bool) -> TaskResult {
@@ -420,7 +504,7 @@ impl LlmProcessor {
         // Redeliveries that arrived while the call was under way get the same
         // result, without a call of their own.
         let flight = in_flight_key(&result.tenant_id, &key);
-        for (waiter, headers) in self.in_flight.remove(&flight).unwrap_or_default() {
+        for (waiter, headers) in self.end_flight(&flight) {
             self.metrics().duplicates.inc();
             let again = result.clone();
             ctx.with_record(&waiter, |ctx| forward_result(ctx, again, &headers, true))?;
@@ -491,6 +575,7 @@ impl Drop for LlmProcessor {
         if let Some(task) = self.task {
             self.step.0.health.release(task);
         }
+        self.metrics().reservations.sub(self.reserved.len() as i64);
     }
 }
 

@@ -119,7 +119,11 @@ pub struct Batching {
     config: Arc<BatchingConfig>,
     prompts: Arc<PromptBuilder>,
     metrics: BatchMetrics,
+    isolated: Option<TenantFilter>,
 }
+
+/// Which tenants' tasks are batched only with their own.
+pub type TenantFilter = Arc<dyn Fn(&str) -> bool + Send + Sync>;
 
 impl Batching {
     /// Batching by `config`; `prompts` tells which tasks can share a prompt.
@@ -129,7 +133,16 @@ impl Batching {
             config: Arc::new(config),
             prompts: Arc::new(prompts),
             metrics,
+            isolated: None,
         }
+    }
+
+    /// Batches the tasks of tenants `isolated` picks only with their own
+    /// (tenants with a hard quota: a batch's usage is then apportioned
+    /// within their reservations).
+    pub fn with_isolated_tenants(mut self, isolated: TenantFilter) -> Self {
+        self.isolated = Some(isolated);
+        self
     }
 }
 
@@ -195,7 +208,19 @@ impl MicroBatcher {
         // Tasks share a batch prompt only when their task lines (labels,
         // word limit, schema) are the same.
         let lines = self.step.prompts.task_lines(&task.task.envelope).ok()?;
-        Some(format!("{}\n{ty}\n{}", task.model, lines.join("\n")))
+        let mut key = format!("{}\n{ty}\n{}", task.model, lines.join("\n"));
+        // A tenant with a hard quota shares calls only with itself, so each
+        // batch's usage stays within its own reservations.
+        if self
+            .step
+            .isolated
+            .as_ref()
+            .is_some_and(|f| f(task.task.tenant()))
+        {
+            key.push_str("\ntenant:");
+            key.push_str(task.task.tenant());
+        }
+        Some(key)
     }
 
     fn flush(

@@ -130,11 +130,16 @@ fn invoke<K: Data, V: LlmInput>(
     stream: &KStream<K, V>,
     llm: &LlmStep,
 ) -> KStream<String, TaskResult> {
-    let stores = llm.store_names();
-    let refs: Vec<&str> = stores.iter().map(String::as_str).collect();
+    let mut stores = llm.store_names().to_vec();
     for s in &stores {
         stream.builder().add_kv_store(s, true);
     }
+    // Hard quotas read the tenant windows the accountant keeps.
+    if let Some(gate) = llm.quota() {
+        gate.declare(stream.builder());
+        stores.extend(gate.stores());
+    }
+    let refs: Vec<&str> = stores.iter().map(String::as_str).collect();
     let step = llm.clone();
     stream.process(llm.name(), &refs, move || LlmProcessor::new(step.clone()))
 }

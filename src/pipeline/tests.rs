@@ -67,10 +67,14 @@ output = 600000
 }
 
 fn task(i: usize) -> Vec<u8> {
+    tenant_task(i, "acme")
+}
+
+fn tenant_task(i: usize, tenant: &str) -> Vec<u8> {
     serde_json::to_vec(&serde_json::json!({
         "taskId": format!("t{i}"),
         "taskType": "classify",
-        "tenantId": "acme",
+        "tenantId": tenant,
         "requesterId": "svc",
         "priority": "normal",
         "submittedAt": "2026-12-01T10:00:00Z",
@@ -141,4 +145,109 @@ fn with_batching_off_every_task_is_its_own_call() {
     assert_eq!(done.len(), 10);
     assert!(done.values().all(|r| r.success && r.batch_id.is_none()));
     assert_eq!(s.sim.stats().requests_total, 10);
+}
+
+const QUOTA_WINDOW_MS: i64 = 6_000;
+
+/// Waits for the start of the next quota window (plus a little).
+fn next_quota_window() {
+    let now = chrono::Utc::now().timestamp_millis();
+    let wait = QUOTA_WINDOW_MS - now.rem_euclid(QUOTA_WINDOW_MS) + 50;
+    std::thread::sleep(Duration::from_millis(wait as u64));
+}
+
+#[test]
+fn a_hard_token_quota_is_never_passed_in_a_burst_and_resets_with_its_window() {
+    let quota = 2_000u64;
+    let mut s = setup(&format!(
+        r#"
+[[accounting.windows]]
+name = "q"
+size_ms = {QUOTA_WINDOW_MS}
+retention_ms = 60000
+
+[accounting.quotas.tenants.capped]
+window = "q"
+tokens = {quota}
+"#
+    ));
+    next_quota_window();
+    // A burst: every task of both tenants under way at once.
+    for i in 0..100 {
+        for tenant in ["capped", "free"] {
+            let key = tenant.as_bytes();
+            s.driver
+                .pipe_raw(
+                    "ai.tasks.classify",
+                    Some(key),
+                    Some(&tenant_task(i, tenant)),
+                    0,
+                )
+                .unwrap();
+        }
+    }
+    assert_eq!(s.driver.wait_for_async(Duration::from_secs(20)).unwrap(), 0);
+    let done = s.driver.read_output("ai.results.completed");
+    let failed = s.driver.read_output("ai.results.failed");
+    let all: Vec<TaskResult> = done
+        .iter()
+        .chain(&failed)
+        .map(|r| serde_json::from_slice(r.value.as_deref().unwrap()).unwrap())
+        .collect();
+    let of = |tenant: &str, ok: bool| -> Vec<&TaskResult> {
+        all.iter()
+            .filter(|r| r.tenant_id == tenant && r.success == ok)
+            .collect()
+    };
+    assert_eq!(
+        of("free", true).len(),
+        100,
+        "another tenant is not affected"
+    );
+    let (capped, refused) = (of("capped", true), of("capped", false));
+    assert_eq!(capped.len() + refused.len(), 100, "one result per task");
+    let billed: u64 = capped
+        .iter()
+        .map(|r| r.input_tokens + r.output_tokens)
+        .sum();
+    assert!(
+        billed <= quota,
+        "billed {billed} tokens over a quota of {quota}"
+    );
+    assert!(
+        !refused.is_empty() && capped.len() >= 20,
+        "{} completed",
+        capped.len()
+    );
+    assert!(refused
+        .iter()
+        .all(|r| r.error_code.as_deref() == Some("quota_exceeded") && r.input_tokens == 0));
+    assert!(
+        s.driver.read_output("ai.tasks.classify.dlq").is_empty(),
+        "not dead letters"
+    );
+    // Every token the provider billed is on a completed result.
+    let all_billed: u64 = all.iter().map(|r| r.input_tokens + r.output_tokens).sum();
+    let stats = s.sim.stats();
+    assert_eq!(all_billed, stats.prompt_tokens + stats.completion_tokens);
+    // The next window starts with a fresh quota.
+    next_quota_window();
+    for i in 100..110 {
+        s.driver
+            .pipe_raw(
+                "ai.tasks.classify",
+                Some(b"capped"),
+                Some(&tenant_task(i, "capped")),
+                0,
+            )
+            .unwrap();
+    }
+    assert_eq!(s.driver.wait_for_async(Duration::from_secs(20)).unwrap(), 0);
+    let next = results(s.driver.read_output("ai.results.completed"));
+    assert_eq!(
+        next.len(),
+        10,
+        "{:?}",
+        results(s.driver.read_output("ai.results.failed"))
+    );
 }

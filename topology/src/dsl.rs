@@ -184,6 +184,11 @@ impl StreamBuilder {
         self.add_kv_store_with(name, changelogged, false);
     }
 
+    /// Whether a store of this name is declared.
+    pub fn has_store(&self, name: &str) -> bool {
+        self.inner.lock().stores.iter().any(|s| s.spec.name == name)
+    }
+
     /// Declares a key-value store for processors whose committed entries stay
     /// in the record cache (for keys read again, as an aggregation's are).
     pub fn add_cached_kv_store(&self, name: &str, changelogged: bool) {

@@ -1,0 +1,254 @@
+//! Quotas: a cap on a tenant's tokens or cost per window.
+//!
+//! A **hard** quota is enforced before each provider call, in the task that
+//! owns the tenant's partition (tasks are keyed by tenant, so one task of
+//! one instance decides for a tenant; no shared cache, exact with any number
+//! of instances). `invoke_llm` reserves the call's worst case (the prompt
+//! estimate plus `max_tokens`, priced at the dearest model the call may end
+//! on) against the window's settled usage plus the reservations still out;
+//! a task that does not fit gets a failed result `quota_exceeded` (no call,
+//! no dead letter). When its result is emitted the reservation is released
+//! and, in the same step of the same thread, the accountant adds the real
+//! usage to the window, so settled usage plus reservations never pass the
+//! quota. A **soft** quota is not enforced: crossing it raises an alert
+//! (`kind = quota`) once per window and routes the tenant's tiered tasks one
+//! tier down until the window ends. Either resets with its window.
+//!
+//! Reservations live in memory: after a crash the window comes back as
+//! committed and every task not finished is read again and reserves again,
+//! so nothing is reserved twice or left reserved.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use sluice_topology::{Data, ProcessError, ProcessorContext, StreamBuilder};
+
+use super::{TenantUsage, WindowSpec};
+
+/// Whether a quota refuses calls or only alerts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QuotaMode {
+    /// Calls that would pass it are refused (`quota_exceeded`).
+    #[default]
+    Hard,
+    /// Crossing it alerts and routes down; nothing is refused.
+    Soft,
+}
+
+/// A cap per window: tokens (prompt + completion), cost, or both.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Quota {
+    /// The window size it applies to (a name in `accounting.windows`).
+    pub window: String,
+    /// Prompt plus completion tokens per window.
+    #[serde(default)]
+    pub tokens: Option<u64>,
+    /// Cost per window, micro-dollars.
+    #[serde(default)]
+    pub cost_micros: Option<i64>,
+    /// `hard` (default) or `soft`.
+    #[serde(default)]
+    pub mode: QuotaMode,
+}
+
+/// Quotas: one for every tenant unless a tenant has its own.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Quotas {
+    /// Every tenant's quota, unless overridden.
+    pub default: Option<Quota>,
+    /// Per tenant.
+    pub tenants: BTreeMap<String, Quota>,
+}
+
+impl Quotas {
+    /// A tenant's quota, if any.
+    pub fn quota(&self, tenant: &str) -> Option<&Quota> {
+        self.tenants.get(tenant).or(self.default.as_ref())
+    }
+
+    /// A tenant's hard quota, if any.
+    pub fn hard(&self, tenant: &str) -> Option<&Quota> {
+        self.quota(tenant).filter(|q| q.mode == QuotaMode::Hard)
+    }
+
+    /// Whether any quota is set.
+    pub fn is_empty(&self) -> bool {
+        self.default.is_none() && self.tenants.is_empty()
+    }
+}
+
+/// Tokens and cost of a call, worst case or settled.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Amount {
+    /// Prompt plus completion tokens.
+    pub tokens: u64,
+    /// Micro-dollars.
+    pub cost_micros: i64,
+}
+
+impl Amount {
+    /// The sum of two amounts.
+    pub fn plus(self, o: Amount) -> Amount {
+        Amount {
+            tokens: self.tokens + o.tokens,
+            cost_micros: self.cost_micros + o.cost_micros,
+        }
+    }
+
+    fn minus(self, o: Amount) -> Amount {
+        Amount {
+            tokens: self.tokens.saturating_sub(o.tokens),
+            cost_micros: self.cost_micros - o.cost_micros,
+        }
+    }
+}
+
+/// Why a task was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Exceeded {
+    /// What the failed result says.
+    pub message: String,
+}
+
+/// Hard-quota admission for `invoke_llm`: reads the tenant's window (the
+/// accountant's store) and keeps the reservations of one task's calls.
+#[derive(Clone, Debug)]
+pub struct QuotaGate {
+    quotas: Quotas,
+    /// Store and window spec per window name.
+    windows: HashMap<String, (String, WindowSpec)>,
+}
+
+impl QuotaGate {
+    pub(super) fn new(quotas: Quotas, windows: HashMap<String, (String, WindowSpec)>) -> Self {
+        QuotaGate { quotas, windows }
+    }
+
+    /// The stores it reads (attached to the `invoke_llm` operator).
+    pub fn stores(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.windows.values().map(|(s, _)| s.clone()).collect();
+        names.sort();
+        names
+    }
+
+    /// Whether `tenant` has a hard quota (its tasks are batched only with
+    /// its own, so a batch's usage is apportioned within its reservations).
+    pub fn is_hard(&self, tenant: &str) -> bool {
+        self.quotas.hard(tenant).is_some()
+    }
+
+    /// Declares the window stores it reads unless declared already.
+    pub fn declare(&self, builder: &StreamBuilder) {
+        for (store, w) in self.windows.values() {
+            if !builder.has_store(store) {
+                builder.add_window_store(store, Duration::from_millis(w.kept_ms() as u64));
+            }
+        }
+    }
+
+    /// Reserves `worst` for `tenant` when its settled usage in the current
+    /// window plus what `reserved` holds for it still leaves room; `Ok(Err)`
+    /// when it would pass a hard quota. Without a hard quota nothing is
+    /// reserved (`Ok(Ok(false))`). `grow`: `worst` is added to a reservation
+    /// already counted (a batch's spoiled call billed to its tasks).
+    pub fn reserve<K: Data, V: Data, O: Send + 'static>(
+        &self,
+        ctx: &mut ProcessorContext<'_, K, V, O>,
+        reserved: &mut Reservations,
+        tenant: &str,
+        worst: Amount,
+        now_ms: i64,
+        grow: bool,
+    ) -> Result<Result<bool, Exceeded>, ProcessError> {
+        let Some(q) = self.quotas.hard(tenant) else {
+            return Ok(Ok(false));
+        };
+        let Some((store, w)) = self.windows.get(&q.window) else {
+            return Ok(Ok(false));
+        };
+        let start = now_ms - now_ms.rem_euclid(w.size_ms);
+        let used = ctx
+            .window::<String, TenantUsage>(store)?
+            .get(&tenant.to_string(), start)?
+            .map(|u| Amount {
+                tokens: u.total.input_tokens + u.total.output_tokens,
+                cost_micros: u.total.cost_micros,
+            })
+            .unwrap_or_default();
+        let out = reserved.of(tenant);
+        let after = used.plus(out).plus(worst);
+        let over_tokens = q.tokens.filter(|cap| after.tokens > *cap);
+        let over_cost = q.cost_micros.filter(|cap| after.cost_micros > *cap);
+        if over_tokens.is_some() || over_cost.is_some() {
+            let (what, cap, used_n, out_n, worst_n) = match over_tokens {
+                Some(cap) => (
+                    "tokens",
+                    cap as i64,
+                    used.tokens as i64,
+                    out.tokens as i64,
+                    worst.tokens as i64,
+                ),
+                None => (
+                    "micro-dollars",
+                    q.cost_micros.unwrap_or_default(),
+                    used.cost_micros,
+                    out.cost_micros,
+                    worst.cost_micros,
+                ),
+            };
+            return Ok(Err(Exceeded {
+                message: format!(
+                    "hard quota of {cap} {what} per {} window: {used_n} used, {out_n} reserved, this task up to {worst_n}",
+                    q.window
+                ),
+            }));
+        }
+        reserved.add(tenant, worst, !grow);
+        Ok(Ok(true))
+    }
+}
+
+/// The reservations of one task's calls still under way, per tenant.
+#[derive(Debug, Default)]
+pub struct Reservations {
+    by_tenant: HashMap<String, Amount>,
+    count: usize,
+}
+
+impl Reservations {
+    /// What `tenant` holds.
+    pub fn of(&self, tenant: &str) -> Amount {
+        self.by_tenant.get(tenant).copied().unwrap_or_default()
+    }
+
+    fn add(&mut self, tenant: &str, a: Amount, new: bool) {
+        let e = self.by_tenant.entry(tenant.to_string()).or_default();
+        *e = e.plus(a);
+        self.count += usize::from(new);
+    }
+
+    /// Releases a reservation made for `tenant`.
+    pub fn release(&mut self, tenant: &str, a: Amount) {
+        if let Some(e) = self.by_tenant.get_mut(tenant) {
+            *e = e.minus(a);
+            if *e == Amount::default() {
+                self.by_tenant.remove(tenant);
+            }
+        }
+        self.count = self.count.saturating_sub(1);
+    }
+
+    /// How many are out.
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    /// Whether none is out.
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+}
