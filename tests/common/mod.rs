@@ -2,6 +2,8 @@
 //! started, unique names, and fixture processes of the `sluice` binary.
 #![allow(dead_code)]
 
+pub mod pipeline;
+
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
