@@ -35,4 +35,7 @@ pub enum StateError {
     /// A store name that the task does not have.
     #[error("unknown store {0}")]
     UnknownStore(String),
+    /// The task's state was closed (a [`crate::StoreReader`] outlived it).
+    #[error("the task's state is closed")]
+    Closed,
 }

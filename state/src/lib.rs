@@ -14,6 +14,7 @@
 
 mod checkpoint;
 mod error;
+mod reader;
 mod rocks;
 mod task_state;
 mod value;
@@ -21,6 +22,7 @@ mod window;
 
 pub use checkpoint::{Checkpoint, LoadedCheckpoint};
 pub use error::StateError;
+pub use reader::{StoreReader, WindowRange};
 pub use rocks::{RocksEnv, RocksSettings};
 pub use task_state::{ChangelogRecord, RestoreStats, StoreId, StoreKind, StoreSpec, TaskState};
 pub use value::{Position, StoredValue};

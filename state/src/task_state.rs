@@ -26,7 +26,8 @@ use crate::window::{
     decode_window_key, encode_window_key, window_key_prefix_len, window_start_bytes,
 };
 use crate::{
-    Checkpoint, LoadedCheckpoint, Position, RocksEnv, StateError, StoredValue, WindowEntry,
+    Checkpoint, LoadedCheckpoint, Position, RocksEnv, StateError, StoreReader, StoredValue,
+    WindowEntry,
 };
 
 /// What kind of store.
@@ -196,7 +197,9 @@ impl Store {
 /// The state of one task.
 pub struct TaskState {
     dir: PathBuf,
-    db: DB,
+    db: Arc<DB>,
+    /// Read-only handle for other threads; closed when the state drops.
+    reader: StoreReader,
     stores: Vec<Store>,
     checkpoint: Checkpoint,
     /// Highest input offset reflected in state, per source, from local state
@@ -216,6 +219,8 @@ pub struct TaskState {
 
 impl Drop for TaskState {
     fn drop(&mut self) {
+        // Readers first: the database closes with this value.
+        self.reader.close();
         // The offsets of the last commits, made durable on the way out, so a
         // restart restores only what came after them.
         if self.checkpoint_behind {
@@ -258,9 +263,12 @@ impl TaskState {
         };
         let reflected = checkpoint.positions.clone();
         let (cache_budget, cache_fill) = env.record_cache();
+        let db = Arc::new(db);
+        let reader = StoreReader::new(db.clone(), dir.to_path_buf(), specs.to_vec());
         let mut state = TaskState {
             dir: dir.to_path_buf(),
             db,
+            reader,
             stores: specs.iter().cloned().map(Store::new).collect(),
             checkpoint,
             reflected: reflected.into_iter().collect(),
@@ -321,6 +329,12 @@ impl TaskState {
             store.wrote(&k);
         }
         Ok(())
+    }
+
+    /// A read-only handle on the committed state, for other threads (see
+    /// [`StoreReader`]).
+    pub fn reader(&self) -> StoreReader {
+        self.reader.clone()
     }
 
     /// The task's state directory.
@@ -1207,5 +1221,83 @@ mod tests {
             .map(|(k, _)| k)
             .collect();
         assert_eq!(keys, vec![b"t1/b".to_vec(), b"t1/c".to_vec()]);
+    }
+
+    #[test]
+    fn a_reader_sees_committed_windows_from_one_snapshot_and_closes_with_the_state() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = RocksEnv::new(Default::default());
+        let mut win_specs = specs();
+        win_specs.push(StoreSpec {
+            name: "win2".into(),
+            kind: StoreKind::Window {
+                retention_ms: 10_000,
+            },
+            changelogged: true,
+            cached: false,
+        });
+        let mut st = TaskState::open(dir.path(), &win_specs, &env).unwrap();
+        let (win, win2) = (st.store_id("win").unwrap(), st.store_id("win2").unwrap());
+        let reader = st.reader();
+        let range = |store, from_ms, to_ms| crate::WindowRange {
+            store,
+            from_ms,
+            to_ms,
+        };
+        let values = |r: &StoreReader, key: &[u8]| -> Vec<Vec<(i64, Vec<u8>)>> {
+            r.fetch_windows(key, &[range("win", 0, 10_000), range("win2", 1_000, 2_000)])
+                .unwrap()
+                .into_iter()
+                .map(|w| w.into_iter().map(|(s, v)| (s, v.value)).collect())
+                .collect()
+        };
+        // Neighbours on both sides of the key, in several windows.
+        for (start, key, v) in [
+            (0, &b"a"[..], &b"a0"[..]),
+            (0, b"b", b"b0"),
+            (1_000, b"ab", b"ab1"),
+            (1_000, b"c", b"c1"),
+            (3_000, b"b", b"b3"),
+            (9_000, b"b", b"b9"),
+            (10_000, b"b", b"b10"),
+        ] {
+            st.window_put(win, key, start, v, pos(start));
+        }
+        st.window_put(win2, b"b", 1_000, b"x1", pos(1));
+        assert_eq!(
+            values(&reader, b"b"),
+            vec![vec![], vec![]],
+            "uncommitted writes are not visible"
+        );
+        st.commit_local(&HashMap::from([(win, 7), (win2, 1)]))
+            .unwrap();
+        assert_eq!(
+            values(&reader, b"b"),
+            vec![
+                vec![
+                    (0, b"b0".to_vec()),
+                    (3_000, b"b3".to_vec()),
+                    (9_000, b"b9".to_vec())
+                ],
+                vec![(1_000, b"x1".to_vec())],
+            ]
+        );
+        assert_eq!(values(&reader, b"zz"), vec![vec![], vec![]]);
+        assert!(matches!(
+            reader.fetch_windows(b"b", &[range("kv", 0, 1)]),
+            Err(StateError::UnknownStore(_))
+        ));
+        // A write after the commit stays invisible until the next one.
+        st.window_put(win, b"b", 3_000, b"b3'", pos(4_000));
+        assert_eq!(values(&reader, b"b")[0][1].1, b"b3".to_vec());
+        drop(st);
+        assert!(!reader.is_open());
+        assert!(matches!(
+            reader.fetch_windows(b"b", &[range("win", 0, 1)]),
+            Err(StateError::Closed)
+        ));
+        // The reader kept nothing open: the directory opens again.
+        let st = TaskState::open(dir.path(), &win_specs, &env).unwrap();
+        assert_eq!(values(&st.reader(), b"b")[0].len(), 3);
     }
 }

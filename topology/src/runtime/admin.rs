@@ -1,6 +1,7 @@
 //! Start-up checks and internal topics: source topics must exist and be
 //! co-partitioned within a sub-topology; repartition and changelog topics are
-//! created with the right partition counts and cleanup policies.
+//! created with the right partition counts and cleanup policies, and the
+//! instance-metadata topic when the instance takes interactive queries.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -40,14 +41,22 @@ struct TopicSpec {
     configs: Vec<(String, String)>,
 }
 
-/// Checks sources and creates internal topics.
 /// Partition counts of the dead-letter topics, by name.
 pub(crate) type DeadLetterPartitions = HashMap<String, i32>;
 
+/// What start-up learnt about the topics.
+pub(crate) struct PreparedTopics {
+    /// Partition counts of the dead-letter topics.
+    pub(crate) dead_letters: DeadLetterPartitions,
+    /// Partitions (and so tasks) of each sub-topology, by id.
+    pub(crate) subtopology_partitions: Vec<i32>,
+}
+
+/// Checks sources and creates internal topics.
 pub(crate) fn prepare_topics(
     cfg: &StreamsConfig,
     topology: &Topology,
-) -> Result<DeadLetterPartitions, TopologyError> {
+) -> Result<PreparedTopics, TopologyError> {
     let app = &cfg.application_id;
     let mut all: Vec<String> = Vec::new();
     let mut dead_letters: Vec<String> = Vec::new();
@@ -59,6 +68,8 @@ pub(crate) fn prepare_topics(
         dead_letters.extend(st.sources.iter().filter_map(|s| s.dead_letter.clone()));
     }
     all.extend(dead_letters.iter().cloned());
+    let instances = super::instances::instances_topic(app);
+    all.push(instances.clone());
     let existing = partition_counts(cfg, &all)?;
     let mut dlq_partitions = DeadLetterPartitions::new();
     for d in dead_letters {
@@ -157,8 +168,16 @@ pub(crate) fn prepare_topics(
             check_or_plan(&existing, &name, p, configs, &mut to_create)?;
         }
     }
+    if cfg.application_server.is_some() {
+        // One partition: every instance reads every claim.
+        let configs = vec![("cleanup.policy".to_string(), "compact".to_string())];
+        check_or_plan(&existing, &instances, 1, configs, &mut to_create)?;
+    }
     create_topics(cfg, &to_create)?;
-    Ok(dlq_partitions)
+    Ok(PreparedTopics {
+        dead_letters: dlq_partitions,
+        subtopology_partitions,
+    })
 }
 
 fn check_or_plan(

@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use sluice_state::RocksSettings;
 
+use super::partitions::KeyPartitioner;
+
 use crate::TopologyError;
 
 /// Processing guarantee.
@@ -78,6 +80,24 @@ pub struct StreamsConfig {
     pub parallel_commits: bool,
     /// Give up restoring a task after this long.
     pub restore_timeout: Duration,
+    /// Where other instances reach this one for interactive queries (Kafka
+    /// Streams' `application.server`), e.g. `http://pod-0.sluice:8080`. Set,
+    /// the instance publishes which source partitions it holds on the
+    /// internal topic `<application_id>-instances` and follows what the
+    /// others publish there, so [`crate::runtime::Queries::metadata_for_key`]
+    /// can name the instance that holds any key. `None`: only this
+    /// instance's own keys are known.
+    pub application_server: Option<String>,
+    /// How the producers of the source topics partition keys (to find the
+    /// partition, and so the task, of a key in interactive queries).
+    /// Repartition topics are written by the engine with murmur2 whatever
+    /// this says.
+    pub key_partitioner: KeyPartitioner,
+    /// How often an instance with an `application_server` publishes its
+    /// partitions even when they did not change. A claim not renewed for
+    /// three times this or three session timeouts, whichever is longer,
+    /// counts as gone.
+    pub instance_claim_interval: Duration,
     /// Extra librdkafka properties for every client.
     pub client_overrides: BTreeMap<String, String>,
     /// Extra librdkafka properties for the main consumer.
@@ -114,6 +134,9 @@ impl StreamsConfig {
             transaction_timeout: Duration::from_secs(60),
             parallel_commits: false,
             restore_timeout: Duration::from_secs(600),
+            application_server: None,
+            key_partitioner: KeyPartitioner::Murmur2,
+            instance_claim_interval: Duration::from_secs(5),
             client_overrides: BTreeMap::new(),
             consumer_overrides: BTreeMap::new(),
             producer_overrides: BTreeMap::new(),
@@ -125,6 +148,11 @@ impl StreamsConfig {
     pub fn commit_interval(&self) -> Duration {
         self.commit_interval
             .unwrap_or_else(|| self.guarantee.default_commit_interval())
+    }
+
+    /// How long an instance's claim on its partitions lasts without renewal.
+    pub fn instance_claim_timeout(&self) -> Duration {
+        (3 * self.session_timeout).max(3 * self.instance_claim_interval)
     }
 
     /// Checks values the runtime depends on; the error names the key.
@@ -163,6 +191,17 @@ impl StreamsConfig {
         }
         if self.session_timeout >= self.max_poll_interval {
             return bad("session_timeout", "must be below max_poll_interval");
+        }
+        if let Some(server) = &self.application_server {
+            if server.is_empty() || server.chars().any(char::is_whitespace) {
+                return bad(
+                    "application_server",
+                    "must be a non-empty address without spaces",
+                );
+            }
+        }
+        if self.instance_claim_interval.is_zero() {
+            return bad("instance_claim_interval", "must be positive");
         }
         Ok(())
     }

@@ -23,28 +23,38 @@
 //! on assignment a suspended task resumes at once and a new one is restored on a
 //! helper thread (after fencing its previous owner) while polling goes on and
 //! librdkafka fetches its records into its partition queues.
+//!
+//! [`RunningApp::queries`] answers interactive queries: which instance holds
+//! a key's state (instances publish their partitions on an internal topic,
+//! see `instances`) and read-only reads of this instance's committed state.
 
 pub mod config;
 pub mod metrics;
 
 mod admin;
 mod driver;
+mod instances;
 mod kafka;
 mod partitions;
+mod queries;
 mod restore;
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 
 pub use config::{Guarantee, StreamsConfig};
+pub use instances::InstanceClaim;
 pub use kafka::close_in_background;
 pub use metrics::EngineMetrics;
-pub use partitions::{key_partition, murmur2};
+pub use partitions::{crc32, key_partition, murmur2, KeyPartitioner};
+pub use queries::{KeyMetadata, Queries, QueryError};
 pub use restore::BARRIER_HEADER;
+pub use sluice_state::WindowRange;
 
 use crate::{ProcessError, TaskId, Topology, TopologyError};
 
@@ -118,6 +128,14 @@ impl RuntimeError {
     pub(crate) fn fenced(&self) -> bool {
         self.kafka_code().is_some_and(is_fencing_code)
     }
+}
+
+/// Wall-clock time, ms since the epoch.
+pub(crate) fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
 }
 
 /// Whether a Kafka error code says the producer was fenced.
@@ -255,11 +273,26 @@ impl StreamsApp {
     }
 
     /// Validates the configuration, checks source topics (existence,
-    /// co-partitioning), creates internal topics, then starts the driver thread.
-    /// Any problem found before processing starts is returned here.
+    /// co-partitioning), creates internal topics, then starts the driver thread
+    /// (and, with an `application_server`, the thread that publishes and
+    /// reads instance metadata). Any problem found before processing starts
+    /// is returned here.
     pub fn start(self) -> Result<RunningApp, TopologyError> {
         self.cfg.validate()?;
-        let dlq_partitions = admin::prepare_topics(&self.cfg, &self.topology)?;
+        let prepared = admin::prepare_topics(&self.cfg, &self.topology)?;
+        let local = Arc::new(queries::LocalTasks::default());
+        let directory = self
+            .cfg
+            .application_server
+            .as_ref()
+            .map(|_| Arc::new(instances::Directory::default()));
+        let queries = Queries::new(
+            &self.cfg,
+            &self.topology,
+            &prepared.subtopology_partitions,
+            local.clone(),
+            directory.clone(),
+        );
         let shutdown = Arc::new(AtomicBool::new(false));
         let status = Arc::new(AppStatus::new());
         let (own_runtime, handle) = match self.runtime {
@@ -277,14 +310,25 @@ impl StreamsApp {
                 (Some(rt), h)
             }
         };
+        let claims = match (&self.cfg.application_server, &directory) {
+            (Some(server), Some(directory)) => Some(instances::ClaimsThread::start(
+                &self.cfg,
+                &self.topology,
+                server.clone(),
+                local.clone(),
+                directory.clone(),
+            )?),
+            _ => None,
+        };
         let driver = driver::Driver::new(
             self.topology,
             self.cfg,
             self.metrics,
-            dlq_partitions,
+            prepared.dead_letters,
             handle,
             status.clone(),
             self.intake.clone(),
+            local,
         )?;
         let stop = shutdown.clone();
         let st = status.clone();
@@ -292,6 +336,10 @@ impl StreamsApp {
             .name("sluice-driver".into())
             .spawn(move || {
                 let result = driver.run(&stop);
+                // The tasks are closed: this instance's claim goes.
+                if let Some(c) = claims {
+                    c.stop();
+                }
                 match &result {
                     Ok(()) => st.set(AppState::Stopped),
                     Err(e) => {
@@ -307,6 +355,7 @@ impl StreamsApp {
             shutdown,
             status,
             intake: self.intake,
+            queries,
             thread: Some(thread),
         })
     }
@@ -317,6 +366,7 @@ pub struct RunningApp {
     shutdown: Arc<AtomicBool>,
     status: Arc<AppStatus>,
     intake: IntakeControl,
+    queries: Queries,
     thread: Option<JoinHandle<Result<(), RuntimeError>>>,
 }
 
@@ -334,6 +384,12 @@ impl RunningApp {
     /// The intake control.
     pub fn intake(&self) -> IntakeControl {
         self.intake.clone()
+    }
+
+    /// Interactive queries: where a key's state lives, and reads of the
+    /// state this instance holds (from any thread).
+    pub fn queries(&self) -> Queries {
+        self.queries.clone()
     }
 
     /// True once the driver thread ended.

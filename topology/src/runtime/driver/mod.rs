@@ -4,11 +4,11 @@
 //! (feeding tasks, pauses), `commit`, `rebalance` (revoke, lose, assign) and
 //! `startup` (restore on helper threads, activation).
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
@@ -30,8 +30,9 @@ use super::kafka::{
     TrackedProducer,
 };
 use super::metrics::EngineMetrics;
+use super::queries::LocalTasks;
 use super::restore::restore_task;
-use super::{AppState, AppStatus, IntakeControl, RuntimeError};
+use super::{now_ms, AppState, AppStatus, IntakeControl, RuntimeError};
 use crate::context::CompletionMsg;
 use crate::record::OutputRecord;
 use crate::task::{Input, PreparedCommit, TaskCore};
@@ -53,13 +54,6 @@ const FLUSH_TIMEOUT: Duration = Duration::from_secs(60);
 /// Completions handed over at once from which tasks take theirs side by side
 /// (below it, starting threads costs more than it saves).
 const PARALLEL_COMPLETIONS: usize = 256;
-
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
 
 type Tp = (String, i32);
 
@@ -303,6 +297,8 @@ struct Engine {
     round_started: Option<Instant>,
     last_punctuate: Instant,
     status: Arc<AppStatus>,
+    /// This instance's tasks and their state readers, for interactive queries.
+    local: Arc<LocalTasks>,
     intake: IntakeControl,
     joined: bool,
     fatal: Option<RuntimeError>,
@@ -422,6 +418,7 @@ fn waker(tx: &Sender<()>) -> impl Fn() + Send + Sync + 'static {
 }
 
 impl Driver {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         topology: Arc<Topology>,
         cfg: Arc<StreamsConfig>,
@@ -430,6 +427,7 @@ impl Driver {
         runtime: tokio::runtime::Handle,
         status: Arc<AppStatus>,
         intake: IntakeControl,
+        local: Arc<LocalTasks>,
     ) -> Result<Self, TopologyError> {
         let app = cfg.application_id.clone();
         let mut topic_sub = HashMap::new();
@@ -474,6 +472,7 @@ impl Driver {
             round_started: None,
             last_punctuate: Instant::now(),
             status,
+            local,
             intake,
             joined: false,
             fatal: None,
@@ -762,9 +761,18 @@ impl Engine {
         self.tasks.keys().chain(committing).copied()
     }
 
-    /// Publishes the tasks this instance runs.
+    /// Publishes the tasks this instance runs, and those assigned to it
+    /// (running or restoring) with a state reader of each running one.
     fn publish_tasks(&self) {
         self.status.set_tasks(self.running());
+        let running: BTreeSet<TaskId> = self.running().collect();
+        let assigned = running.iter().chain(self.pending.keys()).copied().collect();
+        self.local.publish(running, assigned, |id| {
+            self.tasks
+                .get(&id)
+                .and_then(|t| t.core.ctx.state.as_ref())
+                .map(TaskState::reader)
+        });
     }
 
     /// The listed tasks, active or suspended.
@@ -831,7 +839,7 @@ impl Engine {
             }
         }
         self.suspended.clear();
-        self.status.set_tasks([]);
+        self.publish_tasks();
         Ok(())
     }
 }
