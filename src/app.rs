@@ -10,11 +10,12 @@ use sluice_topology::runtime::{EngineMetrics, IntakeControl, RunningApp, Streams
 
 use crate::accounting::{Accounting, AccountingSettings};
 use crate::config::{Config, ConfigError};
-use crate::http::{serve, HttpState};
+use crate::http::{bind, serve, HttpState};
 use crate::llm::{LlmClient, PromptBuilder};
 use crate::operator::{Health, LlmSettings, LlmStep, OperatorMetrics, Recovery};
 use crate::pipeline::{default_topology, BatchMetrics, Batching, ResultsSink, Steps, TaskSource};
 use crate::route::RouteStep;
+use crate::usage::UsageQueries;
 use sluice_topology::runtime::Guarantee;
 use sluice_topology::{Topology, TopologyError};
 
@@ -86,21 +87,35 @@ pub async fn run_pipeline(
     let steps = steps(&config, client, &registry, health.clone())?;
     let topology = build(&steps)?;
     tracing::info!(topology = %topology.describe(&config.app.id), "starting");
-    let app = StreamsApp::new(topology, config.streams(), engine_metrics)
-        .with_runtime(tokio::runtime::Handle::current())
-        .with_intake(intake)
-        .start()
-        .map_err(RunError::Start)?;
     let addr = config.http.listen.parse().map_err(|_| ConfigError {
         key: "http.listen".into(),
         message: "not an address".into(),
     })?;
+    // Bound first: the engine publishes the address queries reach us at.
+    let listener = bind(addr).await?;
+    let bound = listener.local_addr()?;
+    let mut streams = config.streams();
+    streams.application_server = config.http.advertised(bound);
+    let served_by = streams
+        .application_server
+        .clone()
+        .unwrap_or_else(|| format!("http://{bound}"));
+    let app = StreamsApp::new(topology, streams, engine_metrics)
+        .with_runtime(tokio::runtime::Handle::current())
+        .with_intake(intake)
+        .start()
+        .map_err(RunError::Start)?;
+    let usage = steps
+        .accounting
+        .clone()
+        .map(|a| UsageQueries::new(app.queries(), a, served_by));
     let (local, http) = serve(
-        addr,
+        listener,
         HttpState {
             registry,
             status: app.status(),
             health,
+            usage,
         },
     )
     .await?;
@@ -145,7 +160,7 @@ pub fn steps(
         fallbacks: config.routing.fallbacks.clone(),
         prices: config.prices.clone(),
         recovery,
-        quota: None,
+        accounting: None,
     };
     let models: Vec<String> = client.models().map(str::to_string).collect();
     let prompts = PromptBuilder::new(config.prompts.clone());
@@ -167,7 +182,8 @@ pub fn steps(
     } else {
         None
     };
-    settings.quota = accounting.as_ref().and_then(Accounting::quota_gate);
+    settings.accounting = accounting.clone();
+    let gate = accounting.as_ref().and_then(Accounting::quota_gate);
     let mut route = RouteStep::new(config.router(), models, registry)?;
     let mut batching = Batching::new(
         config.batching.clone(),
@@ -177,7 +193,7 @@ pub fn steps(
     if let Some(a) = accounting.as_ref().filter(|a| a.routes_down()) {
         route = route.with_downgrade(a.downgrade_hook());
     }
-    if let Some(gate) = settings.quota.clone() {
+    if let Some(gate) = gate {
         batching = batching.with_isolated_tenants(Arc::new(move |t| gate.is_hard(t)));
     }
     Ok(Steps {

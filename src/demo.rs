@@ -32,6 +32,10 @@ pub struct DemoArgs {
 const TENANTS: [&str; 4] = ["acme", "globex", "initech", "umbrella"];
 const TYPES: [&str; 3] = ["summarize", "classify", "extract"];
 const REFUSED_MARKER: &str = "[forbidden-topic]";
+/// globex's hourly budget, micro-dollars.
+const BUDGET_MICROS: i64 = 7_000;
+/// initech's hourly hard quota, tokens.
+const QUOTA_TOKENS: u64 = 8_000;
 
 fn config_text(bootstrap: &str, run: &str, sim_url: &str, state: &str) -> String {
     format!(
@@ -50,6 +54,7 @@ tasks_prefix = "demo-{run}.tasks."
 results_completed = "demo-{run}.results.completed"
 results_failed = "demo-{run}.results.failed"
 usage = "demo-{run}.usage"
+alerts = "demo-{run}.alerts"
 partitions = 4
 
 [[llm.providers]]
@@ -82,6 +87,15 @@ cached = 1250000
 
 [http]
 listen = "127.0.0.1:0"
+
+# globex has a cost budget of {BUDGET_MICROS} µ$ an hour (alerts at 50/80/100 %);
+# initech a hard quota of {QUOTA_TOKENS} tokens an hour.
+[accounting.budgets.tenants.globex]
+1h = {BUDGET_MICROS}
+
+[accounting.quotas.tenants.initech]
+window = "1h"
+tokens = {QUOTA_TOKENS}
 "#
     )
 }
@@ -271,7 +285,55 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         e.0 += count;
         e.1 += cost;
     }
+    // Budget alerts and quota refusals.
+    let (b, alerts_topic) = (args.bootstrap.clone(), topics.alerts.clone());
+    let alerts = tokio::task::spawn_blocking(move || {
+        read_topics(&b, &[&alerts_topic], true, Duration::from_secs(3), |_| {
+            false
+        })
+    })
+    .await??;
+    println!(
+        "
+cost alerts (from {}):",
+        topics.alerts
+    );
+    for m in &alerts {
+        if let Some(Ok(a)) = m
+            .payload()
+            .map(serde_json::from_slice::<crate::accounting::AlertRecord>)
+        {
+            println!(
+                "  {:<10} window {:<4} {:>4.0} % of {} µ$ (spent {} µ$)",
+                a.tenant_id,
+                a.window,
+                a.threshold * 100.0,
+                a.budget_micros,
+                a.spent_micros
+            );
+        }
+    }
+    let refused: Vec<&TaskResult> = results
+        .iter()
+        .filter(|r| r.error_code.as_deref() == Some(crate::operator::QUOTA_EXCEEDED))
+        .collect();
+    let capped_tokens: u64 = results
+        .iter()
+        .filter(|r| r.success && r.tenant_id == "initech")
+        .map(|r| r.input_tokens + r.output_tokens)
+        .sum();
+    println!(
+        "
+hard quota: initech used {capped_tokens} of {QUOTA_TOKENS} tokens; {} tasks refused (quota_exceeded, no call)",
+        refused.len()
+    );
     let _ = std::fs::remove_dir_all(&state);
+    if alerts.is_empty() {
+        anyhow::bail!("demo: globex passed its budget but no alert was emitted");
+    }
+    if capped_tokens > QUOTA_TOKENS || refused.iter().any(|r| r.tenant_id != "initech") {
+        anyhow::bail!("demo: the hard quota was passed or refused another tenant");
+    }
     if from_windows == by_tenant {
         println!("\ndemo: OK — every task has exactly one result; windowed usage equals the sum of the results");
         Ok(())
@@ -325,7 +387,18 @@ fn report_results(results: &[TaskResult], sim: &crate::sim::SimStats) {
             );
         }
     }
-    for r in results.iter().filter(|r| !r.success) {
+    let failed: Vec<&TaskResult> = results.iter().filter(|r| !r.success).collect();
+    // One example per error code.
+    let mut shown = std::collections::BTreeSet::new();
+    for r in failed.iter().filter(|r| shown.insert(r.error_code.clone())) {
+        let n = failed
+            .iter()
+            .filter(|f| f.error_code == r.error_code)
+            .count();
+        println!(
+            "  {n} failed with {}, e.g.:",
+            r.error_code.as_deref().unwrap_or("?")
+        );
         println!(
             "  failed {} ({}): {}",
             r.task_id,

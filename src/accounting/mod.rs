@@ -15,9 +15,14 @@
 //!
 //! Under exactly-once the window updates, the usage records and the results
 //! commit in one transaction, so the accounts always equal the sum of the
-//! results a `read_committed` reader sees. A record replayed after a crash
-//! whose update is already in the restored window (its position stamp covers
-//! it) is not counted again.
+//! results a `read_committed` reader sees. `invoke_llm` emits each input's
+//! result once across crashes (its idempotency store is stamped with the
+//! input position, in the same transaction), and results re-emitted to a
+//! redelivered task carry `sluice.duplicate` and are not counted again. A
+//! broker that exposes an interrupted transaction instead of aborting it
+//! (the test broker does) leaves results visible that the restored windows
+//! may not hold: `invoke_llm`'s takeover recovery adds those to the windows
+//! ([`Accounting::add_result`]).
 
 pub mod quota;
 
@@ -29,7 +34,8 @@ use parking_lot::Mutex;
 use prometheus::{IntCounterVec, Opts, Registry};
 use serde::{Deserialize, Serialize};
 use sluice_topology::{
-    KStream, OutputRecord, ProcessError, Processor, ProcessorContext, Punctuation, Record,
+    Data, KStream, OutputRecord, ProcessError, Processor, ProcessorContext, Punctuation, Record,
+    StreamBuilder,
 };
 
 use crate::envelope::{TaskEnvelope, TaskResult};
@@ -75,6 +81,39 @@ pub fn default_windows() -> Vec<WindowSpec> {
     ]
 }
 
+/// Result header set by `account` on each result it counts: the result's
+/// place in the order its task counted results (see [`Seq`]).
+pub const HEADER_SEQ: &str = "sluice.usage.seq";
+
+/// The order in which a task counted results: the time the task's
+/// accountant started (ms) and a counter. Each window keeps the last it
+/// counted, so a result recovered on takeover is added to exactly the
+/// windows that do not hold it yet, however much of an interrupted
+/// transaction a broker left visible.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Seq {
+    /// When the counting accountant started, ms since the epoch.
+    pub incarnation: i64,
+    /// Results it counted before this one.
+    pub n: u64,
+}
+
+impl Seq {
+    /// As a header value: `<incarnation>.<n>`.
+    pub fn encode(&self) -> Vec<u8> {
+        format!("{}.{}", self.incarnation, self.n).into_bytes()
+    }
+
+    /// From a header value.
+    pub fn decode(bytes: &[u8]) -> Option<Seq> {
+        let (i, n) = std::str::from_utf8(bytes).ok()?.split_once('.')?;
+        Some(Seq {
+            incarnation: i.parse().ok()?,
+            n: n.parse().ok()?,
+        })
+    }
+}
+
 /// One model's share of a window.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -114,6 +153,8 @@ pub struct TenantUsage {
     pub alerted: u8,
     /// Whether the tenant's soft quota for this window was alerted.
     pub quota_alerted: bool,
+    /// The last result counted.
+    pub last_seq: Seq,
 }
 
 impl TenantUsage {
@@ -237,9 +278,24 @@ pub struct AccountingSettings {
     pub downgrade_at: Option<f64>,
 }
 
+/// What adding a result to its windows emits.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Update {
+    /// A threshold (or soft quota) crossed.
+    Alert(AlertRecord),
+    /// A window's new totals.
+    Usage(UsageRecord),
+}
+
 /// The `account` operator.
 #[derive(Clone)]
 pub struct Accounting(Arc<Inner>);
+
+impl std::fmt::Debug for Accounting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Accounting").field(&self.0.settings).finish()
+    }
+}
 
 struct Inner {
     settings: AccountingSettings,
@@ -338,6 +394,21 @@ impl Accounting {
         format!("{}-{}", self.settings().name, window.name)
     }
 
+    /// Declares the window stores (unless declared already: `invoke_llm`
+    /// reads them too) and returns their names, in `windows` order.
+    pub fn declare_stores(&self, builder: &StreamBuilder) -> Vec<String> {
+        self.windows()
+            .iter()
+            .map(|w| {
+                let name = self.store_name(w);
+                if !builder.has_store(&name) {
+                    builder.add_window_store(&name, Duration::from_millis(w.kept_ms() as u64));
+                }
+                name
+            })
+            .collect()
+    }
+
     /// The window sizes.
     pub fn windows(&self) -> &[WindowSpec] {
         &self.settings().windows
@@ -353,25 +424,17 @@ pub trait AccountStreamExt {
 
 impl AccountStreamExt for KStream<String, TaskResult> {
     fn account(&self, accounting: &Accounting) -> KStream<String, TaskResult> {
-        let names: Vec<String> = accounting
-            .windows()
-            .iter()
-            .map(|w| {
-                let name = accounting.store_name(w);
-                // `invoke_llm` may have declared it (its quota gate reads it).
-                if !self.builder().has_store(&name) {
-                    let retention = Duration::from_millis(w.kept_ms() as u64);
-                    self.builder().add_window_store(&name, retention);
-                }
-                name
-            })
-            .collect();
+        let names = accounting.declare_stores(self.builder());
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         let (a, stores) = (accounting.clone(), names.clone());
         self.process(&accounting.settings().name, &refs, move || Accountant {
             accounting: a.clone(),
             stores: stores.clone(),
             last_expiry_ms: 0,
+            next: Seq {
+                incarnation: chrono::Utc::now().timestamp_millis(),
+                n: 0,
+            },
         })
     }
 }
@@ -382,6 +445,8 @@ struct Accountant {
     /// Store name per window, in `windows` order.
     stores: Vec<String>,
     last_expiry_ms: i64,
+    /// The next result's place in this task's counting order.
+    next: Seq,
 }
 
 type Ctx<'a> = ProcessorContext<'a, String, TaskResult, ()>;
@@ -408,7 +473,62 @@ fn emit_json(
     Ok(())
 }
 
-impl Accountant {
+/// Adding results to windows, and what that crosses.
+impl Accounting {
+    /// Adds a completed result to its tenant's window of every size and
+    /// returns what to emit for it (alerts crossed, then the usage update,
+    /// per window). Every result given is counted: `invoke_llm` emits an
+    /// input's result once (see the module docs), and a replayed input may
+    /// rightly bring a result its first run did not (a failure that comes
+    /// back is a new attempt), so no input position can say a window
+    /// already holds it.
+    ///
+    /// `recovered`: the result was read back from the results topic on
+    /// takeover; it is added only to the windows whose last counted result
+    /// came before it (nothing is emitted: what it crossed was out with it).
+    pub fn add_result<K: Data, V: Data, O: Send + 'static>(
+        &self,
+        ctx: &mut ProcessorContext<'_, K, V, O>,
+        r: &TaskResult,
+        seq: Seq,
+        recovered: bool,
+    ) -> Result<Vec<Update>, ProcessError> {
+        let at = r.completed_at.timestamp_millis();
+        let mut out = Vec::new();
+        for w in self.windows() {
+            let start = at - at.rem_euclid(w.size_ms);
+            let mut windows = ctx.window::<String, TenantUsage>(&self.store_name(w))?;
+            let mut usage: TenantUsage = windows.get(&r.tenant_id, start)?.unwrap_or_default();
+            if recovered && usage.last_seq >= seq {
+                continue;
+            }
+            usage.add(r);
+            usage.last_seq = usage.last_seq.max(seq);
+            out.extend(
+                self.crossed(&r.tenant_id, w, start, &mut usage)
+                    .into_iter()
+                    .map(Update::Alert),
+            );
+            windows.put(&r.tenant_id, start, &usage);
+            if recovered {
+                continue;
+            }
+            out.push(Update::Usage(UsageRecord {
+                tenant_id: r.tenant_id.clone(),
+                window: w.name.clone(),
+                window_start: start,
+                window_end: start + w.size_ms,
+                requests: usage.total.requests,
+                input_tokens: usage.total.input_tokens,
+                output_tokens: usage.total.output_tokens,
+                cached_tokens: usage.total.cached_tokens,
+                cost_micros: usage.total.cost_micros,
+                by_model: usage.by_model,
+            }));
+        }
+        Ok(out)
+    }
+
     /// The alerts a window's new total crosses (each threshold once per
     /// window: `usage.alerted` moves past it).
     fn crossed(
@@ -418,7 +538,7 @@ impl Accountant {
         start: i64,
         usage: &mut TenantUsage,
     ) -> Vec<AlertRecord> {
-        let settings = self.accounting.settings();
+        let settings = self.settings();
         let mut alerts = self.quota_crossed(tenant, w, start, usage);
         let Some(budget) = settings.budgets.budget(tenant, &w.name) else {
             return alerts;
@@ -462,7 +582,7 @@ impl Accountant {
         start: i64,
         usage: &mut TenantUsage,
     ) -> Vec<AlertRecord> {
-        let Some(q) = self.accounting.settings().quotas.quota(tenant) else {
+        let Some(q) = self.settings().quotas.quota(tenant) else {
             return Vec::new();
         };
         let a = usage.amount();
@@ -494,7 +614,7 @@ impl Accountant {
 
     /// Routes `tenant` down until `until` (ms).
     fn press(&self, tenant: &str, until: i64) {
-        let mut p = self.accounting.0.pressure.lock();
+        let mut p = self.0.pressure.lock();
         let e = p.entry(tenant.to_string()).or_insert(until);
         *e = (*e).max(until);
     }
@@ -507,7 +627,7 @@ impl Processor<String, TaskResult> for Accountant {
 
     fn process(
         &mut self,
-        record: Record<String, TaskResult>,
+        mut record: Record<String, TaskResult>,
         ctx: &mut Ctx<'_>,
     ) -> Result<(), ProcessError> {
         let r = &record.value;
@@ -516,38 +636,24 @@ impl Processor<String, TaskResult> for Accountant {
         let duplicate = record.header(HEADER_DUPLICATE).is_some();
         if r.success && !duplicate {
             let at = r.completed_at.timestamp_millis();
-            for (w, store) in self.accounting.windows().iter().zip(&self.stores) {
-                let start = at - at.rem_euclid(w.size_ms);
-                let mut windows = ctx.window::<String, TenantUsage>(store)?;
-                // `None`: replayed after a crash and already in the restored window.
-                let Some(stored) = windows.get_for_update(&r.tenant_id, start)? else {
-                    continue;
-                };
-                let mut usage = stored.unwrap_or_default();
-                usage.add(r);
-                let alerts = self.crossed(&r.tenant_id, w, start, &mut usage);
-                windows.put(&r.tenant_id, start, &usage);
-                let settings = self.accounting.settings();
-                for alert in alerts {
-                    if let Some(m) = &self.accounting.0.alerts {
-                        m.with_label_values(&[&alert.kind]).inc();
+            let settings = self.accounting.settings();
+            let seq = self.next;
+            self.next.n += 1;
+            let updates = self.accounting.add_result(ctx, r, seq, false)?;
+            for update in updates {
+                match update {
+                    Update::Alert(alert) => {
+                        if let Some(m) = &self.accounting.0.alerts {
+                            m.with_label_values(&[&alert.kind]).inc();
+                        }
+                        emit_json(ctx, &settings.alerts_topic, &r.tenant_id, &alert, at)?;
                     }
-                    emit_json(ctx, &settings.alerts_topic, &r.tenant_id, &alert, at)?;
+                    Update::Usage(u) => {
+                        emit_json(ctx, &settings.usage_topic, &r.tenant_id, &u, at)?
+                    }
                 }
-                let update = UsageRecord {
-                    tenant_id: r.tenant_id.clone(),
-                    window: w.name.clone(),
-                    window_start: start,
-                    window_end: start + w.size_ms,
-                    requests: usage.total.requests,
-                    input_tokens: usage.total.input_tokens,
-                    output_tokens: usage.total.output_tokens,
-                    cached_tokens: usage.total.cached_tokens,
-                    cost_micros: usage.total.cost_micros,
-                    by_model: usage.by_model,
-                };
-                emit_json(ctx, &settings.usage_topic, &r.tenant_id, &update, at)?;
             }
+            record.headers.push((HEADER_SEQ.into(), seq.encode()));
         }
         ctx.forward(record)
     }

@@ -19,10 +19,9 @@
 //! so nothing is reserved twice or left reserved.
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use sluice_topology::{Data, ProcessError, ProcessorContext, StreamBuilder};
+use sluice_topology::{Data, ProcessError, ProcessorContext};
 
 use super::{TenantUsage, WindowSpec};
 
@@ -128,26 +127,10 @@ impl QuotaGate {
         QuotaGate { quotas, windows }
     }
 
-    /// The stores it reads (attached to the `invoke_llm` operator).
-    pub fn stores(&self) -> Vec<String> {
-        let mut names: Vec<String> = self.windows.values().map(|(s, _)| s.clone()).collect();
-        names.sort();
-        names
-    }
-
     /// Whether `tenant` has a hard quota (its tasks are batched only with
     /// its own, so a batch's usage is apportioned within its reservations).
     pub fn is_hard(&self, tenant: &str) -> bool {
         self.quotas.hard(tenant).is_some()
-    }
-
-    /// Declares the window stores it reads unless declared already.
-    pub fn declare(&self, builder: &StreamBuilder) {
-        for (store, w) in self.windows.values() {
-            if !builder.has_store(store) {
-                builder.add_window_store(store, Duration::from_millis(w.kept_ms() as u64));
-            }
-        }
     }
 
     /// Reserves `worst` for `tenant` when its settled usage in the current

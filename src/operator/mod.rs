@@ -40,7 +40,7 @@ use sluice_topology::{
     Record,
 };
 
-use crate::accounting::{Amount, QuotaGate, Reservations};
+use crate::accounting::{Accounting, Amount, QuotaGate, Reservations};
 use crate::config::Price;
 use crate::envelope::{DlqCategory, Route, TaskResult};
 use crate::llm::{ChatRequest, LlmClient, PromptBuilder, Usage};
@@ -96,8 +96,11 @@ pub struct LlmSettings {
     /// Under exactly-once: where the results are written, to recover what an
     /// interrupted transaction left visible when a task is taken over.
     pub recovery: Option<Recovery>,
-    /// Hard quotas, enforced before each call (see [`crate::accounting::quota`]).
-    pub quota: Option<QuotaGate>,
+    /// The per-tenant accounts `account` keeps after this step: hard quotas
+    /// are enforced against them before each call (see
+    /// [`crate::accounting::quota`]), and results recovered on takeover are
+    /// added to them.
+    pub accounting: Option<Accounting>,
 }
 
 /// Where `invoke_llm`'s results end up (written by `to_results`), read back
@@ -124,6 +127,7 @@ pub struct LlmStep(Arc<StepInner>);
 
 struct StepInner {
     settings: LlmSettings,
+    quota: Option<QuotaGate>,
     client: LlmClient,
     prompts: PromptBuilder,
     health: Health,
@@ -140,6 +144,10 @@ impl LlmStep {
         metrics: OperatorMetrics,
     ) -> Self {
         LlmStep(Arc::new(StepInner {
+            quota: settings
+                .accounting
+                .as_ref()
+                .and_then(Accounting::quota_gate),
             settings,
             client,
             prompts,
@@ -158,9 +166,14 @@ impl LlmStep {
         [self.completed_store(), self.meta_store()]
     }
 
-    /// The hard-quota gate, if any (it reads the accountant's windows).
+    /// The hard-quota gate, if any.
     pub fn quota(&self) -> Option<&QuotaGate> {
-        self.settings().quota.as_ref()
+        self.0.quota.as_ref()
+    }
+
+    /// The accounts kept after this step (their stores are attached to it).
+    pub fn accounting(&self) -> Option<&Accounting> {
+        self.settings().accounting.as_ref()
     }
 
     /// The idempotency store: `<task type>/<task id>` → stored result.

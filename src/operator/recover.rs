@@ -27,6 +27,7 @@ use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use sluice_topology::{Position, ProcessError};
 
 use super::{idempotency_key, result_position, Ctx, LlmProcessor, Recovery, StoredOutcome};
+use crate::accounting::{Seq, HEADER_SEQ};
 use crate::envelope::{TaskEnvelope, TaskResult};
 
 const SCAN_TIMEOUT: Duration = Duration::from_secs(60);
@@ -58,6 +59,17 @@ pub(super) fn recover_results(
             let Ok(result) = serde_json::from_slice::<TaskResult>(bytes) else {
                 return Ok(());
             };
+            // Added to exactly the windows that do not hold it yet: a broker
+            // that exposes an interrupted transaction may have shown any part
+            // of its changelogs.
+            let headers = sluice_topology::message_headers(msg);
+            let seq = headers
+                .iter()
+                .find(|(k, _)| k == HEADER_SEQ)
+                .and_then(|(_, v)| Seq::decode(v));
+            if let (Some(seq), Some(accounting)) = (seq, p.step.accounting()) {
+                accounting.add_result(ctx, &result, seq, true)?;
+            }
             let mut completed = ctx.kv::<String, StoredOutcome>(&p.completed_store)?;
             let key = idempotency_key(&result.task_type, &result.task_id);
             if completed.get(&key)?.is_some_and(|s| s.success) {

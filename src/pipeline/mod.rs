@@ -134,10 +134,10 @@ fn invoke<K: Data, V: LlmInput>(
     for s in &stores {
         stream.builder().add_kv_store(s, true);
     }
-    // Hard quotas read the tenant windows the accountant keeps.
-    if let Some(gate) = llm.quota() {
-        gate.declare(stream.builder());
-        stores.extend(gate.stores());
+    // Hard quotas read the tenant windows the accountant keeps; recovered
+    // results are added to them.
+    if let Some(accounting) = llm.accounting() {
+        stores.extend(accounting.declare_stores(stream.builder()));
     }
     let refs: Vec<&str> = stores.iter().map(String::as_str).collect();
     let step = llm.clone();

@@ -20,6 +20,11 @@ struct Setup {
 }
 
 fn setup(extra: &str) -> Setup {
+    setup_with(extra, None)
+}
+
+/// The pipeline against the simulator, or against `provider` (a base URL).
+fn setup_with(extra: &str, provider: Option<&dyn Fn(&tokio::runtime::Runtime) -> String>) -> Setup {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -31,6 +36,7 @@ fn setup(extra: &str) -> Setup {
             "127.0.0.1:0".parse().unwrap(),
         ))
         .unwrap();
+    let base_url = provider.map_or_else(|| sim.base_url(), |f| f(&rt));
     let text = format!(
         r#"
 [app]
@@ -50,9 +56,10 @@ provider = "sim"
 [prices.small]
 input = 150000
 output = 600000
+cached = 75000
 {extra}
 "#,
-        sim.base_url()
+        base_url
     );
     let config = Config::from_toml_with_env(&text, []).unwrap();
     let registry = Registry::new();
@@ -250,4 +257,56 @@ tokens = {quota}
         "{:?}",
         results(s.driver.read_output("ai.results.failed"))
     );
+}
+
+/// A provider that answers every call with the same usage: 2,000 prompt
+/// tokens of which 1,500 cached, 300 completion tokens.
+fn fixed_usage_provider(rt: &tokio::runtime::Runtime) -> String {
+    let app = axum::Router::new().route(
+        "/v1/chat/completions",
+        axum::routing::post(|| async {
+            axum::Json(serde_json::json!({
+                "id": "chatcmpl-fixture", "object": "chat.completion", "created": 0, "model": "small",
+                "choices": [{ "index": 0, "finish_reason": "stop",
+                              "message": { "role": "assistant", "content": "news" } }],
+                "usage": { "prompt_tokens": 2000, "completion_tokens": 300, "total_tokens": 2300,
+                           "prompt_tokens_details": { "cached_tokens": 1500 } }
+            }))
+        }),
+    );
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    rt.spawn(async move { axum::serve(listener, app).await });
+    format!("http://{addr}/v1")
+}
+
+#[test]
+fn cached_tokens_are_priced_at_the_cached_rate_to_the_micro_dollar() {
+    let mut s = setup_with("[batching]\nenabled = false\n", Some(&fixed_usage_provider));
+    s.driver
+        .pipe_raw("ai.tasks.classify", Some(b"acme"), Some(&task(1)), 0)
+        .unwrap();
+    assert_eq!(s.driver.wait_for_async(Duration::from_secs(20)).unwrap(), 0);
+    let done = results(s.driver.read_output("ai.results.completed"));
+    let r = &done["t1"];
+    // Prices per million tokens: input 150,000 µ$, cached 75,000 µ$, output
+    // 600,000 µ$. By hand: 500 uncached × 0.15 = 75, 1,500 cached × 0.075 =
+    // 112.5, 300 output × 0.6 = 180: 367.5 µ$, rounded half up to 368.
+    assert_eq!(
+        (r.input_tokens, r.cached_tokens, r.output_tokens),
+        (2000, 1500, 300)
+    );
+    assert_eq!(r.cost_micros, 368);
+    let usage: Vec<crate::accounting::UsageRecord> = s
+        .driver
+        .read_output("ai.usage.tenant")
+        .iter()
+        .map(|m| serde_json::from_slice(m.value.as_deref().unwrap()).unwrap())
+        .collect();
+    assert_eq!(usage.len(), 4, "one update per default window");
+    assert!(usage.iter().all(|u| u.cost_micros == 368
+        && u.cached_tokens == 1500
+        && u.by_model["small"].cost_micros == 368));
 }

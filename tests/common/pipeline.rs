@@ -66,6 +66,7 @@ tasks_prefix = "{prefix}.tasks."
 results_completed = "{prefix}.results.completed"
 results_failed = "{prefix}.results.failed"
 usage = "{prefix}.usage"
+alerts = "{prefix}.alerts"
 partitions = 2
 
 [tasks]

@@ -260,28 +260,6 @@ impl<K: Serialize + DeserializeOwned, V: Serialize + DeserializeOwned> WindowSto
             .is_some_and(|s| s.covers(&cur)))
     }
 
-    /// One window of a key, read to be updated with the current record (a
-    /// single read): `None` when it already reflects the record (see
-    /// [`WindowStore::reflects_current`]), else its value, if any.
-    pub fn get_for_update(
-        &self,
-        key: &K,
-        window_start: i64,
-    ) -> Result<Option<Option<V>>, ProcessError> {
-        let Some(stored) = self
-            .state
-            .window_get(self.id, &to_bincode(key), window_start)?
-        else {
-            return Ok(Some(None));
-        };
-        if self.position.is_some_and(|cur| stored.covers(&cur)) {
-            return Ok(None);
-        }
-        from_bincode(&stored.value)
-            .map(|v| Some(Some(v)))
-            .map_err(|e| ProcessError::Fatal(format!("corrupt window value: {e}")))
-    }
-
     /// Writes one window of a key, stamped with the current record's position.
     pub fn put(&mut self, key: &K, window_start: i64, value: &V) {
         self.state.window_put(
