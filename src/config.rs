@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use sluice_topology::runtime::{Guarantee, StreamsConfig};
+use sluice_topology::runtime::{Guarantee, KeyPartitioner, StreamsConfig};
 use sluice_topology::RocksSettings;
 
 use crate::accounting::{default_windows, Budgets, Quotas, WindowSpec};
@@ -255,6 +255,12 @@ pub struct TasksSection {
     /// While intake is held (bad credentials, open breaker without fallback),
     /// how often one held task probes the provider, ms.
     pub probe_interval_ms: u64,
+    /// How the services publishing tasks partition them by tenant:
+    /// `murmur2` (Java clients, Kafka Streams, librdkafka's `murmur2_random`)
+    /// or `crc32` (librdkafka's default `consistent_random`: Python, Go, .NET,
+    /// Node clients left at their default). Usage queries find the instance
+    /// holding a tenant's accounts with it.
+    pub partitioner: KeyPartitioner,
 }
 
 impl Default for TasksSection {
@@ -264,6 +270,7 @@ impl Default for TasksSection {
             max_attempts: 5,
             idempotency_ttl_hours: 7 * 24,
             probe_interval_ms: 2_000,
+            partitioner: KeyPartitioner::Murmur2,
         }
     }
 }
@@ -303,13 +310,57 @@ pub struct Price {
 pub struct HttpSection {
     /// Address of the metrics/health/query listener.
     pub listen: String,
+    /// The URL other instances reach this one's listener at (e.g.
+    /// `http://sluice-0.sluice-headless:8080`): queries for tenants this
+    /// instance holds are forwarded there. The Helm chart sets it per pod
+    /// (`SLUICE_HTTP__ADVERTISED_URL`). Default: `http://<listen address>`,
+    /// unless that is a wildcard address (`0.0.0.0`, `[::]`); then other
+    /// instances cannot forward queries here.
+    pub advertised_url: Option<String>,
 }
 
 impl Default for HttpSection {
     fn default() -> Self {
         HttpSection {
             listen: "0.0.0.0:8080".into(),
+            advertised_url: None,
         }
+    }
+}
+
+impl HttpSection {
+    /// The URL this instance advertises once its listener is bound to
+    /// `bound` (see [`HttpSection::advertised_url`]).
+    pub fn advertised(&self, bound: std::net::SocketAddr) -> Option<String> {
+        match &self.advertised_url {
+            Some(url) => Some(url.trim_end_matches('/').to_string()),
+            None if bound.ip().is_unspecified() => None,
+            None => Some(format!("http://{bound}")),
+        }
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.listen.parse::<std::net::SocketAddr>().is_err() {
+            return Err(ConfigError::new(
+                "http.listen",
+                "must be an address like 0.0.0.0:8080",
+            ));
+        }
+        if let Some(url) = &self.advertised_url {
+            let ok = reqwest::Url::parse(url).is_ok_and(|u| {
+                matches!(u.scheme(), "http" | "https")
+                    && u.host().is_some()
+                    && u.query().is_none()
+                    && u.fragment().is_none()
+            });
+            if !ok {
+                return Err(ConfigError::new(
+                    "http.advertised_url",
+                    "must be an http(s) URL like http://sluice-0.sluice:8080",
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -475,12 +526,7 @@ impl Config {
                 ));
             }
         }
-        if self.http.listen.parse::<std::net::SocketAddr>().is_err() {
-            return Err(ConfigError::new(
-                "http.listen",
-                "must be an address like 0.0.0.0:8080",
-            ));
-        }
+        self.http.validate()?;
         for (i, p) in self.llm.providers.iter().enumerate() {
             p.resolve_api_key()
                 .map_err(|e| ConfigError::new(format!("llm.providers[{i}]"), e.to_string()))?;
@@ -508,6 +554,7 @@ impl Config {
         s.transaction_timeout = Duration::from_millis(self.kafka.transaction_timeout_ms);
         s.replication_factor = self.topics.replication_factor;
         s.client_overrides = self.kafka.client.clone();
+        s.key_partitioner = self.tasks.partitioner;
         s.rocksdb = RocksSettings {
             block_cache_bytes: self.app.rocksdb_block_cache_mb << 20,
             write_buffer_manager_bytes: self.app.rocksdb_write_buffer_mb << 20,
@@ -909,6 +956,49 @@ type_complexity = { classify = 0.1 }
         assert_eq!(c.app.guarantee, Guarantee::AtLeastOnce);
         let err = load(MINIMAL, &[("SLUICE_APP__NOPE", "1")]).unwrap_err();
         assert!(err.to_string().contains("nope"), "{err}");
+    }
+
+    #[test]
+    fn the_task_partitioner_is_murmur2_unless_set_and_is_validated() {
+        let c = load(MINIMAL, &[]).unwrap();
+        assert_eq!(c.streams().key_partitioner, KeyPartitioner::Murmur2);
+        let c = load(
+            &format!("{MINIMAL}\n[tasks]\npartitioner = \"crc32\"\n"),
+            &[],
+        )
+        .unwrap();
+        assert_eq!(c.streams().key_partitioner, KeyPartitioner::Crc32);
+        let err = load(MINIMAL, &[("SLUICE_TASKS__PARTITIONER", "fnv1a")]).unwrap_err();
+        assert_eq!(err.key, "tasks.partitioner", "{err}");
+        assert!(err.message.contains("murmur2"), "{err}");
+    }
+
+    #[test]
+    fn the_advertised_url_is_an_http_url_or_follows_the_listener() {
+        let bound: std::net::SocketAddr = "127.0.0.1:4321".parse().unwrap();
+        let c = load(MINIMAL, &[]).unwrap();
+        assert_eq!(c.http.advertised_url, None);
+        assert_eq!(
+            c.http.advertised(bound).as_deref(),
+            Some("http://127.0.0.1:4321")
+        );
+        assert_eq!(c.http.advertised("0.0.0.0:8080".parse().unwrap()), None);
+        let c = load(
+            MINIMAL,
+            &[(
+                "SLUICE_HTTP__ADVERTISED_URL",
+                "http://sluice-0.sluice-headless.ns.svc.cluster.local:8080/",
+            )],
+        )
+        .unwrap();
+        assert_eq!(
+            c.http.advertised(bound).as_deref(),
+            Some("http://sluice-0.sluice-headless.ns.svc.cluster.local:8080")
+        );
+        for bad in ["sluice-0:8080", "ftp://x", "http://x/?a=1", "not a url"] {
+            let err = load(MINIMAL, &[("SLUICE_HTTP__ADVERTISED_URL", bad)]).unwrap_err();
+            assert_eq!(err.key, "http.advertised_url", "{bad}: {err}");
+        }
     }
 
     #[test]

@@ -1,10 +1,11 @@
-//! The HTTP listener: `/metrics` (Prometheus text), `/healthz`, `/readyz`.
+//! The HTTP listener: `/metrics` (Prometheus text), `/healthz`, `/readyz`,
+//! and the interactive query `/v1/tenants/{id}/usage` (see [`crate::usage`]).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use axum::extract::State;
-use axum::http::StatusCode;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
@@ -12,6 +13,7 @@ use prometheus::{Encoder, Registry, TextEncoder};
 use sluice_topology::runtime::{AppState, AppStatus};
 
 use crate::operator::Health;
+use crate::usage::{ErrorBody, Lookup, UsageError, UsageQueries, FORWARDED_HEADER};
 
 /// What the endpoints read.
 #[derive(Clone)]
@@ -22,6 +24,8 @@ pub struct HttpState {
     pub status: Arc<AppStatus>,
     /// Operator faults.
     pub health: Health,
+    /// Tenant usage queries (none when accounting is off).
+    pub usage: Option<UsageQueries>,
 }
 
 /// The router.
@@ -30,15 +34,21 @@ pub fn router(state: HttpState) -> Router {
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
+        .route("/v1/tenants/{id}/usage", get(tenant_usage))
         .with_state(state)
 }
 
-/// Binds and serves until the returned task is aborted.
+/// Binds the listener (before the stream application starts, which needs
+/// the address it advertises).
+pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr).await
+}
+
+/// Serves on a bound listener until the returned task is aborted.
 pub async fn serve(
-    addr: SocketAddr,
+    listener: tokio::net::TcpListener,
     state: HttpState,
 ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
-    let listener = tokio::net::TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
     let app = router(state);
     let task = tokio::spawn(async move {
@@ -78,5 +88,55 @@ async fn readyz(State(s): State<HttpState>) -> Response {
         (StatusCode::OK, body).into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, body).into_response()
+    }
+}
+
+/// Query parameters of `/v1/tenants/{id}/usage`.
+#[derive(Debug, serde::Deserialize)]
+struct UsageParams {
+    /// Only this window size.
+    window: Option<String>,
+}
+
+fn refuse(status: StatusCode, reason: String) -> Response {
+    let mut resp = (status, Json(ErrorBody { reason })).into_response();
+    if status == StatusCode::SERVICE_UNAVAILABLE {
+        resp.headers_mut()
+            .insert("retry-after", axum::http::HeaderValue::from_static("1"));
+    }
+    resp
+}
+
+/// A tenant's current windows: read here when this instance holds the
+/// tenant, else forwarded (once) to the instance that does.
+async fn tenant_usage(
+    State(s): State<HttpState>,
+    Path(tenant): Path<String>,
+    Query(params): Query<UsageParams>,
+    headers: HeaderMap,
+) -> Response {
+    let Some(usage) = &s.usage else {
+        return refuse(StatusCode::NOT_FOUND, "accounting is disabled".into());
+    };
+    let window = params.window.as_deref();
+    let now = chrono::Utc::now().timestamp_millis();
+    match usage.lookup(&tenant, window, now) {
+        Ok(Lookup::Local(report)) => (StatusCode::OK, Json(report)).into_response(),
+        Ok(Lookup::Remote(host)) if headers.contains_key(FORWARDED_HEADER) => refuse(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("forwarded here, but this instance does not hold the tenant ({host} does, as far as it knows)"),
+        ),
+        Ok(Lookup::Remote(host)) => match usage.forward(&host, &tenant, window).await {
+            Ok((status, body)) => (
+                StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY),
+                [("content-type", "application/json")],
+                body,
+            )
+                .into_response(),
+            Err(reason) => refuse(StatusCode::SERVICE_UNAVAILABLE, reason),
+        },
+        Ok(Lookup::Unavailable(reason)) => refuse(StatusCode::SERVICE_UNAVAILABLE, reason),
+        Err(e @ UsageError::UnknownWindow(_)) => refuse(StatusCode::NOT_FOUND, e.to_string()),
+        Err(e) => refuse(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     }
 }

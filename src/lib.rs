@@ -17,3 +17,4 @@ pub mod operator;
 pub mod pipeline;
 pub mod route;
 pub mod sim;
+pub mod usage;

@@ -22,6 +22,9 @@ enum Command {
         #[command(subcommand)]
         command: TopicsCommand,
     },
+    /// Prints a tenant's current usage windows, asked of any running
+    /// instance (it forwards to the one holding the tenant).
+    Usage(sluice::usage::UsageArgs),
     /// Runs the demo on a local broker with the simulated provider.
     Demo(sluice::demo::DemoArgs),
     /// Runs the simulated OpenAI-compatible provider.
@@ -95,6 +98,9 @@ fn main() -> ExitCode {
                 }
                 Ok(())
             }
+            Command::Usage(args) => sluice::usage::run_cli(args)
+                .await
+                .map_err(|e| fail(e.into())),
             Command::Demo(args) => sluice::demo::run(args).await.map_err(fail),
             Command::SimProvider(args) => sluice::sim::run(args).await.map_err(|e| match e {
                 sluice::sim::SimError::Config(c) => (EXIT_CONFIG, c.to_string()),

@@ -50,6 +50,29 @@ fn wrong_type_exits_2_naming_the_key() {
 }
 
 #[test]
+fn a_bad_partitioner_or_advertised_url_exits_2_naming_the_key() {
+    let (code, err) = run_with_config(&format!("{VALID}\n[tasks]\npartitioner = \"fnv1a\"\n"));
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("tasks.partitioner"), "{err}");
+    let (code, err) = run_with_config(&format!(
+        "{VALID}\n[http]\nadvertised_url = \"sluice-0:8080\"\n"
+    ));
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("http.advertised_url"), "{err}");
+}
+
+#[test]
+fn usage_without_an_instance_fails_with_the_reason() {
+    let out = Command::new(common::sluice_bin())
+        .args(["usage", "acme", "--url", "http://127.0.0.1:1"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.starts_with("sluice: "), "{err}");
+}
+
+#[test]
 fn a_model_without_a_price_exits_2_naming_it() {
     let (code, err) = run_with_config(&format!(
         "{VALID}\n[[llm.models]]\nname = \"large\"\nprovider = \"sim\"\n"

@@ -1,0 +1,400 @@
+//! Tenant usage queries: `GET /v1/tenants/{id}/usage` and `sluice usage`.
+//!
+//! A tenant's accounts live in the task that owns its partition of the task
+//! topics (tasks are keyed by tenant), so exactly one instance holds them.
+//! Any instance answers: from its own state when it holds the tenant,
+//! otherwise by forwarding the request to the instance that does (found
+//! through the engine's instance metadata). A forwarded request carries
+//! [`FORWARDED_HEADER`] and is never forwarded again, so two instances that
+//! disagree for a moment (during a rebalance) answer 503 instead of
+//! bouncing a request between them.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use sluice_topology::runtime::{Queries, QueryError, WindowRange};
+
+use crate::accounting::{Accounting, ModelUsage, TenantUsage, WindowSpec};
+
+/// Marks a request one instance forwarded to another.
+pub const FORWARDED_HEADER: &str = "x-sluice-forwarded";
+
+/// How long a forwarded request may take.
+const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A tenant's current windows, as `GET /v1/tenants/{id}/usage` answers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TenantUsageReport {
+    /// The tenant.
+    pub tenant_id: String,
+    /// The instance that read the accounts (its advertised URL).
+    pub served_by: String,
+    /// One entry per configured window size, in configuration order: the
+    /// window containing the time of the query.
+    pub windows: Vec<WindowUsage>,
+}
+
+/// One window of a tenant (zeros when it has no usage).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WindowUsage {
+    /// The window size's name (`1m`, `1h`, …).
+    pub window: String,
+    /// Window start, ms since the epoch.
+    pub window_start: i64,
+    /// Window end (exclusive), ms since the epoch.
+    pub window_end: i64,
+    /// Completed requests.
+    pub requests: u64,
+    /// Prompt tokens (cached included).
+    pub input_tokens: u64,
+    /// Completion tokens.
+    pub output_tokens: u64,
+    /// Prompt tokens served from cache.
+    pub cached_tokens: u64,
+    /// Cost, micro-dollars.
+    pub cost_micros: i64,
+    /// Per model.
+    pub by_model: BTreeMap<String, ModelUsage>,
+}
+
+impl WindowUsage {
+    fn new(w: &WindowSpec, start: i64, usage: TenantUsage) -> Self {
+        WindowUsage {
+            window: w.name.clone(),
+            window_start: start,
+            window_end: start + w.size_ms,
+            requests: usage.total.requests,
+            input_tokens: usage.total.input_tokens,
+            output_tokens: usage.total.output_tokens,
+            cached_tokens: usage.total.cached_tokens,
+            cost_micros: usage.total.cost_micros,
+            by_model: usage.by_model,
+        }
+    }
+}
+
+/// The body of an answer that is not a report.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// What went wrong, for people.
+    pub reason: String,
+}
+
+/// Where a tenant's usage is.
+#[derive(Debug)]
+pub enum Lookup {
+    /// Held here: the report.
+    Local(TenantUsageReport),
+    /// Held by the instance at this URL.
+    Remote(String),
+    /// Not answerable now (restoring, or the holder is not known yet).
+    Unavailable(String),
+}
+
+/// Why a usage query failed for good.
+#[derive(Debug, thiserror::Error)]
+pub enum UsageError {
+    /// The `window` asked for is not a configured window size.
+    #[error("unknown window {0}")]
+    UnknownWindow(String),
+    /// Reading the state failed.
+    #[error(transparent)]
+    Query(#[from] QueryError),
+}
+
+/// Answers usage queries on one instance.
+#[derive(Clone)]
+pub struct UsageQueries {
+    queries: Queries,
+    accounting: Accounting,
+    served_by: String,
+    client: reqwest::Client,
+}
+
+impl UsageQueries {
+    /// Queries of `accounting`'s windows through the engine's `queries`;
+    /// `served_by` names this instance in reports.
+    pub fn new(queries: Queries, accounting: Accounting, served_by: String) -> Self {
+        UsageQueries {
+            queries,
+            accounting,
+            served_by,
+            client: reqwest::Client::new(),
+        }
+    }
+
+    /// Finds `tenant`'s windows containing `now_ms` (only the one named
+    /// `window`, when given).
+    pub fn lookup(
+        &self,
+        tenant: &str,
+        window: Option<&str>,
+        now_ms: i64,
+    ) -> Result<Lookup, UsageError> {
+        let windows: Vec<&WindowSpec> = self
+            .accounting
+            .windows()
+            .iter()
+            .filter(|w| window.is_none_or(|name| w.name == name))
+            .collect();
+        if windows.is_empty() {
+            return Err(UsageError::UnknownWindow(window.unwrap_or_default().into()));
+        }
+        let names: Vec<String> = windows
+            .iter()
+            .map(|w| self.accounting.store_name(w))
+            .collect();
+        // Tasks are keyed by tenant id: its bytes chose the partition.
+        let md = self
+            .queries
+            .metadata_for_key(&names[0], tenant.as_bytes())?;
+        if !md.local {
+            let own = self.queries.application_server();
+            return Ok(match md.host {
+                _ if md.restoring => Lookup::Unavailable(format!(
+                    "partition {} is restoring on this instance",
+                    md.partition
+                )),
+                Some(host) if Some(host.as_str()) != own => Lookup::Remote(host),
+                _ => Lookup::Unavailable(format!(
+                    "no instance is known to hold partition {} yet",
+                    md.partition
+                )),
+            });
+        }
+        let starts: Vec<i64> = windows
+            .iter()
+            .map(|w| now_ms - now_ms.rem_euclid(w.size_ms))
+            .collect();
+        let ranges: Vec<WindowRange<'_>> = names
+            .iter()
+            .zip(&starts)
+            .map(|(store, start)| WindowRange {
+                store,
+                from_ms: *start,
+                to_ms: start + 1,
+            })
+            .collect();
+        let found = match self.queries.fetch_windows::<String, TenantUsage>(
+            md.partition,
+            &tenant.to_string(),
+            &ranges,
+        ) {
+            Ok(found) => found,
+            Err(e) if e.unavailable() => return Ok(Lookup::Unavailable(e.to_string())),
+            Err(e) => return Err(e.into()),
+        };
+        let windows = windows
+            .iter()
+            .zip(starts)
+            .zip(found)
+            .map(|((w, start), mut usage)| {
+                let usage = usage.pop().map(|(_, u)| u).unwrap_or_default();
+                WindowUsage::new(w, start, usage)
+            })
+            .collect();
+        Ok(Lookup::Local(TenantUsageReport {
+            tenant_id: tenant.to_string(),
+            served_by: self.served_by.clone(),
+            windows,
+        }))
+    }
+
+    /// Asks the instance at `host`, marking the request as forwarded: its
+    /// status and body, or why it could not be asked.
+    pub async fn forward(
+        &self,
+        host: &str,
+        tenant: &str,
+        window: Option<&str>,
+    ) -> Result<(u16, bytes::Bytes), String> {
+        let url = usage_url(host, tenant, window)?;
+        let unreachable = |e: reqwest::Error| format!("{host} did not answer: {e}");
+        let resp = self
+            .client
+            .get(url)
+            .header(FORWARDED_HEADER, "1")
+            .timeout(FORWARD_TIMEOUT)
+            .send()
+            .await
+            .map_err(unreachable)?;
+        let status = resp.status().as_u16();
+        Ok((status, resp.bytes().await.map_err(unreachable)?))
+    }
+}
+
+/// The usage URL of `tenant` on the instance at `base`.
+pub fn usage_url(base: &str, tenant: &str, window: Option<&str>) -> Result<reqwest::Url, String> {
+    let mut url = reqwest::Url::parse(base).map_err(|e| format!("{base}: {e}"))?;
+    url.path_segments_mut()
+        .map_err(|()| format!("{base}: not a base URL"))?
+        .pop_if_empty()
+        .extend(["v1", "tenants", tenant, "usage"]);
+    if let Some(w) = window {
+        url.query_pairs_mut().append_pair("window", w);
+    }
+    Ok(url)
+}
+
+/// `sluice usage TENANT --url URL`.
+#[derive(clap::Args, Debug)]
+pub struct UsageArgs {
+    /// The tenant id.
+    pub tenant: String,
+    /// Any instance's HTTP listener, e.g. http://localhost:8080.
+    #[arg(long, env = "SLUICE_URL")]
+    pub url: String,
+    /// Only this window size (e.g. 1h).
+    #[arg(long)]
+    pub window: Option<String>,
+    /// Prints the JSON answer instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Why `sluice usage` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum UsageCliError {
+    /// The URL is not usable.
+    #[error("--url {0}")]
+    BadUrl(String),
+    /// The instance could not be reached.
+    #[error("{0}")]
+    Http(#[from] reqwest::Error),
+    /// The instance answered with an error.
+    #[error("{status}: {reason}")]
+    Refused {
+        /// The HTTP status.
+        status: u16,
+        /// The instance's reason.
+        reason: String,
+    },
+    /// The answer was not a usage report.
+    #[error("unexpected answer: {0}")]
+    Malformed(String),
+}
+
+/// Queries an instance and prints the tenant's current windows.
+pub async fn run_cli(args: UsageArgs) -> Result<(), UsageCliError> {
+    let url = usage_url(&args.url, &args.tenant, args.window.as_deref())
+        .map_err(UsageCliError::BadUrl)?;
+    let resp = reqwest::Client::new()
+        .get(url)
+        .timeout(FORWARD_TIMEOUT + Duration::from_secs(5))
+        .send()
+        .await?;
+    let status = resp.status().as_u16();
+    let body = resp.bytes().await?;
+    if !(200..300).contains(&status) {
+        let reason = serde_json::from_slice::<ErrorBody>(&body)
+            .map(|e| e.reason)
+            .unwrap_or_else(|_| String::from_utf8_lossy(&body).into_owned());
+        return Err(UsageCliError::Refused { status, reason });
+    }
+    let report: TenantUsageReport =
+        serde_json::from_slice(&body).map_err(|e| UsageCliError::Malformed(e.to_string()))?;
+    if args.json {
+        println!("{}", String::from_utf8_lossy(&body));
+    } else {
+        print!("{}", table(&report));
+    }
+    Ok(())
+}
+
+/// A report as a table: a heading line, then one line per window.
+pub fn table(report: &TenantUsageReport) -> String {
+    let mut out = format!(
+        "tenant {} (served by {})\n{:<6} {:<20} {:>9} {:>12} {:>12} {:>12} {:>14}\n",
+        report.tenant_id,
+        report.served_by,
+        "WINDOW",
+        "START (UTC)",
+        "REQUESTS",
+        "TOKENS IN",
+        "TOKENS OUT",
+        "CACHED",
+        "COST"
+    );
+    for w in &report.windows {
+        let start = chrono::DateTime::from_timestamp_millis(w.window_start)
+            .map(|t| t.format("%Y-%m-%dT%H:%M:%SZ").to_string())
+            .unwrap_or_else(|| w.window_start.to_string());
+        out.push_str(&format!(
+            "{:<6} {:<20} {:>9} {:>12} {:>12} {:>12} {:>14}\n",
+            w.window,
+            start,
+            w.requests,
+            w.input_tokens,
+            w.output_tokens,
+            w.cached_tokens,
+            dollars(w.cost_micros)
+        ));
+    }
+    out
+}
+
+/// Micro-dollars as dollars, exactly (`$1.234567`).
+pub fn dollars(micros: i64) -> String {
+    let sign = if micros < 0 { "-" } else { "" };
+    let m = micros.unsigned_abs();
+    format!("{sign}${}.{:06}", m / 1_000_000, m % 1_000_000)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_keep_a_base_path_and_encode_the_tenant() {
+        let u = usage_url("http://sluice-0.svc:8080", "acme", None).unwrap();
+        assert_eq!(u.as_str(), "http://sluice-0.svc:8080/v1/tenants/acme/usage");
+        let u = usage_url("https://gw/sluice/", "a b/c", Some("1h")).unwrap();
+        assert_eq!(
+            u.as_str(),
+            "https://gw/sluice/v1/tenants/a%20b%2Fc/usage?window=1h"
+        );
+        assert!(usage_url("localhost:8080", "a", None).is_err());
+    }
+
+    #[test]
+    fn costs_print_as_exact_dollars_and_windows_as_lines() {
+        assert_eq!(dollars(0), "$0.000000");
+        assert_eq!(dollars(1_234_567), "$1.234567");
+        assert_eq!(dollars(-5), "-$0.000005");
+        let report = TenantUsageReport {
+            tenant_id: "acme".into(),
+            served_by: "http://a".into(),
+            windows: vec![WindowUsage {
+                window: "1h".into(),
+                window_start: 3_600_000,
+                window_end: 7_200_000,
+                requests: 3,
+                input_tokens: 120,
+                output_tokens: 30,
+                cached_tokens: 10,
+                cost_micros: 42,
+                by_model: BTreeMap::new(),
+            }],
+        };
+        let text = table(&report);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3);
+        assert!(lines[0].contains("acme") && lines[0].contains("http://a"));
+        let cols: Vec<&str> = lines[2].split_whitespace().collect();
+        assert_eq!(
+            cols,
+            [
+                "1h",
+                "1970-01-01T01:00:00Z",
+                "3",
+                "120",
+                "30",
+                "10",
+                "$0.000042"
+            ]
+        );
+    }
+}
