@@ -1,7 +1,7 @@
 # The two commands a newcomer needs: `make demo` and `make test`.
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/sluice/target
 
-.PHONY: demo test setup lint fmt bench-engine bench-llm bench-batching test-helm
+.PHONY: demo test setup lint fmt bench-engine bench-llm bench-batching bench-usage test-helm
 
 demo:
 	scripts/demo.sh
@@ -31,3 +31,6 @@ bench-llm:
 
 bench-batching:
 	scripts/bench.sh batching
+
+bench-usage:
+	scripts/bench.sh usage

@@ -9,7 +9,7 @@ use prometheus::Registry;
 use sluice_topology::runtime::{EngineMetrics, IntakeControl, RunningApp, StreamsApp};
 
 use crate::accounting::{Accounting, AccountingSettings};
-use crate::config::{Config, ConfigError};
+use crate::config::{Config, ConfigError, Repartition};
 use crate::http::{bind, serve, HttpState};
 use crate::llm::{LlmClient, PromptBuilder};
 use crate::operator::{Health, LlmSettings, LlmStep, OperatorMetrics, Recovery};
@@ -84,7 +84,8 @@ pub async fn run_pipeline(
     })?;
     let intake = IntakeControl::default();
     let health = Health::new(intake.clone());
-    let steps = steps(&config, client, &registry, health.clone())?;
+    let by_tenant = repartition_by_tenant(&config)?;
+    let steps = steps(&config, by_tenant, client, &registry, health.clone())?;
     let topology = build(&steps)?;
     tracing::info!(topology = %topology.describe(&config.app.id), "starting");
     let addr = config.http.listen.parse().map_err(|_| ConfigError {
@@ -130,15 +131,40 @@ pub async fn run_pipeline(
     Ok(())
 }
 
-/// The steps of the default pipeline, each with its own part of `config`.
+/// The partition count tasks are repartitioned by tenant to (the task
+/// topics' largest), when they are: the task topics' partition counts differ,
+/// or `[tasks] repartition = "always"`. Topics that do not exist yet are left
+/// to the engine's start-up checks.
+fn repartition_by_tenant(config: &Config) -> Result<Option<i32>, RunError> {
+    let t = &config.topics;
+    let names: Vec<String> = t.task_types.iter().map(|x| t.task_topic(x)).collect();
+    let counts = crate::kafka::partition_counts(&config.kafka.bootstrap_servers, &names)?;
+    let mut distinct: Vec<i32> = counts.values().copied().collect();
+    distinct.sort_unstable();
+    distinct.dedup();
+    let by_tenant = config.tasks.repartition == Repartition::Always || distinct.len() > 1;
+    let partitions = distinct.last().copied();
+    if by_tenant {
+        tracing::info!(?counts, ?partitions, "tasks are repartitioned by tenant");
+    }
+    Ok(partitions.filter(|_| by_tenant))
+}
+
+/// The steps of the default pipeline, each with its own part of `config`;
+/// with `by_tenant`, tasks are first repartitioned by tenant to that many
+/// partitions.
 pub fn steps(
     config: &Config,
+    by_tenant: Option<i32>,
     client: LlmClient,
     registry: &Registry,
     health: Health,
 ) -> prometheus::Result<Steps> {
     let results = ResultsSink::from_config(&config.topics);
-    let source = TaskSource::from_config(&config.topics, &config.tasks);
+    let mut source = TaskSource::from_config(&config.topics, &config.tasks);
+    if let Some(partitions) = by_tenant {
+        source = source.by_tenant(&config.app.id, partitions);
+    }
     let recovery = (config.app.guarantee == Guarantee::ExactlyOnce).then(|| {
         let mut kafka = config.kafka.client.clone();
         kafka.insert(
@@ -149,7 +175,7 @@ pub fn steps(
             client: kafka,
             group_id: config.app.id.clone(),
             topics: results.topics(),
-            task_topics: source.topics.iter().map(|t| t.topic.clone()).collect(),
+            task_topics: source.task_stream_topics(),
         }
     });
     let mut settings = LlmSettings {

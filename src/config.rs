@@ -261,6 +261,23 @@ pub struct TasksSection {
     /// Node clients left at their default). Usage queries find the instance
     /// holding a tenant's accounts with it.
     pub partitioner: KeyPartitioner,
+    /// When tasks go through an internal topic keyed by tenant before
+    /// anything else: `auto` when the task topics' partition counts differ
+    /// (a tenant's tasks must meet in one task for exact accounts and
+    /// quotas), `always` also when they are equal (for producers that do
+    /// not key tasks by tenant).
+    pub repartition: Repartition,
+}
+
+/// `[tasks] repartition`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Repartition {
+    /// Only when the task topics' partition counts differ.
+    #[default]
+    Auto,
+    /// Always.
+    Always,
 }
 
 impl Default for TasksSection {
@@ -271,6 +288,7 @@ impl Default for TasksSection {
             idempotency_ttl_hours: 7 * 24,
             probe_interval_ms: 2_000,
             partitioner: KeyPartitioner::Murmur2,
+            repartition: Repartition::Auto,
         }
     }
 }

@@ -433,8 +433,9 @@ fn latest_usage(msgs: &[OwnedMessage]) -> BTreeMap<(i64, String), (u64, i64)> {
         let Ok(u) = serde_json::from_slice::<UsageRecord>(m.payload().unwrap_or_default()) else {
             continue;
         };
-        if u.window == "1m" {
-            latest.insert((u.window_start, u.tenant_id), (u.requests, u.cost_micros));
+        let w = u.usage;
+        if w.window == "1m" {
+            latest.insert((w.window_start, u.tenant_id), (w.requests, w.cost_micros));
         }
     }
     latest

@@ -9,13 +9,13 @@
 //! disagree for a moment (during a rebalance) answer 503 instead of
 //! bouncing a request between them.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use sluice_topology::runtime::{Queries, QueryError, WindowRange};
 
-use crate::accounting::{Accounting, ModelUsage, TenantUsage, WindowSpec};
+pub use crate::accounting::WindowUsage;
+use crate::accounting::{Accounting, TenantUsage, WindowSpec};
 
 /// Marks a request one instance forwarded to another.
 pub const FORWARDED_HEADER: &str = "x-sluice-forwarded";
@@ -34,46 +34,6 @@ pub struct TenantUsageReport {
     /// One entry per configured window size, in configuration order: the
     /// window containing the time of the query.
     pub windows: Vec<WindowUsage>,
-}
-
-/// One window of a tenant (zeros when it has no usage).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct WindowUsage {
-    /// The window size's name (`1m`, `1h`, …).
-    pub window: String,
-    /// Window start, ms since the epoch.
-    pub window_start: i64,
-    /// Window end (exclusive), ms since the epoch.
-    pub window_end: i64,
-    /// Completed requests.
-    pub requests: u64,
-    /// Prompt tokens (cached included).
-    pub input_tokens: u64,
-    /// Completion tokens.
-    pub output_tokens: u64,
-    /// Prompt tokens served from cache.
-    pub cached_tokens: u64,
-    /// Cost, micro-dollars.
-    pub cost_micros: i64,
-    /// Per model.
-    pub by_model: BTreeMap<String, ModelUsage>,
-}
-
-impl WindowUsage {
-    fn new(w: &WindowSpec, start: i64, usage: TenantUsage) -> Self {
-        WindowUsage {
-            window: w.name.clone(),
-            window_start: start,
-            window_end: start + w.size_ms,
-            requests: usage.total.requests,
-            input_tokens: usage.total.input_tokens,
-            output_tokens: usage.total.output_tokens,
-            cached_tokens: usage.total.cached_tokens,
-            cost_micros: usage.total.cost_micros,
-            by_model: usage.by_model,
-        }
-    }
 }
 
 /// The body of an answer that is not a report.
@@ -345,6 +305,8 @@ pub fn dollars(micros: i64) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+
     use super::*;
 
     #[test]

@@ -11,10 +11,11 @@ use common::pipeline::*;
 use common::{bootstrap, eventually};
 use rdkafka::message::OwnedMessage;
 use rdkafka::Message;
-use sluice::accounting::{AlertRecord, TenantUsage, UsageRecord, WindowSpec};
+use sluice::accounting::{AlertRecord, TenantUsage, UsageRecord, WindowSpec, WindowUsage};
 use sluice::envelope::TaskResult;
-use sluice::kafka::read_topics;
+use sluice::kafka::{produce, read_topics, OutRecord};
 use sluice::sim::SimConfig;
+use sluice::usage::TenantUsageReport;
 
 type WindowKey = (String, String, i64);
 
@@ -26,7 +27,7 @@ fn read_all(topic: &str) -> Vec<OwnedMessage> {
 }
 
 /// Usage records read committed: how many, and the last per window.
-fn usage_records(p: &Pipeline) -> (usize, BTreeMap<WindowKey, UsageRecord>) {
+fn usage_records(p: &Pipeline) -> (usize, BTreeMap<WindowKey, WindowUsage>) {
     let mut last = BTreeMap::new();
     let mut n = 0;
     for m in read_all(&format!("{}.usage", p.prefix)) {
@@ -35,7 +36,8 @@ fn usage_records(p: &Pipeline) -> (usize, BTreeMap<WindowKey, UsageRecord>) {
         n += 1;
         // A tenant's updates are in one partition, in order: the last holds
         // its window's totals.
-        last.insert((u.tenant_id.clone(), u.window.clone(), u.window_start), u);
+        let key = (u.tenant_id, u.usage.window.clone(), u.usage.window_start);
+        last.insert(key, u.usage);
     }
     (n, last)
 }
@@ -91,6 +93,47 @@ fn assert_usage_equals_results(
             completed * windows.len(),
             "one update per result and window"
         );
+    }
+}
+
+/// Every tenant's current windows as `GET /v1/tenants/{id}/usage` on `app`
+/// reads them from the window stores (locally or on the owner) equal the
+/// sums over the tenant's completed results in those windows.
+fn assert_stores_equal_results(
+    p: &Pipeline,
+    app: &App,
+    results: &[(TaskResult, OwnedMessage)],
+    tenants: &[String],
+) {
+    for tenant in tenants {
+        let path = format!("/v1/tenants/{tenant}/usage");
+        let report: TenantUsageReport = eventually(Duration::from_secs(60), &path, || {
+            let (code, body) = p.http(app, &path);
+            (code == 200).then(|| serde_json::from_str(&body).unwrap())
+        });
+        assert!(!report.windows.is_empty());
+        for got in &report.windows {
+            let mut sum = TenantUsage::default();
+            for (r, _) in results {
+                let at = r.completed_at.timestamp_millis();
+                if r.success
+                    && &r.tenant_id == tenant
+                    && (got.window_start..got.window_end).contains(&at)
+                {
+                    sum.add(r);
+                }
+            }
+            let spec = WindowSpec {
+                name: got.window.clone(),
+                size_ms: got.window_end - got.window_start,
+                retention_ms: 0,
+            };
+            assert_eq!(
+                got,
+                &WindowUsage::new(&spec, got.window_start, sum),
+                "{tenant}: the store's window against its results"
+            );
+        }
     }
 }
 
@@ -166,6 +209,8 @@ fn usage_survives_two_sigkills(extra: &str, two_instances: bool) {
     assert_each_answered_once(&tasks, &results);
     assert_results_bill_what_the_provider_billed_at_least(&p, &results);
     assert_usage_equals_results(&p, &results, &sluice::accounting::default_windows(), true);
+    let tenants: Vec<String> = (0..50).map(|i| format!("tenant-{i}")).collect();
+    assert_stores_equal_results(&p, &restarted, &results, &tenants);
     let mut restarted = restarted;
     restarted.proc.stop();
     if let Some((mut b, _)) = b {
@@ -199,40 +244,25 @@ fn usage_is_exact_across_two_sigkills_with_micro_batching_and_two_instances() {
     usage_survives_two_sigkills("", true);
 }
 
-/// A crash inside a commit, after the outputs (or also the changelogs)
-/// reached the broker: the test broker exposes that interrupted transaction
-/// to `read_committed` readers, so its results and usage updates count, and
-/// the windows must count them exactly once.
-fn usage_exact_after_a_crash_inside_a_commit(failpoint: &str) {
+/// A crash inside a commit, after the outputs and the changelogs reached
+/// the broker: the test broker exposes that interrupted transaction to
+/// `read_committed` readers, so its results and usage updates count, and the
+/// windows must count them exactly once.
+#[test]
+fn usage_is_exact_after_a_crash_once_changelogs_were_written() {
     let sim = SimConfig::from_json_value(serde_json::json!({
         "latency": { "kind": "uniform", "min_ms": 5, "max_ms": 50 },
         "error_rate": 0.1,
     }))
     .unwrap();
     let p = Pipeline::new(sim, "[llm.retry]\nmax_attempts = 1\n");
-    let mut first = p.start_env("acct-crash-1", &[("SLUICE_FAILPOINT", failpoint)]);
     let tasks = mixed_tasks(1_000);
-    p.produce(&tasks);
-    let status = eventually(
-        Duration::from_secs(120),
-        "the failpoint aborts the process",
-        || first.proc.child.try_wait().unwrap(),
-    );
-    assert!(!status.success());
+    p.crash_at("acct-crash-1", "eos_after_changelog_flush:3", &tasks);
     let mut app = p.start("acct-crash-2");
     let results = p.results(tasks.len(), Duration::from_secs(180));
     assert_each_answered_once(&tasks, &results);
     assert_usage_equals_results(&p, &results, &sluice::accounting::default_windows(), true);
-    eprintln!(
-        "recovered: {}",
-        p.metric(&app, "sluice_results_recovered_total")
-    );
     app.proc.stop();
-}
-
-#[test]
-fn usage_is_exact_after_a_crash_once_changelogs_were_written() {
-    usage_exact_after_a_crash_inside_a_commit("eos_after_changelog_flush:3");
 }
 
 /// A quota window of this size (ms), aligned to the epoch.
@@ -331,6 +361,181 @@ tokens = {quota}
         .collect();
     assert_eq!(fresh.len(), 20);
     assert!(fresh.iter().all(|r| r.success), "a fresh quota");
+    a.proc.stop();
+    b.proc.stop();
+}
+
+#[test]
+fn a_tenants_tasks_meet_in_one_task_when_task_topics_differ_in_partitions() {
+    // summarize has 3 partitions, classify 2, and the producers key tasks by
+    // task id: tasks are repartitioned by tenant first, so each tenant's
+    // accounts and quota live in one task, across both instances.
+    let quota: u64 = 3_000;
+    let sim = SimConfig::from_json_value(serde_json::json!({
+        "latency": { "kind": "uniform", "min_ms": 5, "max_ms": 40 },
+        "content_policy_marker": "FORBIDDEN",
+    }))
+    .unwrap();
+    let windows = vec![
+        WindowSpec {
+            name: "q".into(),
+            size_ms: QUOTA_WINDOW_MS,
+            retention_ms: 600_000,
+        },
+        WindowSpec {
+            name: "1h".into(),
+            size_ms: 3_600_000,
+            retention_ms: 3_600_000,
+        },
+    ];
+    let p = Pipeline::with_partitions(
+        sim,
+        "exactly_once",
+        &format!(
+            r#"
+[[accounting.windows]]
+name = "q"
+size_ms = {QUOTA_WINDOW_MS}
+retention_ms = 600000
+
+[[accounting.windows]]
+name = "1h"
+size_ms = 3600000
+retention_ms = 3600000
+
+[accounting.quotas.tenants.capped]
+window = "q"
+tokens = {quota}
+"#
+        ),
+        3,
+        &[("classify", 2), ("extract", 2)],
+    );
+    let mut a = p.start("by-tenant-a");
+    let (mut b, _state) = p.start_other("by-tenant-b", "");
+    eventually(Duration::from_secs(90), "both ready", || {
+        (p.http(&a, "/readyz").0 == 200 && p.http(&b, "/readyz").0 == 200).then_some(())
+    });
+    next_quota_window();
+    let keyed_by_id = |mut t: Task| {
+        t.key = Some(t.id.clone());
+        t
+    };
+    let mut all: Vec<Task> = (0..300)
+        .map(|i| {
+            let ty = if i % 2 == 0 { "summarize" } else { "classify" };
+            keyed_by_id(Task::new(i, ty, "capped", "normal"))
+        })
+        .collect();
+    all.extend((1_000..1_200).map(|i| {
+        let ty = if i % 3 == 0 { "summarize" } else { "classify" };
+        keyed_by_id(Task::new(i, ty, &format!("tenant-{}", i % 4), "normal"))
+    }));
+    // Refused by the provider (400): dead-lettered past the repartition.
+    let forbidden: Vec<Task> = (2_000..2_004)
+        .map(|i| {
+            let mut t = keyed_by_id(Task::new(i, "summarize", "tenant-0", "normal"));
+            t.content = format!("FORBIDDEN document {i}");
+            t
+        })
+        .collect();
+    all.extend(forbidden.iter().cloned());
+    p.produce(&all);
+    // Poison, dead-lettered before it.
+    for ty in ["summarize", "classify"] {
+        let poison = OutRecord {
+            key: Some(b"capped".to_vec()),
+            value: Some(b"{not json".to_vec()),
+            ..Default::default()
+        };
+        produce(&bootstrap(), &p.topic(ty), vec![poison]).unwrap();
+    }
+    let results = p.results(all.len(), Duration::from_secs(240));
+    assert_each_answered_once(&all, &results);
+
+    // Each tenant's usage came from one task: one partition of the usage topic.
+    let mut partitions: BTreeMap<String, std::collections::BTreeSet<i32>> = BTreeMap::new();
+    for m in read_all(&format!("{}.usage", p.prefix)) {
+        let u: UsageRecord = serde_json::from_slice(m.payload().unwrap()).unwrap();
+        partitions
+            .entry(u.tenant_id)
+            .or_default()
+            .insert(m.partition());
+    }
+    assert_eq!(partitions.len(), 5, "{partitions:?}");
+    for (tenant, parts) in &partitions {
+        assert_eq!(parts.len(), 1, "{tenant}'s usage came from tasks {parts:?}");
+    }
+    assert_usage_equals_results(&p, &results, &windows, false);
+    let tenants: Vec<String> = partitions.keys().cloned().collect();
+    assert_stores_equal_results(&p, &a, &results, &tenants);
+    assert_stores_equal_results(&p, &b, &results, &tenants);
+
+    // The quota held over both task types.
+    let capped: Vec<&TaskResult> = results
+        .iter()
+        .map(|(r, _)| r)
+        .filter(|r| r.tenant_id == "capped")
+        .collect();
+    let billed: u64 = capped
+        .iter()
+        .filter(|r| r.success)
+        .map(|r| r.input_tokens + r.output_tokens)
+        .sum();
+    assert!(
+        billed <= quota,
+        "billed {billed} tokens over a quota of {quota}"
+    );
+    let done: Vec<&&TaskResult> = capped.iter().filter(|r| r.success).collect();
+    assert!(
+        done.len() >= 10,
+        "only {} completed under the quota",
+        done.len()
+    );
+    assert!(capped
+        .iter()
+        .filter(|r| !r.success)
+        .all(|r| r.error_code.as_deref() == Some("quota_exceeded")));
+
+    // Dead letters name the original records, in the original topic's
+    // dead-letter topic: the poison ones and the provider's refusals.
+    let summarize_dlq = p.dead_letters("summarize");
+    let classify_dlq = p.dead_letters("classify");
+    assert_eq!(classify_dlq.len(), 1);
+    assert_eq!(summarize_dlq.len(), 1 + forbidden.len());
+    let originals = read_all(&p.topic("summarize"));
+    for m in summarize_dlq.iter().chain(&classify_dlq) {
+        let topic = header(m, "dlq.original.topic").unwrap();
+        assert!(
+            topic == p.topic("summarize") || topic == p.topic("classify"),
+            "{topic}"
+        );
+        assert!(header(m, "sluice.origin.topic").is_none());
+        let reason = header(m, "dlq.reason").unwrap();
+        if m.payload() == Some(b"{not json".as_slice()) {
+            assert_eq!(
+                header(m, "dlq.category").as_deref(),
+                Some("poison"),
+                "{reason}"
+            );
+            continue;
+        }
+        assert_eq!(topic, p.topic("summarize"));
+        let (partition, offset): (i32, i64) = (
+            header(m, "dlq.original.partition")
+                .unwrap()
+                .parse()
+                .unwrap(),
+            header(m, "dlq.original.offset").unwrap().parse().unwrap(),
+        );
+        let original = originals
+            .iter()
+            .find(|o| o.partition() == partition && o.offset() == offset)
+            .expect("the original record");
+        assert_eq!(m.payload(), original.payload(), "the original bytes");
+        let task: serde_json::Value = serde_json::from_slice(m.payload().unwrap()).unwrap();
+        assert!(forbidden.iter().any(|t| t.id == task["taskId"]), "{task}");
+    }
     a.proc.stop();
     b.proc.stop();
 }

@@ -173,12 +173,23 @@ impl TenantUsage {
     }
 }
 
-/// A usage update, on the usage topic (keyed by tenant).
+/// A usage update, on the usage topic (keyed by tenant): the tenant and
+/// its window's totals.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct UsageRecord {
     /// The tenant.
     pub tenant_id: String,
+    /// The window.
+    #[serde(flatten)]
+    pub usage: WindowUsage,
+}
+
+/// One window of a tenant: in usage updates, and in answers to usage
+/// queries (zeros when it has no usage).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WindowUsage {
     /// The window size's name (`1m`, `1h`, …).
     pub window: String,
     /// Window start, ms since the epoch.
@@ -197,6 +208,23 @@ pub struct UsageRecord {
     pub cost_micros: i64,
     /// Per model.
     pub by_model: BTreeMap<String, ModelUsage>,
+}
+
+impl WindowUsage {
+    /// The window of size `w` starting at `start` holding `usage`.
+    pub fn new(w: &WindowSpec, start: i64, usage: TenantUsage) -> Self {
+        WindowUsage {
+            window: w.name.clone(),
+            window_start: start,
+            window_end: start + w.size_ms,
+            requests: usage.total.requests,
+            input_tokens: usage.total.input_tokens,
+            output_tokens: usage.total.output_tokens,
+            cached_tokens: usage.total.cached_tokens,
+            cost_micros: usage.total.cost_micros,
+            by_model: usage.by_model,
+        }
+    }
 }
 
 /// A cost alert, on the alerts topic (keyed by tenant).
@@ -515,15 +543,7 @@ impl Accounting {
             }
             out.push(Update::Usage(UsageRecord {
                 tenant_id: r.tenant_id.clone(),
-                window: w.name.clone(),
-                window_start: start,
-                window_end: start + w.size_ms,
-                requests: usage.total.requests,
-                input_tokens: usage.total.input_tokens,
-                output_tokens: usage.total.output_tokens,
-                cached_tokens: usage.total.cached_tokens,
-                cost_micros: usage.total.cost_micros,
-                by_model: usage.by_model,
+                usage: WindowUsage::new(w, start, usage),
             }));
         }
         Ok(out)

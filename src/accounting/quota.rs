@@ -136,8 +136,8 @@ impl QuotaGate {
     /// Reserves `worst` for `tenant` when its settled usage in the current
     /// window plus what `reserved` holds for it still leaves room; `Ok(Err)`
     /// when it would pass a hard quota. Without a hard quota nothing is
-    /// reserved (`Ok(Ok(false))`). `grow`: `worst` is added to a reservation
-    /// already counted (a batch's spoiled call billed to its tasks).
+    /// reserved (`Ok(Ok(false))`). It may grow a reservation already made
+    /// (a batch's spoiled call billed to its tasks).
     pub fn reserve<K: Data, V: Data, O: Send + 'static>(
         &self,
         ctx: &mut ProcessorContext<'_, K, V, O>,
@@ -145,7 +145,6 @@ impl QuotaGate {
         tenant: &str,
         worst: Amount,
         now_ms: i64,
-        grow: bool,
     ) -> Result<Result<bool, Exceeded>, ProcessError> {
         let Some(q) = self.quotas.hard(tenant) else {
             return Ok(Ok(false));
@@ -157,10 +156,7 @@ impl QuotaGate {
         let used = ctx
             .window::<String, TenantUsage>(store)?
             .get(&tenant.to_string(), start)?
-            .map(|u| Amount {
-                tokens: u.total.input_tokens + u.total.output_tokens,
-                cost_micros: u.total.cost_micros,
-            })
+            .map(|u| u.amount())
             .unwrap_or_default();
         let out = reserved.of(tenant);
         let after = used.plus(out).plus(worst);
@@ -190,7 +186,7 @@ impl QuotaGate {
                 ),
             }));
         }
-        reserved.add(tenant, worst, !grow);
+        reserved.add(tenant, worst);
         Ok(Ok(true))
     }
 }
@@ -199,7 +195,6 @@ impl QuotaGate {
 #[derive(Debug, Default)]
 pub struct Reservations {
     by_tenant: HashMap<String, Amount>,
-    count: usize,
 }
 
 impl Reservations {
@@ -208,10 +203,9 @@ impl Reservations {
         self.by_tenant.get(tenant).copied().unwrap_or_default()
     }
 
-    fn add(&mut self, tenant: &str, a: Amount, new: bool) {
+    fn add(&mut self, tenant: &str, a: Amount) {
         let e = self.by_tenant.entry(tenant.to_string()).or_default();
         *e = e.plus(a);
-        self.count += usize::from(new);
     }
 
     /// Releases a reservation made for `tenant`.
@@ -222,16 +216,5 @@ impl Reservations {
                 self.by_tenant.remove(tenant);
             }
         }
-        self.count = self.count.saturating_sub(1);
-    }
-
-    /// How many are out.
-    pub fn len(&self) -> usize {
-        self.count
-    }
-
-    /// Whether none is out.
-    pub fn is_empty(&self) -> bool {
-        self.count == 0
     }
 }

@@ -110,11 +110,16 @@ fn redelivered(d: &mut TopologyTestDriver, r: &TaskResult) {
 }
 
 /// The latest usage record per (tenant, window name, window start).
-fn latest(records: &[OutputRecord]) -> BTreeMap<(String, String, i64), UsageRecord> {
+fn latest(records: &[OutputRecord]) -> BTreeMap<(String, String, i64), WindowUsage> {
     records
         .iter()
         .map(|r| serde_json::from_slice::<UsageRecord>(r.value.as_deref().unwrap()).unwrap())
-        .map(|u| ((u.tenant_id.clone(), u.window.clone(), u.window_start), u))
+        .map(|u| {
+            (
+                (u.tenant_id, u.usage.window.clone(), u.usage.window_start),
+                u.usage,
+            )
+        })
         .collect()
 }
 

@@ -384,7 +384,7 @@ impl LlmProcessor {
         };
         let held = item.held.clone();
         ctx.with_record(&held, |ctx| {
-            match gate.reserve(ctx, &mut self.reservations, &tenant, grow, now_ms(), true)? {
+            match gate.reserve(ctx, &mut self.reservations, &tenant, grow, now_ms())? {
                 Ok(_) => {
                     if let Some((_, a)) = self.reserved.get_mut(&flight) {
                         *a = a.plus(grow);

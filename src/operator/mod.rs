@@ -387,7 +387,7 @@ impl LlmProcessor {
         if let Some(gate) = self.step.quota() {
             let tenant = item.task.task.tenant().to_string();
             let worst = self.worst_case(&item.task, &request);
-            match gate.reserve(ctx, &mut self.reservations, &tenant, worst, now_ms(), false)? {
+            match gate.reserve(ctx, &mut self.reservations, &tenant, worst, now_ms())? {
                 Err(exceeded) => {
                     self.reject(ctx, &item.task, &item.headers, exceeded.message)?;
                     return Ok(None);

@@ -4,12 +4,12 @@
 use chrono::Utc;
 use sluice_topology::{
     BytesCodec, KStream, ProcessError, Processor, ProcessorContext, Record, SourceOptions,
-    StreamBuilder, TopologyError,
+    StreamBuilder, Topology, TopologyError,
 };
 
 use super::{RawKey, Task};
 use crate::config::{TasksSection, TopicsSection};
-use crate::envelope::{decode_task, DlqCategory, EnvelopeLimits};
+use crate::envelope::{decode_task, DlqCategory, EnvelopeLimits, TaskEnvelope};
 
 /// A task topic and its dead-letter topic.
 #[derive(Clone, Debug)]
@@ -30,6 +30,35 @@ pub struct TaskSource {
     pub task_types: Vec<String>,
     /// Size limits.
     pub limits: EnvelopeLimits,
+    /// Set when tasks first go through internal topics keyed by tenant.
+    pub by_tenant: Option<ByTenant>,
+}
+
+/// Tasks repartitioned by tenant: each task topic goes through an internal
+/// topic `<app id>-by-tenant-<topic>-repartition` keyed by the task's tenant
+/// (murmur2), all of them with one partition count, so a tenant's tasks of
+/// every type meet in one task whatever the task topics' partition counts
+/// (or the producers' keys). Poison is dead-lettered before the repartition;
+/// anything dead-lettered after it goes to the original topic's dead-letter
+/// topic, naming the original record. Re-published tasks go straight to
+/// their repartition topic, in their task's own partition.
+#[derive(Clone, Debug)]
+pub struct ByTenant {
+    /// The application id (internal topics are named after it).
+    pub app_id: String,
+    /// Partitions of the repartition topics (and tasks reading them).
+    pub partitions: i32,
+}
+
+impl ByTenant {
+    fn name(topic: &str) -> String {
+        format!("by-tenant-{topic}")
+    }
+
+    /// The repartition topic of a task topic.
+    pub fn topic(&self, task_topic: &str) -> String {
+        Topology::repartition_topic(&self.app_id, &Self::name(task_topic))
+    }
 }
 
 impl TaskSource {
@@ -49,7 +78,31 @@ impl TaskSource {
                 max_bytes: tasks.max_bytes,
                 ..EnvelopeLimits::default()
             },
+            by_tenant: None,
         }
+    }
+
+    /// The same source, repartitioned by tenant.
+    pub fn by_tenant(self, app_id: &str, partitions: i32) -> Self {
+        TaskSource {
+            by_tenant: Some(ByTenant {
+                app_id: app_id.to_string(),
+                partitions,
+            }),
+            ..self
+        }
+    }
+
+    /// The topics the decoded tasks come from (and re-published ones go
+    /// to): the task topics, or their repartition topics.
+    pub fn task_stream_topics(&self) -> Vec<String> {
+        self.topics
+            .iter()
+            .map(|t| match &self.by_tenant {
+                Some(b) => b.topic(&t.topic),
+                None => t.topic.clone(),
+            })
+            .collect()
     }
 }
 
@@ -59,20 +112,38 @@ pub fn tasks(
     source: &TaskSource,
 ) -> Result<KStream<RawKey, Task>, TopologyError> {
     let mut streams = source.topics.iter().map(|t| {
-        let decode = Decode {
-            topic: t.topic.clone(),
+        let decode = |topic: &str| Decode {
+            topic: topic.to_string(),
             task_types: source.task_types.clone(),
             limits: source.limits.clone(),
         };
-        b.stream_with(
+        let raw = b.stream_with(
             &[&t.topic],
             BytesCodec,
             BytesCodec,
             SourceOptions {
                 dead_letter_topic: Some(t.dead_letter_topic.clone()),
             },
-        )
-        .process(&format!("decode:{}", t.topic), &[], move || decode.clone())
+        );
+        match &source.by_tenant {
+            None => {
+                let d = decode(&t.topic);
+                raw.process(&format!("decode:{}", t.topic), &[], move || d.clone())
+            }
+            Some(by) => {
+                let (key, d) = (KeyByTenant(decode(&t.topic)), decode(&by.topic(&t.topic)));
+                raw.process(&format!("key-by-tenant:{}", t.topic), &[], move || {
+                    key.clone()
+                })
+                .repartition_with(
+                    &ByTenant::name(&t.topic),
+                    BytesCodec,
+                    BytesCodec,
+                    Some(by.partitions),
+                )
+                .process(&format!("decode:{}", d.topic), &[], move || d.clone())
+            }
+        }
     });
     let first = streams
         .next()
@@ -90,6 +161,14 @@ struct Decode {
 
 type Ctx<'a> = ProcessorContext<'a, RawKey, Task, ()>;
 
+impl Decode {
+    /// The record's task, or why it is poison.
+    fn envelope(&self, value: Option<&[u8]>) -> Result<TaskEnvelope, String> {
+        let bytes = value.ok_or_else(|| "missing_value".to_string())?;
+        decode_task(bytes, &self.limits, &self.task_types).map_err(|e| e.reason())
+    }
+}
+
 impl Processor<RawKey, Option<Vec<u8>>> for Decode {
     type OutKey = RawKey;
     type OutValue = Task;
@@ -100,13 +179,9 @@ impl Processor<RawKey, Option<Vec<u8>>> for Decode {
         record: Record<RawKey, Option<Vec<u8>>>,
         ctx: &mut Ctx<'_>,
     ) -> Result<(), ProcessError> {
-        let poison = DlqCategory::Poison.as_str();
-        let Some(bytes) = record.value.as_deref() else {
-            return ctx.dead_letter("missing_value", poison, 1);
-        };
-        let envelope = match decode_task(bytes, &self.limits, &self.task_types) {
+        let envelope = match self.envelope(record.value.as_deref()) {
             Ok(t) => t,
-            Err(e) => return ctx.dead_letter(&e.reason(), poison, 1),
+            Err(reason) => return ctx.dead_letter(&reason, DlqCategory::Poison.as_str(), 1),
         };
         let task = Task {
             envelope,
@@ -116,5 +191,32 @@ impl Processor<RawKey, Option<Vec<u8>>> for Decode {
         };
         let key = record.key.clone();
         ctx.forward(record.with(key, task))
+    }
+}
+
+/// Keys a task topic's records by their tenant for the repartition, as the
+/// bytes they were read as; poison is dead-lettered here, where the original
+/// record is at hand.
+#[derive(Clone)]
+struct KeyByTenant(Decode);
+
+impl Processor<RawKey, Option<Vec<u8>>> for KeyByTenant {
+    type OutKey = RawKey;
+    type OutValue = Option<Vec<u8>>;
+    type Output = ();
+
+    fn process(
+        &mut self,
+        record: Record<RawKey, Option<Vec<u8>>>,
+        ctx: &mut ProcessorContext<'_, RawKey, Option<Vec<u8>>, ()>,
+    ) -> Result<(), ProcessError> {
+        match self.0.envelope(record.value.as_deref()) {
+            Ok(task) => {
+                let tenant = task.tenant().unwrap_or_default().as_bytes().to_vec();
+                let value = record.value.clone();
+                ctx.forward(record.with(Some(tenant), value))
+            }
+            Err(reason) => ctx.dead_letter(&reason, DlqCategory::Poison.as_str(), 1),
+        }
     }
 }

@@ -64,7 +64,7 @@ cached = 75000
     let config = Config::from_toml_with_env(&text, []).unwrap();
     let registry = Registry::new();
     let client = LlmClient::from_config(&config.llm, &registry).unwrap();
-    let steps = crate::app::steps(&config, client, &registry, Health::default()).unwrap();
+    let steps = crate::app::steps(&config, None, client, &registry, Health::default()).unwrap();
     let driver = TopologyTestDriver::new(super::default_topology(&steps).unwrap()).unwrap();
     Setup {
         _rt: rt,
@@ -306,7 +306,7 @@ fn cached_tokens_are_priced_at_the_cached_rate_to_the_micro_dollar() {
         .map(|m| serde_json::from_slice(m.value.as_deref().unwrap()).unwrap())
         .collect();
     assert_eq!(usage.len(), 4, "one update per default window");
-    assert!(usage.iter().all(|u| u.cost_micros == 368
+    assert!(usage.iter().map(|u| &u.usage).all(|u| u.cost_micros == 368
         && u.cached_tokens == 1500
         && u.by_model["small"].cost_micros == 368));
 }

@@ -59,9 +59,17 @@ impl Proc {
                 std::env::var("SLUICE_LOG").unwrap_or_else(|_| "warn,sluice_topology=info".into()),
             )
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(Stdio::piped())
             .spawn()
             .expect("spawn sluice");
+        // Its log, tagged, in the test's own output (shown when it fails).
+        let err = child.stderr.take().expect("stderr piped");
+        let tag = name.to_string();
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                eprintln!("[{tag}] {line}");
+            }
+        });
         let lines = Arc::new(Mutex::new(Vec::new()));
         let out = child.stdout.take().expect("stdout piped");
         let sink = lines.clone();

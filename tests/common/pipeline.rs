@@ -34,6 +34,18 @@ impl Pipeline {
     }
 
     pub fn with(sim_config: SimConfig, guarantee: &str, extra_toml: &str) -> Pipeline {
+        Self::with_partitions(sim_config, guarantee, extra_toml, 2, &[])
+    }
+
+    /// Topics of `partitions` partitions, but the task topics of the task
+    /// types in `task_topics`, which get the partition count given there.
+    pub fn with_partitions(
+        sim_config: SimConfig,
+        guarantee: &str,
+        extra_toml: &str,
+        partitions: i32,
+        task_topics: &[(&str, i32)],
+    ) -> Pipeline {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -67,7 +79,7 @@ results_completed = "{prefix}.results.completed"
 results_failed = "{prefix}.results.failed"
 usage = "{prefix}.usage"
 alerts = "{prefix}.alerts"
-partitions = 2
+partitions = {partitions}
 
 [tasks]
 max_bytes = 4096
@@ -120,6 +132,10 @@ listen = "127.0.0.1:0"
             _dir: dir,
             state,
         };
+        for (task_type, n) in task_topics {
+            let topic = p.topic(task_type);
+            sluice::kafka::create_topics(&bootstrap(), &[(&topic, *n, &[])]).unwrap();
+        }
         let out = std::process::Command::new(super::sluice_bin())
             .args([
                 "topics",
@@ -175,6 +191,19 @@ listen = "127.0.0.1:0"
         let config = state.path().join("sluice.toml");
         std::fs::write(&config, format!("{text}\n{extra}\n")).unwrap();
         (self.start_with(name, &config, &[], false), state)
+    }
+
+    /// Starts an instance that aborts at `failpoint` (`<point>:<n>`, see
+    /// the engine's commit), publishes `tasks`, and waits until it aborted.
+    pub fn crash_at(&self, name: &str, failpoint: &str, tasks: &[Task]) {
+        let mut app = self.start_env(name, &[("SLUICE_FAILPOINT", failpoint)]);
+        self.produce(tasks);
+        let status = eventually(
+            Duration::from_secs(120),
+            "the failpoint aborts the process",
+            || app.proc.child.try_wait().unwrap(),
+        );
+        assert!(!status.success());
     }
 
     pub fn start_with(
@@ -299,6 +328,9 @@ pub struct Task {
     pub complexity: Option<f64>,
     /// The task's own W3C trace context.
     pub traceparent: String,
+    /// Its Kafka key, when the producer keys it by something else than its
+    /// tenant.
+    pub key: Option<String>,
 }
 
 impl Task {
@@ -311,6 +343,7 @@ impl Task {
             content: format!("Document {i} about {task_type} for {tenant}: the quick brown fox jumps over the lazy dog."),
             complexity: None,
             traceparent: format!("00-{}-00f067aa0ba902b7-01", uuid::Uuid::new_v4().simple()),
+            key: None,
         }
     }
 
@@ -348,7 +381,13 @@ impl Task {
 
     pub fn record(&self) -> OutRecord {
         OutRecord {
-            key: Some(self.tenant.clone().into_bytes()),
+            key: Some(
+                self.key
+                    .as_ref()
+                    .unwrap_or(&self.tenant)
+                    .clone()
+                    .into_bytes(),
+            ),
             value: Some(serde_json::to_vec(&self.json()).unwrap()),
             headers: vec![("traceparent".into(), self.traceparent.clone().into_bytes())],
             ..Default::default()

@@ -130,8 +130,11 @@ pub struct TaskCtx {
     pub(crate) spawner: Spawner,
     pub(crate) counters: TaskCounters,
     pub(crate) commit_requested: bool,
-    /// Input topic → its dead-letter topic and that topic's partition count.
-    pub(crate) dead_letter_topics: HashMap<String, Option<(String, Option<i32>)>>,
+    /// Input topic → its dead-letter topic.
+    pub(crate) dead_letter_topics: HashMap<String, Option<String>>,
+    /// Partition counts of every dead-letter topic of the topology (a record
+    /// past a repartition goes to its origin's).
+    pub(crate) dead_letter_partitions: HashMap<String, i32>,
     /// Next offset after this task's committed outputs, per topic partition.
     pub(crate) output_ends: HashMap<(String, i32), i64>,
 }
@@ -160,6 +163,7 @@ impl TaskCtx {
             counters: TaskCounters::default(),
             commit_requested: false,
             dead_letter_topics: HashMap::new(),
+            dead_letter_partitions: HashMap::new(),
             output_ends: HashMap::new(),
         }
     }

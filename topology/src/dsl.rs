@@ -527,6 +527,7 @@ impl<K: Data, V: Data> KStream<K, V> {
                     topic: topic.resolve(inst.app_id),
                     key_codec: key.clone(),
                     value_codec: value.clone(),
+                    internal: matches!(topic, SinkTopic::Internal(_)),
                 }) as Box<dyn Node<K, V>>)
             }));
     }
@@ -567,6 +568,43 @@ impl<K: Data, V: Data> KStream<K, V> {
         })
     }
 
+    /// [`KStream::repartition`] with codecs of one's own: a stream of raw
+    /// bytes goes through as the bytes it was read as (its keys hashed as
+    /// they are, so the partition a key lands on is the one a producer's
+    /// murmur2 partitioner picks). Each record carries its origin in headers
+    /// ([`crate::origin_headers`]): a record dead-lettered downstream goes
+    /// to the dead-letter topic of the source it first came from, naming
+    /// that source's topic, partition and offset, with the bytes the
+    /// repartition topic holds. `partitions` sets the topic's partition
+    /// count (default: `StreamsConfig::repartition_partitions`, else the
+    /// writer's), so streams from topics of different counts can meet.
+    pub fn repartition_with(
+        &self,
+        name: &str,
+        key: impl Codec<K>,
+        value: impl Codec<V>,
+        partitions: Option<i32>,
+    ) -> KStream<K, V> {
+        let suffix = Topology::repartition_suffix(name);
+        self.builder.inner.lock().claim_name(&suffix);
+        let (key, value): (Arc<dyn Codec<K>>, Arc<dyn Codec<V>>) = (Arc::new(key), Arc::new(value));
+        self.sink(
+            SinkTopic::Internal(suffix.clone()),
+            key.clone(),
+            value.clone(),
+        );
+        self.builder.source(
+            vec![SourceTopic::Internal {
+                suffix,
+                upstream: self.group,
+                partitions,
+            }],
+            key,
+            value,
+            None,
+        )
+    }
+
     /// Groups by the existing key (the input must already be partitioned by it).
     pub fn group_by_key(&self) -> KGroupedStream<K, V> {
         KGroupedStream {
@@ -585,25 +623,15 @@ where
     /// Writes the stream through an internal topic `<app-id>-<name>-repartition`
     /// partitioned by key, and continues from it in a new sub-topology.
     pub fn repartition(&self, name: &str) -> KStream<K, V> {
-        let suffix = format!("{name}-repartition");
-        self.builder.inner.lock().claim_name(&suffix);
-        self.sink(
-            SinkTopic::Internal(suffix.clone()),
-            Arc::new(BincodeCodec::<K>::default()),
-            Arc::new(BincodeCodec::<V>::default()),
-        );
-        self.builder.source(
-            vec![SourceTopic::Internal {
-                suffix,
-                upstream: self.group,
-            }],
-            Arc::new(BincodeCodec::<K>::default()),
-            Arc::new(BincodeCodec::<V>::default()),
+        self.repartition_with(
+            name,
+            BincodeCodec::<K>::default(),
+            BincodeCodec::<V>::default(),
             None,
         )
     }
 
-    /// Re-keys the stream for grouping; the aggregation repartitions by the new key.
+    /// Re-keys the stream for grouping; the aggregation repartitions by the new key.    /// Re-keys the stream for grouping; the aggregation repartitions by the new key.
     pub fn group_by<K2>(
         &self,
         f: impl Fn(&Record<K, V>) -> K2 + Send + Sync + 'static,

@@ -33,7 +33,7 @@ pub use offsets::{InFlight, OffsetTracker};
 pub use processor::{KvStore, Processor, ProcessorContext, WindowStore};
 pub use record::{header, message_headers, Headers, OutputRecord, RawRecord, Record};
 pub use sluice_state::{Position, RocksSettings};
-pub use task::{dlq_headers, source_id, TaskId};
+pub use task::{dlq_headers, origin_headers, source_id, TaskId};
 pub use test_driver::{CommitStep, TopologyTestDriver};
 pub use topology::{SubTopology, Topology};
 pub use window::{EmitMode, TimeWindows, Window, Windowed};

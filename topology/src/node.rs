@@ -200,6 +200,8 @@ pub(crate) struct SinkNode<K, V> {
     pub(crate) topic: String,
     pub(crate) key_codec: Arc<dyn Codec<K>>,
     pub(crate) value_codec: Arc<dyn Codec<V>>,
+    /// A repartition topic: records carry their origin (see `origin_headers`).
+    pub(crate) internal: bool,
 }
 
 impl<K: Data, V: Data> Node<K, V> for SinkNode<K, V> {
@@ -211,13 +213,18 @@ impl<K: Data, V: Data> Node<K, V> for SinkNode<K, V> {
         let value = self.value_codec.encode(&rec.value).map_err(|e| {
             ProcessError::Fatal(format!("encoding a value for {}: {e}", self.topic))
         })?;
+        let headers = if self.internal {
+            ctx.origin_headers(&rec.headers)
+        } else {
+            rec.headers
+        };
         ctx.out.push(OutputRecord {
             topic: self.topic.clone(),
             partition: None,
             key,
             value,
             timestamp: rec.timestamp,
-            headers: rec.headers,
+            headers,
         });
         Ok(())
     }

@@ -36,6 +36,69 @@ pub mod dlq_headers {
     pub const SENT_AT: &str = "dlq.sent.at";
 }
 
+/// Headers a record written to a repartition topic carries about the source
+/// record it came from, so that a dead letter downstream of the repartition
+/// still goes to the original source's dead-letter topic and names the
+/// original topic, partition and offset. The engine sets them; a chain of
+/// repartitions keeps the first origin.
+pub mod origin_headers {
+    /// Topic of the source record.
+    pub const TOPIC: &str = "sluice.origin.topic";
+    /// Its partition.
+    pub const PARTITION: &str = "sluice.origin.partition";
+    /// Its offset.
+    pub const OFFSET: &str = "sluice.origin.offset";
+    /// Its source's dead-letter topic.
+    pub const DEAD_LETTER_TOPIC: &str = "sluice.origin.dlq";
+
+    pub(crate) const ALL: [&str; 4] = [TOPIC, PARTITION, OFFSET, DEAD_LETTER_TOPIC];
+}
+
+/// Where a record came from: its source and that source's dead-letter topic.
+struct Origin {
+    topic: String,
+    partition: i32,
+    offset: i64,
+    dead_letter_topic: String,
+}
+
+impl Origin {
+    fn from_headers(headers: &Headers) -> Option<Origin> {
+        let get = |k: &str| {
+            headers
+                .iter()
+                .rev()
+                .find(|(h, _)| h == k)
+                .and_then(|(_, v)| String::from_utf8(v.clone()).ok())
+        };
+        Some(Origin {
+            topic: get(origin_headers::TOPIC)?,
+            partition: get(origin_headers::PARTITION)?.parse().ok()?,
+            offset: get(origin_headers::OFFSET)?.parse().ok()?,
+            dead_letter_topic: get(origin_headers::DEAD_LETTER_TOPIC)?,
+        })
+    }
+
+    fn push_to(&self, headers: &mut Headers) {
+        let mut add = |k: &str, v: String| headers.push((k.to_string(), v.into_bytes()));
+        add(origin_headers::TOPIC, self.topic.clone());
+        add(origin_headers::PARTITION, self.partition.to_string());
+        add(origin_headers::OFFSET, self.offset.to_string());
+        add(
+            origin_headers::DEAD_LETTER_TOPIC,
+            self.dead_letter_topic.clone(),
+        );
+    }
+}
+
+fn without_origin(headers: &Headers) -> Headers {
+    headers
+        .iter()
+        .filter(|(k, _)| !origin_headers::ALL.contains(&k.as_str()))
+        .cloned()
+        .collect()
+}
+
 /// Identifies a task: sub-topology and partition number.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct TaskId {
@@ -69,6 +132,9 @@ pub(crate) struct InputSlot {
     pub(crate) source: usize,
     pub(crate) source_id: u32,
     pub(crate) dead_letter: Option<String>,
+    /// An internal (repartition) topic: its records' origin headers name
+    /// their dead-letter topic, so the raw record is kept for them too.
+    pub(crate) internal: bool,
 }
 
 /// An input record handed to a task.
@@ -149,6 +215,7 @@ impl TaskCore {
                     partition,
                     source: i,
                     dead_letter: src.dead_letter.clone(),
+                    internal: matches!(t, crate::topology::SourceTopic::Internal { .. }),
                 });
             }
         }
@@ -156,14 +223,9 @@ impl TaskCore {
         let mut ctx = ctx;
         ctx.dead_letter_topics = slots
             .iter()
-            .map(|s| {
-                let dlq = s.dead_letter.clone().map(|d| {
-                    let n = dlq_partitions.get(&d).copied();
-                    (d, n)
-                });
-                (s.topic.clone(), dlq)
-            })
+            .map(|s| (s.topic.clone(), s.dead_letter.clone()))
             .collect();
+        ctx.dead_letter_partitions = dlq_partitions.clone();
         let progress_store = ctx.store(&crate::Topology::progress_store(sub.id));
         let restored: Vec<SlotProgress> = match (progress_store, ctx.state.as_ref()) {
             (Some(store), Some(state)) => match state.get(store, PROGRESS_KEY)? {
@@ -251,7 +313,7 @@ impl TaskCore {
                 .get(&info.source_id)
                 .is_some_and(|until| input.offset <= *until),
         };
-        let raw = info.dead_letter.as_ref().map(|_| {
+        let raw = (info.dead_letter.is_some() || info.internal).then(|| {
             Arc::new(RawRecord {
                 topic: info.topic.clone(),
                 partition: info.partition,
@@ -542,20 +604,22 @@ impl TaskCtx {
                 "its source has no dead-letter topic".into(),
             ));
         };
-        let (topic, partitions) = self
-            .dead_letter_topics
-            .get(&raw.topic)
-            .cloned()
-            .flatten()
+        let origin = self
+            .origin_of(raw)
             .ok_or_else(|| ProcessError::Fatal("its source has no dead-letter topic".into()))?;
-        let mut headers = raw.headers.clone();
+        let topic = origin.dead_letter_topic.clone();
+        let partitions = self.dead_letter_partitions.get(&topic).copied();
+        let mut headers = without_origin(&raw.headers);
         let mut add = |k: &str, v: String| headers.push((k.to_string(), v.into_bytes()));
         add(dlq_headers::REASON, reason.to_string());
         add(dlq_headers::CATEGORY, category.to_string());
         add(dlq_headers::ATTEMPTS, attempts.to_string());
-        add(dlq_headers::ORIGINAL_TOPIC, raw.topic.clone());
-        add(dlq_headers::ORIGINAL_PARTITION, raw.partition.to_string());
-        add(dlq_headers::ORIGINAL_OFFSET, raw.offset.to_string());
+        add(dlq_headers::ORIGINAL_TOPIC, origin.topic.clone());
+        add(
+            dlq_headers::ORIGINAL_PARTITION,
+            origin.partition.to_string(),
+        );
+        add(dlq_headers::ORIGINAL_OFFSET, origin.offset.to_string());
         add(
             dlq_headers::SENT_AT,
             chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
@@ -567,7 +631,7 @@ impl TaskCtx {
             .or_default() += 1;
         // The same partition number as the original (modulo the dead-letter
         // topic's partitions): a task's writes stay in its own partitions.
-        let partition = partitions.filter(|n| *n > 0).map(|n| raw.partition % n);
+        let partition = partitions.filter(|n| *n > 0).map(|n| origin.partition % n);
         self.out.push(OutputRecord {
             topic,
             partition,
@@ -577,5 +641,33 @@ impl TaskCtx {
             headers,
         });
         Ok(())
+    }
+
+    /// The origin headers a record written to a repartition topic now
+    /// carries: those of the current record when it came through a
+    /// repartition itself, else the current record's own source when that
+    /// has a dead-letter topic (none for records a punctuation emits).
+    pub(crate) fn origin_headers(&self, headers: &Headers) -> Headers {
+        let mut out = without_origin(headers);
+        let current = self.current.as_ref().and_then(|t| t.raw.as_ref());
+        if let Some(o) = current.and_then(|raw| self.origin_of(raw)) {
+            o.push_to(&mut out);
+        }
+        out
+    }
+
+    /// Where a record first came from: its own source when that has a
+    /// dead-letter topic, else (past a repartition) the origin its headers
+    /// carry.
+    fn origin_of(&self, raw: &RawRecord) -> Option<Origin> {
+        match self.dead_letter_topics.get(&raw.topic).cloned().flatten() {
+            Some(dead_letter_topic) => Some(Origin {
+                topic: raw.topic.clone(),
+                partition: raw.partition,
+                offset: raw.offset,
+                dead_letter_topic,
+            }),
+            None => Origin::from_headers(&raw.headers),
+        }
     }
 }

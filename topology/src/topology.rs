@@ -18,9 +18,13 @@ use crate::{ProcessError, TopologyError};
 pub(crate) enum SourceTopic {
     /// A user topic.
     External(String),
-    /// An internal (repartition) topic, by suffix; its partition count follows
-    /// the sub-topology that writes it.
-    Internal { suffix: String, upstream: usize },
+    /// An internal (repartition) topic, by suffix; its partition count is
+    /// `partitions` when set, else follows the sub-topology that writes it.
+    Internal {
+        suffix: String,
+        upstream: usize,
+        partitions: Option<i32>,
+    },
 }
 
 impl SourceTopic {
@@ -81,10 +85,16 @@ impl SubTopology {
         &self.stores
     }
 
-    pub(crate) fn internal_sources(&self) -> impl Iterator<Item = (&str, usize)> {
+    /// The internal topics read: suffix, writing sub-topology, partitions
+    /// asked for.
+    pub(crate) fn internal_sources(&self) -> impl Iterator<Item = (&str, usize, Option<i32>)> {
         self.sources.iter().flat_map(|s| {
             s.topics.iter().filter_map(|t| match t {
-                SourceTopic::Internal { suffix, upstream } => Some((suffix.as_str(), *upstream)),
+                SourceTopic::Internal {
+                    suffix,
+                    upstream,
+                    partitions,
+                } => Some((suffix.as_str(), *upstream, *partitions)),
                 SourceTopic::External(_) => None,
             })
         })
@@ -140,6 +150,15 @@ impl Topology {
     /// Name of a store's changelog topic.
     pub fn changelog_topic(app_id: &str, store: &str) -> String {
         format!("{app_id}-{store}-changelog")
+    }
+
+    /// Name of the internal topic `KStream::repartition(name)` writes through.
+    pub fn repartition_topic(app_id: &str, name: &str) -> String {
+        format!("{app_id}-{}", Self::repartition_suffix(name))
+    }
+
+    pub(crate) fn repartition_suffix(name: &str) -> String {
+        format!("{name}-repartition")
     }
 
     /// A human-readable description (sources, stores, internal topics).

@@ -407,3 +407,91 @@ fn processors_read_and_write_window_stores_through_their_context() {
     let out: Vec<(String, String)> = d.read_typed("out", &StringCodec, &StringCodec).unwrap();
     assert_eq!(out.last().unwrap().1, "0:2,1:2 of 3");
 }
+
+/// Dead-letters values over 100 (after the repartition).
+struct RejectLarge;
+
+impl Processor<String, u32> for RejectLarge {
+    type OutKey = String;
+    type OutValue = u32;
+    type Output = ();
+
+    fn process(
+        &mut self,
+        r: Record<String, u32>,
+        ctx: &mut ProcessorContext<'_, String, u32, ()>,
+    ) -> Result<(), ProcessError> {
+        if r.value > 100 {
+            return ctx.dead_letter("too_large", "bad_request", 2);
+        }
+        ctx.forward(r)
+    }
+}
+
+#[test]
+fn a_record_dead_lettered_past_a_repartition_goes_to_its_sources_dead_letter_topic() {
+    let b = StreamBuilder::new();
+    b.stream_with(
+        &["in"],
+        StringCodec,
+        JsonCodec::<u32>::default(),
+        SourceOptions {
+            dead_letter_topic: Some("in.dlq".into()),
+        },
+    )
+    .map(|r| {
+        let (key, value) = (format!("{}", r.value % 2), r.value);
+        r.with(key, value)
+    })
+    .repartition_with("parity", StringCodec, JsonCodec::<u32>::default(), Some(3))
+    .process("reject", &[], || RejectLarge)
+    .to("out", StringCodec, JsonCodec::<u32>::default());
+    let mut d = TopologyTestDriver::new(b.build().unwrap()).unwrap();
+    d.pipe_raw_with_headers(
+        "in",
+        Some(b"a"),
+        Some(b"41"),
+        1,
+        vec![("trace".into(), b"t0".to_vec())],
+    )
+    .unwrap();
+    d.pipe_raw_with_headers(
+        "in",
+        Some(b"b"),
+        Some(b"500"),
+        2,
+        vec![("trace".into(), b"t1".to_vec())],
+    )
+    .unwrap();
+    d.pipe_raw("in", Some(b"c"), Some(b"{oops"), 3).unwrap();
+    let out = d
+        .read_typed("out", &StringCodec, &JsonCodec::<u32>::default())
+        .unwrap();
+    assert_eq!(out, vec![("1".to_string(), 41)]);
+    let dlq = d.read_output("in.dlq");
+    assert_eq!(dlq.len(), 2, "{dlq:?}");
+    let rejected = &dlq[0];
+    assert_eq!(rejected.value.as_deref(), Some(&b"500"[..]));
+    for (h, want) in [
+        (dlq_headers::ORIGINAL_TOPIC, &b"in"[..]),
+        (dlq_headers::ORIGINAL_OFFSET, b"1"),
+        (dlq_headers::ORIGINAL_PARTITION, b"0"),
+        (dlq_headers::CATEGORY, b"bad_request"),
+        (dlq_headers::ATTEMPTS, b"2"),
+        ("trace", b"t1"),
+    ] {
+        assert_eq!(header(&rejected.headers, h), Some(want), "{h}");
+    }
+    assert!(
+        rejected
+            .headers
+            .iter()
+            .all(|(k, _)| !k.starts_with("sluice.origin")),
+        "{:?}",
+        rejected.headers
+    );
+    assert_eq!(
+        header(&dlq[1].headers, dlq_headers::ORIGINAL_OFFSET),
+        Some(&b"2"[..])
+    );
+}

@@ -107,10 +107,10 @@ pub(crate) fn prepare_topics(
     }
     for _ in 0..n {
         for st in topology.subtopologies() {
-            for (suffix, upstream) in st.internal_sources() {
+            for (suffix, upstream, asked) in st.internal_sources() {
                 let name = format!("{app}-{suffix}");
                 let want = match (
-                    cfg.repartition_partitions,
+                    asked.or(cfg.repartition_partitions),
                     existing.get(&name),
                     parts[upstream],
                 ) {
@@ -145,7 +145,7 @@ pub(crate) fn prepare_topics(
     let mut to_create: Vec<TopicSpec> = Vec::new();
     for st in topology.subtopologies() {
         let p = subtopology_partitions[st.id];
-        for (suffix, _) in st.internal_sources() {
+        for (suffix, _, _) in st.internal_sources() {
             let name = format!("{app}-{suffix}");
             check_or_plan(&existing, &name, p, vec![], &mut to_create)?;
         }

@@ -1,0 +1,250 @@
+//! `make bench-usage`: per-tenant accounting through the windowed stores
+//! under exactly-once, against the raw consume rate of the same records, in
+//! one run; and the peak resident memory of an accounting instance holding
+//! 100,000 tenants × 4 windows.
+//!
+//! One dataset of task results (10,000 tenants, two models, cached tokens,
+//! completion times over the last ten minutes, keyed by tenant over 4
+//! partitions) is produced once. Three rounds, interleaved: a plain rdkafka
+//! consumer reads it, then the `account` operator (the default windows: 1
+//! minute, 1 hour, 1 day, 30 days) counts it under exactly-once with fresh
+//! state, writing every window update to a usage topic. Medians are compared.
+//! Then a child process (this binary again) accounts 100,000 tenants' results
+//! and reports its peak resident set (`VmHWM`).
+
+/// The same allocator as the `sluice` binary.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use chrono::TimeZone;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use sluice::accounting::{default_windows, AccountStreamExt, Accounting, AccountingSettings};
+use sluice::envelope::{Route, TaskResult};
+use sluice::kafka::{create_topics, produce, OutRecord};
+use sluice_topology::runtime::{AppState, EngineMetrics, Guarantee, StreamsApp, StreamsConfig};
+use sluice_topology::{JsonCodec, SourceOptions, StreamBuilder, StringCodec};
+
+const PARTITIONS: i32 = 4;
+
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn unique(what: &str) -> String {
+    format!(
+        "bench-{what}-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    )
+}
+
+/// `n` results over `tenants` tenants, completed over the last ten minutes.
+fn produce_results(bootstrap: &str, topic: &str, n: usize, tenants: usize) {
+    create_topics(bootstrap, &[(topic, PARTITIONS, &[])]).unwrap();
+    let now = chrono::Utc::now().timestamp_millis();
+    let records = (0..n).map(|i| {
+        let tenant = format!("tenant-{}", (i * 7919) % tenants);
+        let tokens = 100 + (i % 900) as u64;
+        let at = now - 600_000 + (i as i64 * 600_000) / n as i64;
+        let result = TaskResult {
+            task_id: format!("task-{i}"),
+            task_type: "classify".into(),
+            tenant_id: tenant.clone(),
+            success: true,
+            completed_at: chrono::Utc.timestamp_millis_opt(at).unwrap(),
+            processing_ms: 40,
+            model: if i % 5 == 0 { "large" } else { "small" }.into(),
+            route: Route::default(),
+            input_tokens: tokens,
+            output_tokens: tokens / 3,
+            cached_tokens: tokens / 4,
+            cost_micros: tokens as i64 * 7,
+            attempts: 1,
+            batch_id: None,
+            output: serde_json::json!({ "label": "news" }),
+            error_code: None,
+            error_message: None,
+            metadata: BTreeMap::new(),
+        };
+        OutRecord {
+            key: Some(tenant.into_bytes()),
+            value: Some(serde_json::to_vec(&result).unwrap()),
+            timestamp: Some(at),
+            ..Default::default()
+        }
+    });
+    let t = Instant::now();
+    produce(bootstrap, topic, records).unwrap();
+    eprintln!(
+        "produced {n} results of {tenants} tenants in {:.2}s",
+        t.elapsed().as_secs_f64()
+    );
+}
+
+/// A plain consumer reading every partition: records per second.
+fn raw_read(bootstrap: &str, topic: &str, n: usize) -> f64 {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", unique("raw"))
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("consumer");
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..PARTITIONS {
+        tpl.add_partition_offset(topic, p, Offset::Beginning)
+            .unwrap();
+    }
+    consumer.assign(&tpl).unwrap();
+    let start = Instant::now();
+    let mut seen = 0usize;
+    while seen < n {
+        if let Some(Ok(_)) = consumer.poll(Duration::from_millis(100)) {
+            seen += 1;
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    eprintln!("raw: {seen} records in {secs:.2}s");
+    seen as f64 / secs
+}
+
+/// Accounts `n` results of `topic` under exactly-once into a fresh state
+/// directory: results per second, from the assignment to the last one in.
+fn account(bootstrap: &str, topic: &str, n: usize, state: &std::path::Path) -> f64 {
+    let app_id = unique("usage");
+    let usage_topic = format!("{app_id}-usage");
+    let alerts_topic = format!("{app_id}-alerts");
+    create_topics(
+        bootstrap,
+        &[
+            (&usage_topic, PARTITIONS, &[]),
+            (&alerts_topic, PARTITIONS, &[]),
+        ],
+    )
+    .unwrap();
+    let accounting = Accounting::new(AccountingSettings {
+        name: "usage".into(),
+        windows: default_windows(),
+        usage_topic,
+        budgets: Default::default(),
+        thresholds: vec![0.5, 0.8, 1.0],
+        alerts_topic,
+        quotas: Default::default(),
+        downgrade_at: None,
+    });
+    let b = StreamBuilder::new();
+    b.stream_with(
+        &[topic],
+        StringCodec,
+        JsonCodec::<TaskResult>::default(),
+        SourceOptions::default(),
+    )
+    .account(&accounting);
+    let topology = b.build().expect("topology");
+    let mut cfg = StreamsConfig::new(&app_id, bootstrap, state);
+    cfg.guarantee = Guarantee::ExactlyOnce;
+    cfg.session_timeout = Duration::from_secs(6);
+    let metrics = EngineMetrics::unregistered();
+    let app = StreamsApp::new(topology, cfg, metrics.clone())
+        .start()
+        .expect("start");
+    while app.status().state() == AppState::Starting {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let start = Instant::now();
+    while (metrics.records_in() as usize) < n {
+        std::thread::sleep(Duration::from_millis(2));
+        if app.is_finished() {
+            panic!("app stopped: {:?}", app.status().state());
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    app.shutdown();
+    app.join().expect("clean stop");
+    eprintln!(
+        "accounted {n} results ({} window updates) in {secs:.2}s ({} task commits)",
+        n * default_windows().len(),
+        metrics.commit_count()
+    );
+    n as f64 / secs
+}
+
+/// Peak resident set of this process, MiB (`VmHWM`).
+fn peak_rss_mib() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM");
+    kib / 1024.0
+}
+
+/// The child's part: account every result of a topic, print the peak RSS.
+fn rss_child(bootstrap: &str, topic: &str, n: usize) {
+    let dir = tempfile::tempdir().unwrap();
+    account(bootstrap, topic, n, dir.path());
+    println!("RSS_MIB={:.0}", peak_rss_mib());
+}
+
+fn main() {
+    let bootstrap =
+        std::env::var("SLUICE_BENCH_BOOTSTRAP").expect("run through `make bench-usage`");
+    if let (Ok(topic), Ok(n)) = (
+        std::env::var("SLUICE_BENCH_RSS_TOPIC"),
+        std::env::var("SLUICE_BENCH_RSS_RECORDS"),
+    ) {
+        return rss_child(&bootstrap, &topic, n.parse().unwrap());
+    }
+    let n = env_usize("SLUICE_BENCH_RECORDS", 200_000);
+    let tenants = env_usize("SLUICE_BENCH_TENANTS", 10_000);
+    let topic = unique("results");
+    produce_results(&bootstrap, &topic, n, tenants);
+    let dir = tempfile::tempdir().unwrap();
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (mut raws, mut usages) = (Vec::new(), Vec::new());
+    for round in 0..3 {
+        raws.push(raw_read(&bootstrap, &topic, n));
+        usages.push(account(
+            &bootstrap,
+            &topic,
+            n,
+            &dir.path().join(format!("round-{round}")),
+        ));
+    }
+    let (raw, usage) = (median(raws), median(usages));
+
+    // 100,000 tenants, one result each, in a child process of its own.
+    let big = env_usize("SLUICE_BENCH_RSS_TENANTS", 100_000);
+    let big_topic = unique("results-100k");
+    produce_results(&bootstrap, &big_topic, big, big);
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .env("SLUICE_BENCH_RSS_TOPIC", &big_topic)
+        .env("SLUICE_BENCH_RSS_RECORDS", big.to_string())
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .expect("rss child");
+    assert!(out.status.success(), "rss child failed");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let rss: f64 = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("RSS_MIB="))
+        .and_then(|v| v.parse().ok())
+        .expect("RSS_MIB from the child");
+    eprintln!(
+        "{big} tenants x {} windows: peak RSS {rss:.0} MiB",
+        default_windows().len()
+    );
+    println!(
+        "RESULT raw_rps={raw:.0} usage_rps={usage:.0} usage_ratio={:.2} rss_mib={rss:.0}",
+        usage / raw
+    );
+}
