@@ -406,6 +406,9 @@ impl Config {
                 .unwrap_or_else(|| "file".into());
             ConfigError::new(key, e.message().to_string())
         })?;
+        // Overrides as typed TOML scalars, each kept as text too: a key that
+        // wants a string gets the text (a numeric password stays a string).
+        let mut overrides: Vec<(Vec<String>, String)> = Vec::new();
         for (k, v) in env {
             let Some(rest) = k.strip_prefix(ENV_PREFIX) else {
                 continue;
@@ -416,15 +419,30 @@ impl Config {
             let path: Vec<String> = rest.split("__").map(str::to_lowercase).collect();
             set_path(&mut value, &path, parse_env_value(&v))
                 .map_err(|m| ConfigError::new(format!("{k} ({})", path.join(".")), m))?;
+            overrides.push((path, v));
         }
-        let de = toml::Value::Table(value);
-        let cfg: Config = serde_path_to_error::deserialize(de).map_err(|e| {
-            let path = e.path().to_string();
-            ConfigError::new(
-                if path.is_empty() { "file".into() } else { path },
-                e.inner().to_string(),
-            )
-        })?;
+        let cfg: Config = loop {
+            let de = toml::Value::Table(value.clone());
+            match serde_path_to_error::deserialize(de) {
+                Ok(cfg) => break cfg,
+                Err(e) => {
+                    let path = e.path().to_string();
+                    let as_text = overrides
+                        .iter()
+                        .position(|(p, _)| p.join(".") == path)
+                        .map(|i| overrides.swap_remove(i));
+                    if let Some((p, text)) = as_text {
+                        set_path(&mut value, &p, toml::Value::String(text))
+                            .map_err(|m| ConfigError::new(path, m))?;
+                        continue;
+                    }
+                    return Err(ConfigError::new(
+                        if path.is_empty() { "file".into() } else { path },
+                        e.inner().to_string(),
+                    ));
+                }
+            }
+        };
         cfg.validate()?;
         Ok(cfg)
     }
@@ -974,6 +992,28 @@ type_complexity = { classify = 0.1 }
         assert_eq!(c.app.guarantee, Guarantee::AtLeastOnce);
         let err = load(MINIMAL, &[("SLUICE_APP__NOPE", "1")]).unwrap_err();
         assert!(err.to_string().contains("nope"), "{err}");
+    }
+
+    #[test]
+    fn a_numeric_override_of_a_string_key_stays_a_string() {
+        let c = load(
+            MINIMAL,
+            &[
+                ("SLUICE_KAFKA__CLIENT__SASL.PASSWORD", "12345"),
+                ("SLUICE_KAFKA__BOOTSTRAP_SERVERS", "9092"),
+                ("SLUICE_APP__MAX_IN_FLIGHT_PER_PARTITION", "7"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.kafka.client["sasl.password"], "12345");
+        assert_eq!(c.kafka.bootstrap_servers, "9092");
+        assert_eq!(c.app.max_in_flight_per_partition, 7);
+        let err = load(
+            MINIMAL,
+            &[("SLUICE_APP__MAX_IN_FLIGHT_PER_PARTITION", "many")],
+        )
+        .unwrap_err();
+        assert_eq!(err.key, "app.max_in_flight_per_partition", "{err}");
     }
 
     #[test]
