@@ -4,14 +4,16 @@
 
 mod common;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use common::pipeline::*;
 use common::{bootstrap, eventually};
 use rdkafka::message::OwnedMessage;
 use rdkafka::Message;
-use sluice::accounting::{AlertRecord, TenantUsage, UsageRecord, WindowSpec, WindowUsage};
+use sluice::accounting::{
+    AlertRecord, Seq, TenantUsage, UsageRecord, WindowSpec, WindowUsage, HEADER_SEQ,
+};
 use sluice::envelope::TaskResult;
 use sluice::kafka::{produce, read_topics, OutRecord};
 use sluice::sim::SimConfig;
@@ -26,8 +28,9 @@ fn read_all(topic: &str) -> Vec<OwnedMessage> {
     .unwrap()
 }
 
-/// Usage records read committed: how many, and the last per window.
-fn usage_records(p: &Pipeline) -> (usize, BTreeMap<WindowKey, WindowUsage>) {
+/// Usage records read committed: how many, and the last per window with the
+/// sequence number of the result it came from.
+fn usage_records(p: &Pipeline) -> (usize, BTreeMap<WindowKey, (WindowUsage, Option<Seq>)>) {
     let mut last = BTreeMap::new();
     let mut n = 0;
     for m in read_all(&format!("{}.usage", p.prefix)) {
@@ -37,14 +40,17 @@ fn usage_records(p: &Pipeline) -> (usize, BTreeMap<WindowKey, WindowUsage>) {
         // A tenant's updates are in one partition, in order: the last holds
         // its window's totals.
         let key = (u.tenant_id, u.usage.window.clone(), u.usage.window_start);
-        last.insert(key, u.usage);
+        let seq = header(&m, HEADER_SEQ).and_then(|v| Seq::decode(v.as_bytes()));
+        last.insert(key, (u.usage, seq));
     }
     (n, last)
 }
 
 /// For every tenant and window, the last usage record equals the sum over
 /// the tenant's completed results (tokens, cost, per model), and there is
-/// one update per completed result and window.
+/// one update per completed result and window. After a crash, a window may
+/// differ only where the broker showed a changelog state counting a result
+/// that no visible record shows (see [`windows_counting_invisible_results`]).
 fn assert_usage_equals_results(
     p: &Pipeline,
     results: &[(TaskResult, OwnedMessage)],
@@ -63,28 +69,47 @@ fn assert_usage_equals_results(
     }
     let (updates, got) = usage_records(p);
     let completed = results.iter().filter(|(r, _)| r.success).count();
-    assert_eq!(got.len(), want.len(), "windows with usage");
-    for (key, w) in &want {
-        let u = &got[key];
-        assert_eq!(
-            (
-                u.requests,
-                u.input_tokens,
-                u.output_tokens,
-                u.cached_tokens,
-                u.cost_micros
-            ),
-            (
-                w.total.requests,
-                w.total.input_tokens,
-                w.total.output_tokens,
-                w.total.cached_tokens,
-                w.total.cost_micros
-            ),
-            "{key:?}"
+    let mut differ: BTreeMap<WindowKey, String> = BTreeMap::new();
+    for key in want.keys().chain(got.keys()) {
+        let sums = want.get(key).cloned().unwrap_or_default();
+        let expected = (
+            sums.total.requests,
+            sums.total.input_tokens,
+            sums.total.output_tokens,
+            sums.total.cached_tokens,
+            sums.total.cost_micros,
         );
-        assert_eq!(u.by_model, w.by_model, "{key:?}");
+        let last = got.get(key).map(|(u, _)| {
+            (
+                (
+                    u.requests,
+                    u.input_tokens,
+                    u.output_tokens,
+                    u.cached_tokens,
+                    u.cost_micros,
+                ),
+                &u.by_model,
+            )
+        });
+        if last != Some((expected, &sums.by_model)) {
+            let last = last.map(|(t, _)| t);
+            differ.insert(key.clone(), format!("{last:?} against {expected:?}"));
+        }
     }
+    let exempt =
+        if differ.is_empty() || !crashed {
+            BTreeSet::new()
+        } else {
+            // The last update of a window may come from a transaction the broker
+            // showed only part of: an update whose result is not visible.
+            let visible = visible_seqs(results);
+            let mut exempt = windows_counting_invisible_results(p, results, windows);
+            exempt.extend(got.iter().filter_map(|(k, (_, seq))| {
+                seq.filter(|s| !visible.contains(s)).map(|_| k.clone())
+            }));
+            exempt
+        };
+    assert_only_exempt_differ(&differ, &exempt);
     // A crash may leave some updates of an interrupted transaction visible
     // (the test broker exposes them); without one, exactly one per result.
     if !crashed {
@@ -96,6 +121,70 @@ fn assert_usage_equals_results(
     }
 }
 
+/// Fails unless every window in `differ` (window → what differs) is one of
+/// `exempt`; says what the exempt ones are.
+fn assert_only_exempt_differ(differ: &BTreeMap<WindowKey, String>, exempt: &BTreeSet<WindowKey>) {
+    let unexplained: Vec<_> = differ
+        .iter()
+        .filter(|(k, _)| !exempt.contains(*k))
+        .collect();
+    assert!(
+        unexplained.is_empty(),
+        "windows differ from the sums of their results: {unexplained:?}"
+    );
+    if !differ.is_empty() {
+        eprintln!(
+            "{} windows differ from their results, each from a changelog state or an update \
+             that counted a result no visible record shows (the test broker showed part of an \
+             interrupted transaction, design §8): {differ:?}",
+            differ.len()
+        );
+    }
+}
+
+/// The sequence numbers of the visible results.
+fn visible_seqs(results: &[(TaskResult, OwnedMessage)]) -> BTreeSet<Seq> {
+    results
+        .iter()
+        .filter_map(|(_, m)| header(m, HEADER_SEQ))
+        .filter_map(|v| Seq::decode(v.as_bytes()))
+        .collect()
+}
+
+/// The windows whose changelog (read committed) holds a state that counted a
+/// result no visible result shows: the state's last counted sequence number
+/// is on no result. A correct broker never shows one, since a window's
+/// changelog record and the results it counted are written in one
+/// transaction; the test broker, taking over a killed instance's transaction,
+/// can show part of it. Such a window, restored, counts those results, and
+/// their replayed tasks' results once more.
+fn windows_counting_invisible_results(
+    p: &Pipeline,
+    results: &[(TaskResult, OwnedMessage)],
+    windows: &[WindowSpec],
+) -> BTreeSet<WindowKey> {
+    let visible = visible_seqs(results);
+    let mut out = BTreeSet::new();
+    for w in windows {
+        let changelog = format!("{}-app-usage-{}-changelog", p.prefix, w.name);
+        for m in read_all(&changelog) {
+            let barrier = header(&m, sluice_topology::runtime::BARRIER_HEADER).is_some();
+            let (Some(k), Some(v), false) = (m.key(), m.payload(), barrier) else {
+                continue;
+            };
+            let (start, key) = sluice_state::decode_window_key(k).expect("a window key");
+            let tenant: String = sluice_topology::from_bincode(key).expect("a tenant");
+            let stored = sluice_state::StoredValue::decode(&changelog, v).expect("a stored value");
+            let usage: TenantUsage =
+                sluice_topology::from_bincode(&stored.value).expect("a window's usage");
+            if usage.last_seq != Seq::default() && !visible.contains(&usage.last_seq) {
+                out.insert((tenant, w.name.clone(), start));
+            }
+        }
+    }
+    out
+}
+
 /// Every tenant's current windows as `GET /v1/tenants/{id}/usage` on `app`
 /// reads them from the window stores (locally or on the owner) equal the
 /// sums over the tenant's completed results in those windows.
@@ -104,7 +193,9 @@ fn assert_stores_equal_results(
     app: &App,
     results: &[(TaskResult, OwnedMessage)],
     tenants: &[String],
+    exempt: &BTreeSet<WindowKey>,
 ) {
+    let mut differ = BTreeMap::new();
     for tenant in tenants {
         let path = format!("/v1/tenants/{tenant}/usage");
         let report: TenantUsageReport = eventually(Duration::from_secs(60), &path, || {
@@ -128,13 +219,14 @@ fn assert_stores_equal_results(
                 size_ms: got.window_end - got.window_start,
                 retention_ms: 0,
             };
-            assert_eq!(
-                got,
-                &WindowUsage::new(&spec, got.window_start, sum),
-                "{tenant}: the store's window against its results"
-            );
+            let want = WindowUsage::new(&spec, got.window_start, sum);
+            if got != &want {
+                let key = (tenant.clone(), got.window.clone(), got.window_start);
+                differ.insert(key, format!("store {got:?} against results {want:?}"));
+            }
         }
     }
+    assert_only_exempt_differ(&differ, exempt);
 }
 
 #[test]
@@ -208,9 +300,11 @@ fn usage_survives_two_sigkills(extra: &str, two_instances: bool) {
     let results = p.results(tasks.len(), Duration::from_secs(300));
     assert_each_answered_once(&tasks, &results);
     assert_results_bill_what_the_provider_billed_at_least(&p, &results);
-    assert_usage_equals_results(&p, &results, &sluice::accounting::default_windows(), true);
+    let windows = sluice::accounting::default_windows();
+    assert_usage_equals_results(&p, &results, &windows, true);
     let tenants: Vec<String> = (0..50).map(|i| format!("tenant-{i}")).collect();
-    assert_stores_equal_results(&p, &restarted, &results, &tenants);
+    let exempt = windows_counting_invisible_results(&p, &results, &windows);
+    assert_stores_equal_results(&p, &restarted, &results, &tenants, &exempt);
     let mut restarted = restarted;
     restarted.proc.stop();
     if let Some((mut b, _)) = b {
@@ -468,8 +562,8 @@ tokens = {quota}
     }
     assert_usage_equals_results(&p, &results, &windows, false);
     let tenants: Vec<String> = partitions.keys().cloned().collect();
-    assert_stores_equal_results(&p, &a, &results, &tenants);
-    assert_stores_equal_results(&p, &b, &results, &tenants);
+    assert_stores_equal_results(&p, &a, &results, &tenants, &BTreeSet::new());
+    assert_stores_equal_results(&p, &b, &results, &tenants, &BTreeSet::new());
 
     // The quota held over both task types.
     let capped: Vec<&TaskResult> = results
@@ -554,7 +648,7 @@ fn spent(p: &Pipeline, tenant: &str, window: &str) -> i64 {
         .1
         .into_iter()
         .filter(|((t, w, _), _)| t == tenant && w == window)
-        .map(|(_, u)| u.cost_micros)
+        .map(|(_, (u, _))| u.cost_micros)
         .max()
         .unwrap_or(0)
 }

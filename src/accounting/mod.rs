@@ -81,8 +81,10 @@ pub fn default_windows() -> Vec<WindowSpec> {
     ]
 }
 
-/// Result header set by `account` on each result it counts: the result's
-/// place in the order its task counted results (see [`Seq`]).
+/// Header set by `account` on each result it counts, and on the usage and
+/// alert records that result caused: the result's place in the order its
+/// task counted results (see [`Seq`]). A consumer of `ai.usage.tenant` can
+/// tell updates apart by it.
 pub const HEADER_SEQ: &str = "sluice.usage.seq";
 
 /// The order in which a task counted results: the time the task's
@@ -480,13 +482,14 @@ struct Accountant {
 type Ctx<'a> = ProcessorContext<'a, String, TaskResult, ()>;
 
 /// Emits a record keyed by tenant, as JSON, in the task's own partition (as
-/// its results).
+/// its results), carrying the sequence number of the result that caused it.
 fn emit_json(
     ctx: &mut Ctx<'_>,
     topic: &str,
     tenant: &str,
     value: &impl Serialize,
     at: i64,
+    seq: Seq,
 ) -> Result<(), ProcessError> {
     let json = serde_json::to_vec(value)
         .map_err(|e| ProcessError::Fatal(format!("{topic} record encoding: {e}")))?;
@@ -496,7 +499,7 @@ fn emit_json(
         key: Some(tenant.as_bytes().to_vec()),
         value: Some(json),
         timestamp: at,
-        headers: Vec::new(),
+        headers: vec![(HEADER_SEQ.into(), seq.encode())],
     });
     Ok(())
 }
@@ -666,10 +669,10 @@ impl Processor<String, TaskResult> for Accountant {
                         if let Some(m) = &self.accounting.0.alerts {
                             m.with_label_values(&[&alert.kind]).inc();
                         }
-                        emit_json(ctx, &settings.alerts_topic, &r.tenant_id, &alert, at)?;
+                        emit_json(ctx, &settings.alerts_topic, &r.tenant_id, &alert, at, seq)?;
                     }
                     Update::Usage(u) => {
-                        emit_json(ctx, &settings.usage_topic, &r.tenant_id, &u, at)?
+                        emit_json(ctx, &settings.usage_topic, &r.tenant_id, &u, at, seq)?
                     }
                 }
             }
