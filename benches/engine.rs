@@ -13,92 +13,17 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use std::time::{Duration, Instant};
 
-use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use sluice::examples::{async_windowed_count, windowed_count};
 use sluice::kafka::{create_topics, produce, OutRecord};
 use sluice_topology::runtime::{
     AppState, EngineMetrics, Guarantee, RunningApp, StreamsApp, StreamsConfig,
 };
 
+mod common;
+
+use common::{env_usize, raw_read, PARTITIONS};
+
 const KEYS: usize = 10_000;
-const PARTITIONS: i32 = 4;
-
-fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-/// A plain consumer reading every partition, either through the consumer's
-/// queue or (`split`) through one queue per partition, as the engine does.
-fn raw_read(bootstrap: &str, topic: &str, n: usize, split: bool) -> f64 {
-    let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
-        .set("group.id", format!("bench-raw-{}", uuid::Uuid::new_v4()))
-        .set("enable.auto.commit", "false")
-        .create()
-        .expect("consumer");
-    let mut tpl = TopicPartitionList::new();
-    for p in 0..PARTITIONS {
-        tpl.add_partition_offset(topic, p, Offset::Beginning)
-            .unwrap();
-    }
-    let consumer = std::sync::Arc::new(consumer);
-    consumer.assign(&tpl).unwrap();
-    let queues: Vec<_> = if split {
-        (0..PARTITIONS)
-            .map(|p| consumer.split_partition_queue(topic, p).expect("split"))
-            .collect()
-    } else {
-        Vec::new()
-    };
-    let (mut seen, mut bytes) = (0usize, 0usize);
-    let count = |m: &rdkafka::message::BorrowedMessage<'_>, seen: &mut usize, bytes: &mut usize| {
-        use rdkafka::Message;
-        *bytes += m.payload_len() + m.key().map_or(0, <[u8]>::len);
-        *seen += 1;
-    };
-    let start = Instant::now();
-    let mut first = None;
-    if split {
-        let mut idle = false;
-        loop {
-            // Events only: with split queues no record arrives here.
-            let _ = consumer.poll(Duration::from_millis(if idle { 1 } else { 0 }));
-            idle = true;
-            for q in &queues {
-                while let Some(Ok(m)) = q.poll(Duration::ZERO) {
-                    count(&m, &mut seen, &mut bytes);
-                    first.get_or_insert_with(|| start.elapsed());
-                    idle = false;
-                }
-            }
-            if seen >= n {
-                break;
-            }
-        }
-    } else {
-        while seen < n {
-            if let Some(Ok(m)) = consumer.poll(Duration::from_millis(100)) {
-                count(&m, &mut seen, &mut bytes);
-                first.get_or_insert_with(|| start.elapsed());
-            }
-        }
-    }
-    let secs = start.elapsed().as_secs_f64();
-    let how = if split {
-        "partition queues"
-    } else {
-        "consumer queue"
-    };
-    let first = first.unwrap_or_default().as_secs_f64();
-    eprintln!(
-        "raw ({how}): {seen} records ({bytes} bytes) in {secs:.2}s (first after {first:.2}s)"
-    );
-    seen as f64 / secs
-}
 
 /// The topologies measured.
 #[derive(Clone, Copy, Debug)]

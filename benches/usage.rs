@@ -20,22 +20,15 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use chrono::TimeZone;
-use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use sluice::accounting::{default_windows, AccountStreamExt, Accounting, AccountingSettings};
 use sluice::envelope::{Route, TaskResult};
 use sluice::kafka::{create_topics, produce, OutRecord};
 use sluice_topology::runtime::{AppState, EngineMetrics, Guarantee, StreamsApp, StreamsConfig};
 use sluice_topology::{JsonCodec, SourceOptions, StreamBuilder, StringCodec};
 
-const PARTITIONS: i32 = 4;
+mod common;
 
-fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
+use common::{env_usize, raw_read, PARTITIONS};
 
 fn unique(what: &str) -> String {
     format!(
@@ -85,32 +78,6 @@ fn produce_results(bootstrap: &str, topic: &str, n: usize, tenants: usize) {
         "produced {n} results of {tenants} tenants in {:.2}s",
         t.elapsed().as_secs_f64()
     );
-}
-
-/// A plain consumer reading every partition: records per second.
-fn raw_read(bootstrap: &str, topic: &str, n: usize) -> f64 {
-    let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
-        .set("group.id", unique("raw"))
-        .set("enable.auto.commit", "false")
-        .create()
-        .expect("consumer");
-    let mut tpl = TopicPartitionList::new();
-    for p in 0..PARTITIONS {
-        tpl.add_partition_offset(topic, p, Offset::Beginning)
-            .unwrap();
-    }
-    consumer.assign(&tpl).unwrap();
-    let start = Instant::now();
-    let mut seen = 0usize;
-    while seen < n {
-        if let Some(Ok(_)) = consumer.poll(Duration::from_millis(100)) {
-            seen += 1;
-        }
-    }
-    let secs = start.elapsed().as_secs_f64();
-    eprintln!("raw: {seen} records in {secs:.2}s");
-    seen as f64 / secs
 }
 
 /// Accounts `n` results of `topic` under exactly-once into a fresh state
@@ -212,7 +179,7 @@ fn main() {
     };
     let (mut raws, mut usages) = (Vec::new(), Vec::new());
     for round in 0..3 {
-        raws.push(raw_read(&bootstrap, &topic, n));
+        raws.push(raw_read(&bootstrap, &topic, n, false));
         usages.push(account(
             &bootstrap,
             &topic,

@@ -96,20 +96,21 @@ fn assert_usage_equals_results(
             differ.insert(key.clone(), format!("{last:?} against {expected:?}"));
         }
     }
-    let exempt =
-        if differ.is_empty() || !crashed {
-            BTreeSet::new()
-        } else {
-            // The last update of a window may come from a transaction the broker
-            // showed only part of: an update whose result is not visible.
-            let visible = visible_seqs(results);
-            let mut exempt = windows_counting_invisible_results(p, results, windows);
-            exempt.extend(got.iter().filter_map(|(k, (_, seq))| {
+    assert_only_exempt_differ(&differ, || {
+        if !crashed {
+            return BTreeSet::new();
+        }
+        // The last update of a window may come from a transaction the broker
+        // showed only part of: an update whose result is not visible.
+        let visible = visible_seqs(results);
+        let mut exempt = windows_counting_invisible_results(p, results, windows);
+        exempt.extend(
+            got.iter().filter_map(|(k, (_, seq))| {
                 seq.filter(|s| !visible.contains(s)).map(|_| k.clone())
-            }));
-            exempt
-        };
-    assert_only_exempt_differ(&differ, &exempt);
+            }),
+        );
+        exempt
+    });
     // A crash may leave some updates of an interrupted transaction visible
     // (the test broker exposes them); without one, exactly one per result.
     if !crashed {
@@ -122,8 +123,16 @@ fn assert_usage_equals_results(
 }
 
 /// Fails unless every window in `differ` (window → what differs) is one of
-/// `exempt`; says what the exempt ones are.
-fn assert_only_exempt_differ(differ: &BTreeMap<WindowKey, String>, exempt: &BTreeSet<WindowKey>) {
+/// the windows `exempt` gives (asked only when some differ); says what the
+/// exempt ones are.
+fn assert_only_exempt_differ(
+    differ: &BTreeMap<WindowKey, String>,
+    exempt: impl FnOnce() -> BTreeSet<WindowKey>,
+) {
+    if differ.is_empty() {
+        return;
+    }
+    let exempt = exempt();
     let unexplained: Vec<_> = differ
         .iter()
         .filter(|(k, _)| !exempt.contains(*k))
@@ -132,14 +141,12 @@ fn assert_only_exempt_differ(differ: &BTreeMap<WindowKey, String>, exempt: &BTre
         unexplained.is_empty(),
         "windows differ from the sums of their results: {unexplained:?}"
     );
-    if !differ.is_empty() {
-        eprintln!(
-            "{} windows differ from their results, each from a changelog state or an update \
-             that counted a result no visible record shows (the test broker showed part of an \
-             interrupted transaction, design §8): {differ:?}",
-            differ.len()
-        );
-    }
+    eprintln!(
+        "{} windows differ from their results, each from a changelog state or an update \
+         that counted a result no visible record shows (the test broker showed part of an \
+         interrupted transaction, design §8): {differ:?}",
+        differ.len()
+    );
 }
 
 /// The sequence numbers of the visible results.
@@ -187,13 +194,16 @@ fn windows_counting_invisible_results(
 
 /// Every tenant's current windows as `GET /v1/tenants/{id}/usage` on `app`
 /// reads them from the window stores (locally or on the owner) equal the
-/// sums over the tenant's completed results in those windows.
+/// sums over the tenant's completed results in those windows. After a
+/// crash, a window may differ only where its changelog shows a state that
+/// counted a result no visible record shows.
 fn assert_stores_equal_results(
     p: &Pipeline,
     app: &App,
     results: &[(TaskResult, OwnedMessage)],
     tenants: &[String],
-    exempt: &BTreeSet<WindowKey>,
+    windows: &[WindowSpec],
+    crashed: bool,
 ) {
     let mut differ = BTreeMap::new();
     for tenant in tenants {
@@ -226,7 +236,13 @@ fn assert_stores_equal_results(
             }
         }
     }
-    assert_only_exempt_differ(&differ, exempt);
+    assert_only_exempt_differ(&differ, || {
+        if crashed {
+            windows_counting_invisible_results(p, results, windows)
+        } else {
+            BTreeSet::new()
+        }
+    });
 }
 
 #[test]
@@ -303,8 +319,7 @@ fn usage_survives_two_sigkills(extra: &str, two_instances: bool) {
     let windows = sluice::accounting::default_windows();
     assert_usage_equals_results(&p, &results, &windows, true);
     let tenants: Vec<String> = (0..50).map(|i| format!("tenant-{i}")).collect();
-    let exempt = windows_counting_invisible_results(&p, &results, &windows);
-    assert_stores_equal_results(&p, &restarted, &results, &tenants, &exempt);
+    assert_stores_equal_results(&p, &restarted, &results, &tenants, &windows, true);
     let mut restarted = restarted;
     restarted.proc.stop();
     if let Some((mut b, _)) = b {
@@ -357,6 +372,37 @@ fn usage_is_exact_after_a_crash_once_changelogs_were_written() {
     assert_each_answered_once(&tasks, &results);
     assert_usage_equals_results(&p, &results, &sluice::accounting::default_windows(), true);
     app.proc.stop();
+}
+
+/// Fails unless `tenant`'s completed results billed (prompt plus completion
+/// tokens) at most `quota`, at least `min_done` completed, and every other
+/// result of it was refused as `quota_exceeded`; returns how many completed
+/// and how many were refused.
+fn assert_quota_held(
+    results: &[(TaskResult, OwnedMessage)],
+    tenant: &str,
+    quota: u64,
+    min_done: usize,
+) -> (usize, usize) {
+    let (done, refused): (Vec<&TaskResult>, Vec<&TaskResult>) = results
+        .iter()
+        .map(|(r, _)| r)
+        .filter(|r| r.tenant_id == tenant)
+        .partition(|r| r.success);
+    let billed: u64 = done.iter().map(|r| r.input_tokens + r.output_tokens).sum();
+    assert!(
+        billed <= quota,
+        "billed {billed} tokens over a quota of {quota}"
+    );
+    assert!(
+        done.len() >= min_done,
+        "only {} completed under the quota",
+        done.len()
+    );
+    assert!(refused
+        .iter()
+        .all(|r| r.error_code.as_deref() == Some("quota_exceeded")));
+    (done.len(), refused.len())
 }
 
 /// A quota window of this size (ms), aligned to the epoch.
@@ -414,23 +460,8 @@ tokens = {quota}
             .filter(|r| r.tenant_id == tenant)
             .collect()
     };
-    let capped_results = of("capped");
-    let billed: u64 = capped_results
-        .iter()
-        .filter(|r| r.success)
-        .map(|r| r.input_tokens + r.output_tokens)
-        .sum();
-    let done = capped_results.iter().filter(|r| r.success).count();
-    let refused: Vec<&&TaskResult> = capped_results.iter().filter(|r| !r.success).collect();
-    assert!(
-        billed <= quota,
-        "billed {billed} tokens over a quota of {quota}"
-    );
-    assert!(done >= 50, "only {done} completed under the quota");
-    assert_eq!(done + refused.len(), 500);
-    assert!(refused
-        .iter()
-        .all(|r| r.error_code.as_deref() == Some("quota_exceeded")));
+    let (done, refused) = assert_quota_held(&results, "capped", quota, 50);
+    assert_eq!(done + refused, 500);
     assert!(
         p.dead_letters("classify").is_empty(),
         "refusals are not dead letters"
@@ -440,7 +471,7 @@ tokens = {quota}
     }
     let rejections = p.metric(&a, "sluice_quota_rejections_total")
         + p.metric(&b, "sluice_quota_rejections_total");
-    assert_eq!(rejections as usize, refused.len());
+    assert_eq!(rejections as usize, refused);
     // The next window starts with a fresh quota.
     next_quota_window();
     let again: Vec<Task> = (500..520)
@@ -562,34 +593,11 @@ tokens = {quota}
     }
     assert_usage_equals_results(&p, &results, &windows, false);
     let tenants: Vec<String> = partitions.keys().cloned().collect();
-    assert_stores_equal_results(&p, &a, &results, &tenants, &BTreeSet::new());
-    assert_stores_equal_results(&p, &b, &results, &tenants, &BTreeSet::new());
+    assert_stores_equal_results(&p, &a, &results, &tenants, &windows, false);
+    assert_stores_equal_results(&p, &b, &results, &tenants, &windows, false);
 
     // The quota held over both task types.
-    let capped: Vec<&TaskResult> = results
-        .iter()
-        .map(|(r, _)| r)
-        .filter(|r| r.tenant_id == "capped")
-        .collect();
-    let billed: u64 = capped
-        .iter()
-        .filter(|r| r.success)
-        .map(|r| r.input_tokens + r.output_tokens)
-        .sum();
-    assert!(
-        billed <= quota,
-        "billed {billed} tokens over a quota of {quota}"
-    );
-    let done: Vec<&&TaskResult> = capped.iter().filter(|r| r.success).collect();
-    assert!(
-        done.len() >= 10,
-        "only {} completed under the quota",
-        done.len()
-    );
-    assert!(capped
-        .iter()
-        .filter(|r| !r.success)
-        .all(|r| r.error_code.as_deref() == Some("quota_exceeded")));
+    assert_quota_held(&results, "capped", quota, 10);
 
     // Dead letters name the original records, in the original topic's
     // dead-letter topic: the poison ones and the provider's refusals.
