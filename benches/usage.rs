@@ -98,6 +98,7 @@ fn account(bootstrap: &str, topic: &str, n: usize, state: &std::path::Path) -> f
         name: "usage".into(),
         windows: default_windows(),
         usage_topic,
+        usage_updates: Default::default(),
         budgets: Default::default(),
         thresholds: vec![0.5, 0.8, 1.0],
         alerts_topic,

@@ -197,6 +197,7 @@ pub fn steps(
                 name: "usage".into(),
                 windows: a.windows.clone(),
                 usage_topic: config.topics.usage.clone(),
+                usage_updates: a.usage_updates,
                 budgets: a.budgets.clone(),
                 thresholds: a.thresholds.clone(),
                 alerts_topic: config.topics.alerts.clone(),

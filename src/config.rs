@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use sluice_topology::runtime::{Guarantee, KeyPartitioner, StreamsConfig};
 use sluice_topology::RocksSettings;
 
-use crate::accounting::{default_windows, Budgets, Quotas, WindowSpec};
+use crate::accounting::{default_windows, Budgets, Quotas, UsageUpdates, WindowSpec};
 use crate::llm::{LlmConfig, PromptConfig};
 use crate::pipeline::BatchingConfig;
 use crate::route::{FeatureWeights, Router, Tier};
@@ -218,6 +218,10 @@ pub struct AccountingSection {
     pub windows: Vec<WindowSpec>,
     /// Cost budgets per window name, micro-dollars (a default and per tenant).
     pub budgets: Budgets,
+    /// When window updates go to the usage topic: `on_commit` (the latest
+    /// state of each window updated, once per commit) or `on_update` (one
+    /// record per result and window).
+    pub usage_updates: UsageUpdates,
     /// Fractions of a budget that raise an alert, rising.
     pub thresholds: Vec<f64>,
     /// Token and cost quotas per window (a default and per tenant), hard or
@@ -234,6 +238,7 @@ impl Default for AccountingSection {
             enabled: true,
             windows: default_windows(),
             budgets: Budgets::default(),
+            usage_updates: UsageUpdates::default(),
             thresholds: vec![0.5, 0.8, 1.0],
             quotas: Quotas::default(),
             downgrade_at: None,

@@ -12,7 +12,7 @@ use common::{bootstrap, eventually};
 use rdkafka::message::OwnedMessage;
 use rdkafka::Message;
 use sluice::accounting::{
-    AlertRecord, Seq, TenantUsage, UsageRecord, WindowSpec, WindowUsage, HEADER_SEQ,
+    AlertRecord, Seq, TenantUsage, UsageRecord, UsageUpdates, WindowSpec, WindowUsage, HEADER_SEQ,
 };
 use sluice::envelope::TaskResult;
 use sluice::kafka::{produce, read_topics, OutRecord};
@@ -28,34 +28,37 @@ fn read_all(topic: &str) -> Vec<OwnedMessage> {
     .unwrap()
 }
 
-/// Usage records read committed: how many, and the last per window with the
-/// sequence number of the result it came from.
-fn usage_records(p: &Pipeline) -> (usize, BTreeMap<WindowKey, (WindowUsage, Option<Seq>)>) {
-    let mut last = BTreeMap::new();
-    let mut n = 0;
+/// The usage records of a window, read committed, in order.
+type WindowRecords = Vec<(WindowUsage, Option<Seq>)>;
+
+/// Usage records read committed, per window (with the sequence number of
+/// the last result each counted). A tenant's updates are in one partition,
+/// in order: the last holds its window's totals.
+fn usage_records(p: &Pipeline) -> BTreeMap<WindowKey, WindowRecords> {
+    let mut windows: BTreeMap<WindowKey, WindowRecords> = BTreeMap::new();
     for m in read_all(&format!("{}.usage", p.prefix)) {
         let u: UsageRecord = serde_json::from_slice(m.payload().unwrap()).unwrap();
         assert_eq!(m.key(), Some(u.tenant_id.as_bytes()));
-        n += 1;
-        // A tenant's updates are in one partition, in order: the last holds
-        // its window's totals.
         let key = (u.tenant_id, u.usage.window.clone(), u.usage.window_start);
         let seq = header(&m, HEADER_SEQ).and_then(|v| Seq::decode(v.as_bytes()));
-        last.insert(key, (u.usage, seq));
+        windows.entry(key).or_default().push((u.usage, seq));
     }
-    (n, last)
+    windows
 }
 
 /// For every tenant and window, the last usage record equals the sum over
-/// the tenant's completed results (tokens, cost, per model), and there is
-/// one update per completed result and window. After a crash, a window may
-/// differ only where the broker showed a changelog state counting a result
-/// that no visible record shows (see [`windows_counting_invisible_results`]).
+/// the tenant's completed results (tokens, cost, per model). Without a
+/// crash, each record of a window is a new state (more requests than the
+/// one before), and with `on_update` there is one record per completed
+/// result and window. After a crash, a window may differ only where the
+/// broker showed a changelog state counting a result that no visible record
+/// shows (see [`windows_counting_invisible_results`]).
 fn assert_usage_equals_results(
     p: &Pipeline,
     results: &[(TaskResult, OwnedMessage)],
     windows: &[WindowSpec],
     crashed: bool,
+    updates: UsageUpdates,
 ) {
     let mut want: BTreeMap<WindowKey, TenantUsage> = BTreeMap::new();
     for (r, _) in results.iter().filter(|(r, _)| r.success) {
@@ -67,7 +70,11 @@ fn assert_usage_equals_results(
                 .add(r);
         }
     }
-    let (updates, got) = usage_records(p);
+    let records = usage_records(p);
+    let got: BTreeMap<WindowKey, (WindowUsage, Option<Seq>)> = records
+        .iter()
+        .map(|(k, rs)| (k.clone(), rs.last().cloned().expect("a record")))
+        .collect();
     let completed = results.iter().filter(|(r, _)| r.success).count();
     let mut differ: BTreeMap<WindowKey, String> = BTreeMap::new();
     for key in want.keys().chain(got.keys()) {
@@ -112,13 +119,29 @@ fn assert_usage_equals_results(
         exempt
     });
     // A crash may leave some updates of an interrupted transaction visible
-    // (the test broker exposes them); without one, exactly one per result.
-    if !crashed {
-        assert_eq!(
-            updates,
+    // (the test broker exposes them); without one, every record is a new
+    // state of its window, and `on_update` writes one per result.
+    if crashed {
+        return;
+    }
+    for (key, rs) in &records {
+        let requests: Vec<u64> = rs.iter().map(|(u, _)| u.requests).collect();
+        assert!(
+            requests.windows(2).all(|w| w[0] < w[1]),
+            "{key:?}: each update a new state, got requests {requests:?}"
+        );
+    }
+    let n: usize = records.values().map(Vec::len).sum();
+    match updates {
+        UsageUpdates::OnUpdate => assert_eq!(
+            n,
             completed * windows.len(),
             "one update per result and window"
-        );
+        ),
+        UsageUpdates::OnCommit => eprintln!(
+            "{n} usage records for {} window updates",
+            completed * windows.len()
+        ),
     }
 }
 
@@ -245,21 +268,33 @@ fn assert_stores_equal_results(
     });
 }
 
-#[test]
-fn each_tenants_usage_windows_equal_the_sum_of_its_results() {
+/// 1,200 mixed tasks; the usage records written `updates`.
+fn usage_windows_equal_the_sum_of_their_results(updates: UsageUpdates) {
     let sim = SimConfig::from_json_value(serde_json::json!({
         "latency": { "kind": "uniform", "min_ms": 5, "max_ms": 30 },
         "content_policy_rate": 0.02,
     }))
     .unwrap();
-    let p = Pipeline::new(sim, "");
+    let mode = serde_json::to_value(updates).unwrap();
+    let p = Pipeline::new(sim, &format!("[accounting]\nusage_updates = {mode}\n"));
     let mut app = p.start("usage");
     let tasks = mixed_tasks(1_200);
     p.produce(&tasks);
     let results = p.results(tasks.len(), Duration::from_secs(180));
     assert_each_answered_once(&tasks, &results);
-    assert_usage_equals_results(&p, &results, &sluice::accounting::default_windows(), false);
+    let windows = sluice::accounting::default_windows();
+    assert_usage_equals_results(&p, &results, &windows, false, updates);
     app.proc.stop();
+}
+
+#[test]
+fn each_tenants_usage_windows_equal_the_sum_of_its_results_updated_on_commit() {
+    usage_windows_equal_the_sum_of_their_results(UsageUpdates::OnCommit);
+}
+
+#[test]
+fn each_tenants_usage_windows_equal_the_sum_of_its_results_updated_on_every_result() {
+    usage_windows_equal_the_sum_of_their_results(UsageUpdates::OnUpdate);
 }
 
 /// `n` classify tasks over `tenants` tenants.
@@ -317,7 +352,7 @@ fn usage_survives_two_sigkills(extra: &str, two_instances: bool) {
     assert_each_answered_once(&tasks, &results);
     assert_results_bill_what_the_provider_billed_at_least(&p, &results);
     let windows = sluice::accounting::default_windows();
-    assert_usage_equals_results(&p, &results, &windows, true);
+    assert_usage_equals_results(&p, &results, &windows, true, UsageUpdates::OnCommit);
     let tenants: Vec<String> = (0..50).map(|i| format!("tenant-{i}")).collect();
     assert_stores_equal_results(&p, &restarted, &results, &tenants, &windows, true);
     let mut restarted = restarted;
@@ -370,7 +405,13 @@ fn usage_is_exact_after_a_crash_once_changelogs_were_written() {
     let mut app = p.start("acct-crash-2");
     let results = p.results(tasks.len(), Duration::from_secs(180));
     assert_each_answered_once(&tasks, &results);
-    assert_usage_equals_results(&p, &results, &sluice::accounting::default_windows(), true);
+    assert_usage_equals_results(
+        &p,
+        &results,
+        &sluice::accounting::default_windows(),
+        true,
+        UsageUpdates::OnCommit,
+    );
     app.proc.stop();
 }
 
@@ -591,7 +632,7 @@ tokens = {quota}
     for (tenant, parts) in &partitions {
         assert_eq!(parts.len(), 1, "{tenant}'s usage came from tasks {parts:?}");
     }
-    assert_usage_equals_results(&p, &results, &windows, false);
+    assert_usage_equals_results(&p, &results, &windows, false, UsageUpdates::OnCommit);
     let tenants: Vec<String> = partitions.keys().cloned().collect();
     assert_stores_equal_results(&p, &a, &results, &tenants, &windows, false);
     assert_stores_equal_results(&p, &b, &results, &tenants, &windows, false);
@@ -653,10 +694,9 @@ fn alerts(p: &Pipeline) -> Vec<AlertRecord> {
 /// The last usage record's cost of a tenant's window.
 fn spent(p: &Pipeline, tenant: &str, window: &str) -> i64 {
     usage_records(p)
-        .1
         .into_iter()
         .filter(|((t, w, _), _)| t == tenant && w == window)
-        .map(|(_, (u, _))| u.cost_micros)
+        .filter_map(|(_, rs)| rs.last().map(|(u, _)| u.cost_micros))
         .max()
         .unwrap_or(0)
 }

@@ -6,8 +6,13 @@
 //! request, tokens and cost (and its model's share) to the tenant's tumbling
 //! window of every configured size (by default 1 minute, 1 hour, 1 day and
 //! 30 days), one RocksDB window store with a changelog topic per size, each
-//! with its own retention. Every update goes to the usage topic
-//! (`ai.usage.tenant`), keyed by tenant, in the task's own partition. When a
+//! with its own retention. The updates go to the usage topic
+//! (`ai.usage.tenant`), keyed by tenant, in the task's own partition: by
+//! default the latest state of each window updated since the task's last
+//! commit, once per commit, as a cached Kafka Streams table emits
+//! ([`UsageUpdates::OnCommit`]), so the topic grows with the windows in use
+//! rather than with results; or one record per result and window
+//! ([`UsageUpdates::OnUpdate`]). When a
 //! window's cost crosses a threshold of the tenant's budget for that window
 //! size (default 50 %, 80 %, 100 %), one alert goes to the alerts topic
 //! (`ai.alerts.cost`); the window itself records the thresholds alerted, so
@@ -32,6 +37,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use prometheus::{IntCounterVec, Opts, Registry};
+use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 use sluice_topology::{
     Data, KStream, OutputRecord, ProcessError, Processor, ProcessorContext, Punctuation, Record,
@@ -103,7 +109,10 @@ pub struct Seq {
 impl Seq {
     /// As a header value: `<incarnation>.<n>`.
     pub fn encode(&self) -> Vec<u8> {
-        format!("{}.{}", self.incarnation, self.n).into_bytes()
+        use std::io::Write;
+        let mut out = Vec::with_capacity(24);
+        write!(out, "{}.{}", self.incarnation, self.n).expect("writing to a Vec");
+        out
     }
 
     /// From a header value.
@@ -173,6 +182,21 @@ impl TenantUsage {
             cost_micros: self.total.cost_micros,
         }
     }
+}
+
+/// When window updates go to the usage topic.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UsageUpdates {
+    /// The latest state of each window updated since the task's last
+    /// commit, once per commit (in the commit's transaction under
+    /// exactly-once), as Kafka Streams' record cache emits a table's
+    /// updates: the usage topic grows with the windows in use, not with the
+    /// results.
+    #[default]
+    OnCommit,
+    /// Every update: one record per counted result and window.
+    OnUpdate,
 }
 
 /// A usage update, on the usage topic (keyed by tenant): the tenant and
@@ -295,6 +319,8 @@ pub struct AccountingSettings {
     pub windows: Vec<WindowSpec>,
     /// Where usage updates go.
     pub usage_topic: String,
+    /// When they go.
+    pub usage_updates: UsageUpdates,
     /// Budgets.
     pub budgets: Budgets,
     /// Alert thresholds, fractions of a budget, rising.
@@ -314,7 +340,14 @@ pub enum Update {
     /// A threshold (or soft quota) crossed.
     Alert(AlertRecord),
     /// A window's new totals.
-    Usage(UsageRecord),
+    Usage {
+        /// The window size: an index into the configured windows.
+        window: usize,
+        /// The window's start, ms since the epoch.
+        start: i64,
+        /// Its new state.
+        usage: TenantUsage,
+    },
 }
 
 /// The `account` operator.
@@ -329,6 +362,8 @@ impl std::fmt::Debug for Accounting {
 
 struct Inner {
     settings: AccountingSettings,
+    /// The window store of each window size, in `settings.windows` order.
+    stores: Vec<String>,
     /// Tenants routed down, until the end of the window that put them there
     /// (ms). Every task of a tenant runs where its partition is, so this
     /// instance's view is the tenant's.
@@ -339,10 +374,20 @@ struct Inner {
 impl Accounting {
     /// An operator with `settings` (no metrics).
     pub fn new(settings: AccountingSettings) -> Self {
+        Self::with_alerts(settings, None)
+    }
+
+    fn with_alerts(settings: AccountingSettings, alerts: Option<IntCounterVec>) -> Self {
+        let stores = settings
+            .windows
+            .iter()
+            .map(|w| format!("{}-{}", settings.name, w.name))
+            .collect();
         Accounting(Arc::new(Inner {
             settings,
+            stores,
             pressure: Mutex::new(HashMap::new()),
-            alerts: None,
+            alerts,
         }))
     }
 
@@ -359,11 +404,7 @@ impl Accounting {
             &["kind"],
         )?;
         registry.register(Box::new(alerts.clone()))?;
-        Ok(Accounting(Arc::new(Inner {
-            settings,
-            pressure: Mutex::new(HashMap::new()),
-            alerts: Some(alerts),
-        })))
+        Ok(Self::with_alerts(settings, Some(alerts)))
     }
 
     fn settings(&self) -> &AccountingSettings {
@@ -424,6 +465,11 @@ impl Accounting {
         format!("{}-{}", self.settings().name, window.name)
     }
 
+    /// The window stores, in `windows` order.
+    fn stores(&self) -> &[String] {
+        &self.0.stores
+    }
+
     /// Declares the window stores (unless declared already: `invoke_llm`
     /// reads them too) and returns their names, in `windows` order.
     pub fn declare_stores(&self, builder: &StreamBuilder) -> Vec<String> {
@@ -465,6 +511,7 @@ impl AccountStreamExt for KStream<String, TaskResult> {
                 incarnation: chrono::Utc::now().timestamp_millis(),
                 n: 0,
             },
+            held: Held::default(),
         })
     }
 }
@@ -477,9 +524,126 @@ struct Accountant {
     last_expiry_ms: i64,
     /// The next result's place in this task's counting order.
     next: Seq,
+    /// [`UsageUpdates::OnCommit`]: the windows updated since the last
+    /// commit, with their latest state.
+    held: Held,
+}
+
+/// Windows held before they are emitted at a commit, at most: past it they
+/// are emitted at once (as a full record cache evicts), which bounds the
+/// outputs one flush makes.
+const MAX_HELD_WINDOWS: usize = 100_000;
+
+/// Windows updated since the last commit, per tenant (their state is read
+/// back from the stores when they are emitted).
+#[derive(Default)]
+struct Held {
+    by_tenant: FxHashMap<String, Vec<Pending>>,
+    windows: usize,
+}
+
+/// A window updated since the last commit.
+struct Pending {
+    /// An index into the windows.
+    window: usize,
+    start: i64,
+    /// The latest completion time of the results counted into it since the
+    /// last commit (the usage record's timestamp).
+    at: i64,
+}
+
+/// A usage record as written: [`UsageRecord`]'s JSON, serialized without
+/// serde's (slow) flattening.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct UsageOut<'a> {
+    tenant_id: &'a str,
+    window: &'a str,
+    window_start: i64,
+    window_end: i64,
+    requests: u64,
+    input_tokens: u64,
+    output_tokens: u64,
+    cached_tokens: u64,
+    cost_micros: i64,
+    by_model: &'a BTreeMap<String, ModelUsage>,
+}
+
+impl<'a> UsageOut<'a> {
+    fn new(tenant_id: &'a str, w: &'a WindowSpec, start: i64, usage: &'a TenantUsage) -> Self {
+        UsageOut {
+            tenant_id,
+            window: &w.name,
+            window_start: start,
+            window_end: start + w.size_ms,
+            requests: usage.total.requests,
+            input_tokens: usage.total.input_tokens,
+            output_tokens: usage.total.output_tokens,
+            cached_tokens: usage.total.cached_tokens,
+            cost_micros: usage.total.cost_micros,
+            by_model: &usage.by_model,
+        }
+    }
 }
 
 type Ctx<'a> = ProcessorContext<'a, String, TaskResult, ()>;
+
+impl Held {
+    /// Holds a window updated.
+    fn hold(&mut self, tenant: &str, window: usize, start: i64, at: i64) {
+        let held = match self.by_tenant.get_mut(tenant) {
+            Some(held) => held,
+            None => self.by_tenant.entry(tenant.to_string()).or_default(),
+        };
+        match held
+            .iter_mut()
+            .find(|p| p.window == window && p.start == start)
+        {
+            Some(p) => p.at = p.at.max(at),
+            None => {
+                held.push(Pending { window, start, at });
+                self.windows += 1;
+            }
+        }
+    }
+
+    /// Everything held, tenants in order.
+    fn take(&mut self) -> Vec<(String, Vec<Pending>)> {
+        self.windows = 0;
+        let mut tenants: Vec<_> = self.by_tenant.drain().collect();
+        tenants.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        tenants
+    }
+}
+
+impl Accountant {
+    /// Emits the windows held, tenants in order.
+    fn emit_held(&mut self, ctx: &mut Ctx<'_>) -> Result<(), ProcessError> {
+        if self.held.windows == 0 {
+            return Ok(());
+        }
+        let accounting = self.accounting.clone();
+        let (settings, windows) = (accounting.settings(), accounting.windows());
+        for (tenant, updates) in self.held.take() {
+            for p in updates {
+                let usage = ctx
+                    .window::<String, TenantUsage>(&self.stores[p.window])?
+                    .get(&tenant, p.start)?
+                    .unwrap_or_default();
+                let u = UsageOut::new(&tenant, &windows[p.window], p.start, &usage);
+                emit_json(
+                    ctx,
+                    &settings.usage_topic,
+                    &tenant,
+                    &u,
+                    p.at,
+                    usage.last_seq,
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
 
 /// Emits a record keyed by tenant, as JSON, in the task's own partition (as
 /// its results), carrying the sequence number of the result that caused it.
@@ -526,9 +690,9 @@ impl Accounting {
     ) -> Result<Vec<Update>, ProcessError> {
         let at = r.completed_at.timestamp_millis();
         let mut out = Vec::new();
-        for w in self.windows() {
+        for (i, (w, store)) in self.windows().iter().zip(self.stores()).enumerate() {
             let start = at - at.rem_euclid(w.size_ms);
-            let mut windows = ctx.window::<String, TenantUsage>(&self.store_name(w))?;
+            let mut windows = ctx.window::<String, TenantUsage>(store)?;
             let mut usage: TenantUsage = windows.get(&r.tenant_id, start)?.unwrap_or_default();
             if recovered && usage.last_seq >= seq {
                 continue;
@@ -544,10 +708,11 @@ impl Accounting {
             if recovered {
                 continue;
             }
-            out.push(Update::Usage(UsageRecord {
-                tenant_id: r.tenant_id.clone(),
-                usage: WindowUsage::new(w, start, usage),
-            }));
+            out.push(Update::Usage {
+                window: i,
+                start,
+                usage,
+            });
         }
         Ok(out)
     }
@@ -671,14 +836,32 @@ impl Processor<String, TaskResult> for Accountant {
                         }
                         emit_json(ctx, &settings.alerts_topic, &r.tenant_id, &alert, at, seq)?;
                     }
-                    Update::Usage(u) => {
-                        emit_json(ctx, &settings.usage_topic, &r.tenant_id, &u, at, seq)?
-                    }
+                    Update::Usage {
+                        window,
+                        start,
+                        usage,
+                    } => match settings.usage_updates {
+                        UsageUpdates::OnUpdate => {
+                            let w = &self.accounting.windows()[window];
+                            let u = UsageOut::new(&r.tenant_id, w, start, &usage);
+                            emit_json(ctx, &settings.usage_topic, &r.tenant_id, &u, at, seq)?
+                        }
+                        UsageUpdates::OnCommit => self.held.hold(&r.tenant_id, window, start, at),
+                    },
                 }
             }
             record.headers.push((HEADER_SEQ.into(), seq.encode()));
+            if self.held.windows >= MAX_HELD_WINDOWS {
+                self.emit_held(ctx)?;
+            }
         }
         ctx.forward(record)
+    }
+
+    /// [`UsageUpdates::OnCommit`]: each window updated since the last
+    /// commit (or the last eviction), in its latest state.
+    fn flush(&mut self, ctx: &mut Ctx<'_>) -> Result<(), ProcessError> {
+        self.emit_held(ctx)
     }
 
     fn punctuate(&mut self, time: Punctuation, ctx: &mut Ctx<'_>) -> Result<(), ProcessError> {

@@ -38,6 +38,7 @@ fn accounting() -> (Accounting, StreamBuilder) {
         name: "usage".into(),
         windows: default_windows(),
         usage_topic: "usage".into(),
+        usage_updates: UsageUpdates::OnUpdate,
         budgets: Budgets {
             default: BTreeMap::from([("1h".to_string(), 1_000)]),
             tenants: BTreeMap::from([(

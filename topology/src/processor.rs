@@ -68,6 +68,18 @@ pub trait Processor<K, V>: Send + 'static {
     ) -> Result<(), ProcessError> {
         Ok(())
     }
+
+    /// Called before every commit of the task: forward or emit what the
+    /// processor held back (e.g. the latest value per key since the last
+    /// commit, as the aggregations' [`crate::EmitMode::OnCommit`] does). What
+    /// it sends goes out with the commit's stores and offsets (in the same
+    /// transaction under exactly-once).
+    fn flush(
+        &mut self,
+        _ctx: &mut ProcessorContext<'_, Self::OutKey, Self::OutValue, Self::Output>,
+    ) -> Result<(), ProcessError> {
+        Ok(())
+    }
 }
 
 /// What a processor can do while handling a record, a completion or a tick.
@@ -497,6 +509,11 @@ where
     }
 
     fn flush(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
-        self.state.lock().kids.flush(ctx)
+        let mut st = self.state.lock();
+        {
+            let (p, mut pc) = st.pctx(ctx);
+            p.flush(&mut pc)?;
+        }
+        st.kids.flush(ctx)
     }
 }
