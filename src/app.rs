@@ -138,7 +138,7 @@ pub async fn run_pipeline(
 fn repartition_by_tenant(config: &Config) -> Result<Option<i32>, RunError> {
     let t = &config.topics;
     let names: Vec<String> = t.task_types.iter().map(|x| t.task_topic(x)).collect();
-    let counts = crate::kafka::partition_counts(&config.kafka.bootstrap_servers, &names)?;
+    let counts = crate::kafka::partition_counts(config.kafka.cluster(), &names)?;
     let mut distinct: Vec<i32> = counts.values().copied().collect();
     distinct.sort_unstable();
     distinct.dedup();
@@ -279,7 +279,7 @@ fn check_results_partitions(config: &Config) -> Result<(), RunError> {
     names.push(t.results_failed.clone());
     names.push(t.usage.clone());
     names.push(t.alerts.clone());
-    let counts = crate::kafka::partition_counts(&config.kafka.bootstrap_servers, &names)?;
+    let counts = crate::kafka::partition_counts(config.kafka.cluster(), &names)?;
     let tasks_max = t
         .task_types
         .iter()
@@ -349,10 +349,6 @@ pub fn create_topics(config: &Config) -> Result<Vec<String>, crate::kafka::Kafka
         .iter()
         .map(|(name, cfg)| (name.as_str(), t.partitions, cfg.as_slice()))
         .collect();
-    crate::kafka::create_topics_rf(
-        &config.kafka.bootstrap_servers,
-        &specs,
-        t.replication_factor,
-    )?;
+    crate::kafka::create_topics_rf(config.kafka.cluster(), &specs, t.replication_factor)?;
     Ok(defs.into_iter().map(|(n, _)| n).collect())
 }

@@ -136,9 +136,61 @@ pub struct KafkaSection {
     /// Transaction timeout, ms (exactly-once).
     #[serde(default = "default_transaction_timeout_ms")]
     pub transaction_timeout_ms: u64,
-    /// Extra librdkafka properties for every client (e.g. `security.protocol`).
+    /// Extra librdkafka properties for every client Sluice creates (the
+    /// engine's, the start-up checks', `sluice topics create`'s), e.g.
+    /// `security.protocol`, `sasl.mechanism`, `ssl.ca.location`. A key
+    /// ending in `_file` names a file whose contents (trimmed) become the
+    /// property without the suffix, e.g. `"sasl.password_file" =
+    /// "/run/secrets/kafka-password"` sets `sasl.password`; the file is read
+    /// at start-up.
     #[serde(default)]
     pub client: BTreeMap<String, String>,
+}
+
+/// Suffix of a `[kafka.client]` key whose value is read from a file.
+const FILE_SUFFIX: &str = "_file";
+
+impl KafkaSection {
+    /// The bootstrap servers and client properties every client gets.
+    pub fn cluster(&self) -> crate::kafka::Cluster {
+        crate::kafka::Cluster {
+            bootstrap: self.bootstrap_servers.clone(),
+            client: self.client.clone(),
+        }
+    }
+
+    /// Replaces each `<property>_file` of `[kafka.client]` by `<property>`
+    /// holding the file's contents, trimmed.
+    fn read_secret_files(&mut self) -> Result<(), ConfigError> {
+        let files: Vec<(String, String)> = self
+            .client
+            .iter()
+            .filter(|(k, _)| k.ends_with(FILE_SUFFIX))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for (key, path) in files {
+            let name = format!("kafka.client.\"{key}\"");
+            let property = key.trim_end_matches(FILE_SUFFIX).to_string();
+            if property.is_empty() {
+                return Err(ConfigError::new(name, "names no property"));
+            }
+            if self.client.contains_key(&property) {
+                return Err(ConfigError::new(
+                    name,
+                    format!("set either {property} or {key}, not both"),
+                ));
+            }
+            let text = std::fs::read_to_string(&path)
+                .map_err(|e| ConfigError::new(name.clone(), format!("cannot read {path}: {e}")))?;
+            let value = text.trim();
+            if value.is_empty() {
+                return Err(ConfigError::new(name, format!("{path} is empty")));
+            }
+            self.client.remove(&key);
+            self.client.insert(property, value.to_string());
+        }
+        Ok(())
+    }
 }
 
 fn default_session_timeout_ms() -> u64 {
@@ -448,7 +500,9 @@ impl Config {
                 }
             }
         };
+        let mut cfg = cfg;
         cfg.validate()?;
+        cfg.kafka.read_secret_files()?;
         Ok(cfg)
     }
 
@@ -997,6 +1051,67 @@ type_complexity = { classify = 0.1 }
         assert_eq!(c.app.guarantee, Guarantee::AtLeastOnce);
         let err = load(MINIMAL, &[("SLUICE_APP__NOPE", "1")]).unwrap_err();
         assert!(err.to_string().contains("nope"), "{err}");
+    }
+
+    #[test]
+    fn kafka_client_secrets_come_from_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let secret = dir.path().join("password");
+        std::fs::write(&secret, "s3cret-from-file\n").unwrap();
+        let with = |client: &str| {
+            load(
+                &MINIMAL.replace(
+                    "bootstrap_servers = \"localhost:9092\"\n",
+                    &format!("bootstrap_servers = \"localhost:9092\"\n{client}\n"),
+                ),
+                &[],
+            )
+        };
+        let c = with(&format!(
+            "client = {{ \"sasl.password_file\" = \"{}\", \"sasl.username\" = \"svc\" }}",
+            secret.display()
+        ))
+        .unwrap();
+        assert_eq!(c.kafka.client["sasl.password"], "s3cret-from-file");
+        assert!(!c.kafka.client.contains_key("sasl.password_file"));
+        assert_eq!(
+            c.kafka.cluster().client["sasl.password"],
+            "s3cret-from-file",
+            "every client gets it"
+        );
+        // From the environment too, as deployments mount secrets.
+        let c = load(
+            MINIMAL,
+            &[(
+                "SLUICE_KAFKA__CLIENT__SSL.KEY.PASSWORD_FILE",
+                &secret.display().to_string(),
+            )],
+        )
+        .unwrap();
+        assert_eq!(c.kafka.client["ssl.key.password"], "s3cret-from-file");
+
+        let missing = dir.path().join("absent");
+        let err = with(&format!(
+            "client = {{ \"sasl.password_file\" = \"{}\" }}",
+            missing.display()
+        ))
+        .unwrap_err();
+        assert_eq!(err.key, "kafka.client.\"sasl.password_file\"", "{err}");
+        let err = with(&format!(
+            "client = {{ \"sasl.password_file\" = \"{}\", \"sasl.password\" = \"x\" }}",
+            secret.display()
+        ))
+        .unwrap_err();
+        assert_eq!(err.key, "kafka.client.\"sasl.password_file\"", "{err}");
+        assert!(!err.to_string().contains("s3cret"), "{err}");
+        let empty = dir.path().join("empty");
+        std::fs::write(&empty, "\n").unwrap();
+        let err = with(&format!(
+            "client = {{ \"sasl.password_file\" = \"{}\" }}",
+            empty.display()
+        ))
+        .unwrap_err();
+        assert!(err.message.contains("empty"), "{err}");
     }
 
     #[test]

@@ -1,6 +1,10 @@
-//! Small Kafka helpers for the command-line tools and the tests: creating
-//! topics, producing a batch, and reading topics from the beginning.
+//! Small Kafka helpers for the command-line tools, the start-up checks and
+//! the tests: creating topics, partition counts, producing a batch, and
+//! reading topics from the beginning. Each takes a [`Cluster`]: the bootstrap
+//! servers and the client properties (`[kafka.client]`: security protocol,
+//! SASL, TLS) every client gets; a bare bootstrap address converts to one.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -51,9 +55,44 @@ pub enum KafkaError {
     },
 }
 
-fn base(bootstrap: &str) -> ClientConfig {
+/// How to reach a cluster: its bootstrap servers and the librdkafka
+/// properties every client gets.
+#[derive(Clone, Debug, Default)]
+pub struct Cluster {
+    /// Bootstrap servers, comma-separated.
+    pub bootstrap: String,
+    /// Client properties (`security.protocol`, `sasl.*`, `ssl.*`, …).
+    pub client: BTreeMap<String, String>,
+}
+
+impl From<&str> for Cluster {
+    fn from(bootstrap: &str) -> Self {
+        Cluster {
+            bootstrap: bootstrap.to_string(),
+            client: BTreeMap::new(),
+        }
+    }
+}
+
+impl From<&String> for Cluster {
+    fn from(bootstrap: &String) -> Self {
+        Cluster::from(bootstrap.as_str())
+    }
+}
+
+impl From<&Cluster> for Cluster {
+    fn from(c: &Cluster) -> Self {
+        c.clone()
+    }
+}
+
+fn base(cluster: impl Into<Cluster>) -> ClientConfig {
+    let cluster = cluster.into();
     let mut c = ClientConfig::new();
-    c.set("bootstrap.servers", bootstrap);
+    c.set("bootstrap.servers", &cluster.bootstrap);
+    for (k, v) in &cluster.client {
+        c.set(k, v);
+    }
     c
 }
 
@@ -61,17 +100,20 @@ fn base(bootstrap: &str) -> ClientConfig {
 pub type TopicDef<'a> = (&'a str, i32, &'a [(&'a str, &'a str)]);
 
 /// Creates topics; existing ones are left alone.
-pub fn create_topics(bootstrap: &str, topics: &[TopicDef<'_>]) -> Result<(), KafkaError> {
-    create_topics_rf(bootstrap, topics, 1)
+pub fn create_topics(
+    cluster: impl Into<Cluster>,
+    topics: &[TopicDef<'_>],
+) -> Result<(), KafkaError> {
+    create_topics_rf(cluster, topics, 1)
 }
 
 /// Creates topics with a replication factor; existing ones are left alone.
 pub fn create_topics_rf(
-    bootstrap: &str,
+    cluster: impl Into<Cluster>,
     topics: &[TopicDef<'_>],
     replication: i32,
 ) -> Result<(), KafkaError> {
-    let admin: AdminClient<DefaultClientContext> = base(bootstrap).create()?;
+    let admin: AdminClient<DefaultClientContext> = base(cluster).create()?;
     let new: Vec<NewTopic<'_>> = topics
         .iter()
         .map(|(name, p, configs)| {
@@ -95,10 +137,10 @@ pub fn create_topics_rf(
 
 /// Partition counts of the named topics that exist.
 pub fn partition_counts(
-    bootstrap: &str,
+    cluster: impl Into<Cluster>,
     topics: &[String],
 ) -> Result<std::collections::HashMap<String, i32>, KafkaError> {
-    let consumer: BaseConsumer = base(bootstrap).create()?;
+    let consumer: BaseConsumer = base(cluster).create()?;
     let md = consumer.fetch_metadata(None, Duration::from_secs(10))?;
     Ok(md
         .topics()
@@ -115,11 +157,11 @@ pub fn partition_counts(
 /// Produces records (idempotent producer, murmur2 partitioner) and waits
 /// until all are acknowledged.
 pub fn produce(
-    bootstrap: &str,
+    cluster: impl Into<Cluster>,
     topic: &str,
     records: impl IntoIterator<Item = OutRecord>,
 ) -> Result<usize, KafkaError> {
-    let producer: ThreadedProducer<DefaultProducerContext> = base(bootstrap)
+    let producer: ThreadedProducer<DefaultProducerContext> = base(cluster)
         .set("enable.idempotence", "true")
         .set("linger.ms", "10")
         .set("partitioner", "murmur2_random")
@@ -178,13 +220,13 @@ pub fn produce(
 /// true for everything read so far, or `timeout` passes (then returns what was
 /// read). `read_committed` hides aborted and open transactions.
 pub fn read_topics(
-    bootstrap: &str,
+    cluster: impl Into<Cluster>,
     topics: &[&str],
     read_committed: bool,
     timeout: Duration,
     mut done: impl FnMut(&[OwnedMessage]) -> bool,
 ) -> Result<Vec<OwnedMessage>, KafkaError> {
-    let consumer: BaseConsumer = base(bootstrap)
+    let consumer: BaseConsumer = base(cluster)
         .set(
             "group.id",
             format!("sluice-reader-{}", uuid::Uuid::new_v4()),

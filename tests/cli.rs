@@ -6,11 +6,17 @@ mod common;
 use std::process::Command;
 
 fn run_with_config(text: &str) -> (Option<i32>, String) {
+    sluice_with_config(&["run"], text)
+}
+
+/// Runs `sluice <command> --config FILE` with `text` as the file.
+fn sluice_with_config(command: &[&str], text: &str) -> (Option<i32>, String) {
     let dir = common::temp_dir();
     let path = dir.path().join("sluice.toml");
     std::fs::write(&path, text).unwrap();
     let out = Command::new(common::sluice_bin())
-        .args(["run", "--config", &path.display().to_string()])
+        .args(command)
+        .args(["--config", &path.display().to_string()])
         .output()
         .unwrap();
     (
@@ -34,6 +40,18 @@ provider = "sim"
 [prices.small]
 input = 150000
 "#;
+
+#[test]
+fn kafka_client_settings_reach_the_start_up_checks_and_topic_creation() {
+    // A property librdkafka refuses: a client built from the bootstrap
+    // address alone would instead try the (unreachable) broker.
+    let text = format!("{VALID}\n[kafka.client]\n\"socket.timeout.ms\" = \"soon\"\n");
+    for command in [&["run"][..], &["topics", "create"]] {
+        let (code, err) = sluice_with_config(command, &text);
+        assert_ne!(code, Some(0), "{command:?}: {err}");
+        assert!(err.contains("socket.timeout.ms"), "{command:?}: {err}");
+    }
+}
 
 #[test]
 fn unknown_key_exits_2_naming_it() {
