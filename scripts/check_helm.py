@@ -16,7 +16,8 @@ For the chart's default values and for every file in its ci/ directory:
      gets from SLUICE_HTTP__ADVERTISED_URL built from its own name; ports,
      probes, volumes, Services, selectors and the drain budget agree.
 The same for configToml (the default config given as a string), for
-dashboard.enabled, and for a few variants of the values (persistence off,
+dashboard.enabled (the dashboard ConfigMap must hold files/dashboard.json as
+valid JSON), and for a few variants of the values (persistence off,
 chart-made Secret, KEDA without a topic list, ...). Then it checks that the
 chart refuses values it must refuse, with a message naming the culprit.
 
@@ -26,6 +27,7 @@ refusals); any problem exits non-zero with the reasons.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import tomllib
@@ -400,6 +402,39 @@ def check_values(chart_dir: Path, chart: helm.Chart, label: str, values: dict[st
     return f"{label}: lint ok, {sum(map(len, manifests.values()))} manifests valid for Kubernetes {KUBE_VERSION} ({', '.join(kinds)}), sluice.toml ok"
 
 
+def check_dashboard(chart_dir: Path, enabled: dict[str, list[dict]], default: dict[str, list[dict]]) -> None:
+    """dashboard.enabled renders files/dashboard.json as a ConfigMap for the
+    Grafana sidecar (its label, valid JSON, a dashboard with panels and a
+    Prometheus datasource variable); the default values render none."""
+    source = chart_dir / "files/dashboard.json"
+    if not source.exists():
+        raise CheckError(f"{source} is missing")
+    if any(d["metadata"]["name"].endswith("-dashboard") for d in by_kind(default, "ConfigMap")):
+        raise CheckError("the default values (dashboard.enabled false) render a dashboard ConfigMap")
+    cms = [d for d in by_kind(enabled, "ConfigMap") if d["metadata"]["name"].endswith("-dashboard")]
+    if len(cms) != 1:
+        raise CheckError(f"expected one dashboard ConfigMap, rendered {len(cms)}")
+    cm = cms[0]
+    if cm["metadata"].get("namespace") != NAMESPACE:
+        raise CheckError(f"dashboard ConfigMap namespace {cm['metadata'].get('namespace')!r}, expected {NAMESPACE!r}")
+    if cm["metadata"].get("labels", {}).get("grafana_dashboard") != "1":
+        raise CheckError("dashboard ConfigMap lacks the Grafana sidecar label grafana_dashboard: \"1\"")
+    data = cm.get("data") or {}
+    if list(data) != ["sluice.json"]:
+        raise CheckError(f"dashboard ConfigMap data keys {list(data)}, expected ['sluice.json']")
+    try:
+        dashboard = json.loads(data["sluice.json"])
+    except json.JSONDecodeError as e:
+        raise CheckError(f"dashboard ConfigMap sluice.json is not valid JSON: {e}") from e
+    if dashboard != json.loads(source.read_text()):
+        raise CheckError(f"dashboard ConfigMap sluice.json differs from {source.name}")
+    if not dashboard.get("title") or not dashboard.get("panels"):
+        raise CheckError("dashboard has no title or no panels")
+    variables = dashboard.get("templating", {}).get("list", [])
+    if not any(v.get("type") == "datasource" and v.get("query") == "prometheus" for v in variables):
+        raise CheckError("dashboard has no Prometheus datasource variable")
+
+
 def check_refusals(chart: helm.Chart) -> list[str]:
     problems = []
     for what, values, reason in MUST_REFUSE:
@@ -428,8 +463,8 @@ def main() -> int:
             sets.append((f"ci/{f.name}", yaml.safe_load(f.read_text()) or {}))
         # configToml: the default config, given back as a string, must render the same file.
         sets.append(("configToml (the default config as a string)", default_config_as_string))
-        # The dashboard is a later item: enabled without files/dashboard.json renders nothing.
-        sets.append(("dashboard.enabled without files/dashboard.json", {"dashboard": {"enabled": True}}))
+        # The Grafana dashboard: enabled, files/dashboard.json renders as a ConfigMap.
+        sets.append(("dashboard.enabled", {"dashboard": {"enabled": True}}))
         for label, values in sets:
             try:
                 if callable(values):
@@ -439,10 +474,8 @@ def main() -> int:
                     again = one(render(chart, values), "ConfigMap")["data"]["sluice.toml"]
                     if again != default_cm[0]:
                         raise CheckError("configToml is not passed through unchanged")
-                if label.startswith("dashboard") and not (chart_dir / "files/dashboard.json").exists():
-                    names = [d["metadata"]["name"] for d in by_kind(render(chart, values), "ConfigMap")]
-                    if any(n.endswith("-dashboard") for n in names):
-                        raise CheckError("a dashboard ConfigMap rendered without files/dashboard.json")
+                if label.startswith("dashboard"):
+                    check_dashboard(chart_dir, render(chart, values), render(chart, None))
                 print(f"check-helm: {line}")
             except CheckError as e:
                 failed = True

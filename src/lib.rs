@@ -13,6 +13,7 @@ pub mod examples;
 pub mod http;
 pub mod kafka;
 pub mod llm;
+pub mod metrics_catalog;
 pub mod operator;
 pub mod pipeline;
 pub mod route;

@@ -167,7 +167,7 @@ fn assert_only_exempt_differ(
     eprintln!(
         "{} windows differ from their results, each from a changelog state or an update \
          that counted a result no visible record shows (the test broker showed part of an \
-         interrupted transaction, design §8): {differ:?}",
+         interrupted transaction, ARCHITECTURE.md, broker quirks): {differ:?}",
         differ.len()
     );
 }

@@ -137,7 +137,7 @@ fn wait_outputs(
 /// went above its final count (a record applied twice pushes it above for
 /// good), and the latest is the final one. Returns how many counts were
 /// read again with the same value (outputs of a transaction the test broker
-/// exposed after a kill instead of aborting it, design §8).
+/// exposed after a kill instead of aborting it, ARCHITECTURE.md, broker quirks).
 fn assert_every_count_within(
     msgs: &[rdkafka::message::OwnedMessage],
     expected: &BTreeMap<(i64, String), u64>,
@@ -232,7 +232,7 @@ fn a_crash_after_changelog_writes_leaks_nothing_into_state() {
     // The process aborts inside its 2nd transaction, after its changelog and
     // output records were acknowledged but before the commit. A correct broker
     // aborts that transaction when the restarted task fences it; the test
-    // broker exposes its records instead (design §8). Either way the restarted
+    // broker exposes its records instead (ARCHITECTURE.md, broker quirks). Either way the restarted
     // instance must neither re-apply nor re-emit what those records reflect.
     let ex = Example::windowed_count("eos-leak", "exactly-once", 2);
     let (records, expected) = keyed_records(40_000, 200, 4, base_time());
@@ -333,7 +333,7 @@ fn survivor_takes_over_a_killed_instance_and_keeps_aggregates_exact() {
             .collect();
         eprintln!("input watermarks: {ends:?}; A: {}", a.stop());
         // The killed instance's transaction left open on the output or a
-        // changelog (design §8) holds back every `read_committed` reader and
+        // changelog (ARCHITECTURE.md, broker quirks) holds back every `read_committed` reader and
         // the survivor's transactions behind it: shown by a barrier this
         // test commits there and cannot read back committed.
         let mut held = vec![
@@ -477,7 +477,7 @@ fn a_task_fenced_at_its_commit_reads_its_partition_again_when_it_comes_back() {
 /// make them too high.
 /// Waits until `a` owns all four tasks. False when it cannot because the
 /// test broker left the other instance's open transaction unresolved after
-/// `a`'s `init_transactions` (design §8): `read_committed` readers, `a`'s
+/// `a`'s `init_transactions` (ARCHITECTURE.md, broker quirks): `read_committed` readers, `a`'s
 /// restore among them, then never get past it. That case is shown by a
 /// committed restore barrier a `read_committed` reader cannot reach, and
 /// anything else fails the test. Apache Kafka aborts such a transaction;
@@ -912,7 +912,7 @@ fn exactly_once_async_operator_into_a_count_loses_nothing_across_sigkills() {
     // kill, it was skipped and never counted.
     // Exact on a correct broker (and in the in-process crash tests). A kill
     // can land while a transaction's changelog records are on their way; the
-    // test broker then exposes part of that transaction (design §8), and a
+    // test broker then exposes part of that transaction (ARCHITECTURE.md, broker quirks), and a
     // key's restored value may reflect records the replay applies again (its
     // floor covers only those finished before the writer). So here: nothing
     // lost.
@@ -930,7 +930,7 @@ fn at_least_once_async_operator_into_a_count_loses_nothing_across_sigkills() {
 fn exactly_once_async_count_crash_after_changelog_flush_emits_each_count_once() {
     // The transaction's outputs, changelog and progress records were all
     // acknowledged when the process died. A correct broker aborts it; the test
-    // broker exposes it whole (design §8). Either way, every count appears once.
+    // broker exposes it whole (ARCHITECTURE.md, broker quirks). Either way, every count appears once.
     let (seqs, expected) = async_count_run(
         "exactly-once",
         Interrupt::Failpoint("eos_after_changelog_flush:4"),

@@ -1,4 +1,4 @@
-//! Task and result envelopes (design §2): the JSON wire types on the external topics, the
+//! Task and result envelopes: the JSON wire types on the external topics, the
 //! dead-letter categories and header names, and validated decoding of incoming tasks.
 //!
 //! Decoding never echoes prompt text: a [`PoisonError`] carries only a short machine-readable
@@ -268,7 +268,7 @@ impl std::fmt::Display for DlqCategory {
     }
 }
 
-/// Dead-letter header names (design §2); the engine writes them. Values never
+/// Dead-letter header names; the engine writes them. Values never
 /// contain prompt text or secrets.
 pub use sluice_topology::dlq_headers;
 

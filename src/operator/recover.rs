@@ -3,7 +3,7 @@
 //! not know about.
 //!
 //! A correct broker aborts the transaction an owner was killed in; the test
-//! broker instead exposes its records when the new owner fences it (design §8).
+//! broker instead exposes its records when the new owner fences it (ARCHITECTURE.md, broker quirks).
 //! Either way the results topics are the truth about what was emitted. Each
 //! task writes its results to its own partition of the results topics with the
 //! input position in headers, and remembers (in its meta store, one commit
