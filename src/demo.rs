@@ -3,14 +3,25 @@
 //! LLM pipeline until every task has its result, then prints the per-tenant
 //! usage the pipeline kept in its one-minute windows (from the usage topic),
 //! checked against the sum of the results.
+//!
+//! The pipeline runs as a child `sluice run` process whose logs go to a file
+//! (its path is printed; `SLUICE_LOG` sets their level), so the terminal shows
+//! only the demo: the pipeline's `/metrics` URL, a progress line taken from
+//! that endpoint and the results topics, then the summary.
 
 use std::collections::BTreeMap;
-use std::time::Duration;
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use clap::Args;
 use rdkafka::message::{Headers, OwnedMessage};
 use rdkafka::Message;
 use sluice_topology::Windowed;
+use tokio::io::AsyncBufReadExt;
 
 use crate::accounting::UsageRecord;
 use crate::config::Config;
@@ -146,21 +157,25 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     }))?;
     let sim = crate::sim::start(sim_config, "127.0.0.1:0".parse()?).await?;
     let state = std::env::temp_dir().join(format!("sluice-demo-{run}"));
-    let config = Config::from_toml_with_env(
-        &config_text(
-            &args.bootstrap,
-            &run,
-            &sim.base_url(),
-            &state.display().to_string(),
-        ),
-        std::iter::empty(),
-    )?;
+    let log_path = std::env::temp_dir().join(format!("sluice-demo-{run}.log"));
+    let config_path = std::env::temp_dir().join(format!("sluice-demo-{run}.toml"));
+    let text = config_text(
+        &args.bootstrap,
+        &run,
+        &sim.base_url(),
+        &state.display().to_string(),
+    );
+    let config = Config::from_toml_with_env(&text, std::iter::empty())?;
+    std::fs::write(&config_path, &text)?;
     let topics = config.topics.clone();
-    let cfg = config.clone();
-    tokio::task::spawn_blocking(move || crate::app::create_topics(&cfg)).await??;
+    tokio::task::spawn_blocking(move || crate::app::create_topics(&config)).await??;
     println!(
         "demo: simulated provider at {} (5% server errors, lognormal latency)",
         sim.base_url()
+    );
+    println!(
+        "demo: pipeline logs go to {} (level: SLUICE_LOG)",
+        log_path.display()
     );
 
     // Tasks, plus two records no service should have sent.
@@ -201,29 +216,53 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         args.tasks, topics.tasks_prefix
     );
 
-    // The LLM pipeline.
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let app = tokio::spawn(crate::app::run_until(config, async {
-        let _ = stop_rx.await;
-    }));
+    // The LLM pipeline: `sluice run` on the demo's config, as a child process.
+    let mut pipeline = Pipeline::start(&config_path, &log_path).await?;
+    println!("demo: metrics at http://{}/metrics", pipeline.addr);
+    let done = Arc::new(AtomicUsize::new(0));
+    let (stop_progress, progress_stopped) = tokio::sync::oneshot::channel::<()>();
+    let progress = tokio::spawn(show_progress(
+        format!("http://{}/metrics", pipeline.addr),
+        done.clone(),
+        args.tasks,
+        progress_stopped,
+    ));
+    // Read on a thread of its own, so that a failed pipeline does not leave
+    // the runtime waiting for the read's timeout.
+    let (results_tx, results_rx) = tokio::sync::oneshot::channel();
     let (b, completed, failed, n) = (
         args.bootstrap.clone(),
         topics.results_completed.clone(),
         topics.results_failed.clone(),
         args.tasks,
     );
-    let results: Vec<OwnedMessage> = tokio::task::spawn_blocking(move || {
-        read_topics(
+    std::thread::spawn(move || {
+        let _ = results_tx.send(read_topics(
             &b,
             &[&completed, &failed],
             true,
             Duration::from_secs(300),
-            |m| m.len() >= n,
-        )
-    })
-    .await??;
-    let _ = stop_tx.send(());
-    app.await??;
+            |m| {
+                done.store(m.len(), Ordering::Relaxed);
+                m.len() >= n
+            },
+        ));
+    });
+    let results: Vec<OwnedMessage> = tokio::select! {
+        r = results_rx => r??,
+        status = pipeline.child.wait() => {
+            let _ = stop_progress.send(());
+            let _ = progress.await;
+            let status = status.map_or_else(|e| e.to_string(), |s| s.to_string());
+            return Err(pipeline.failed(&format!(
+                "sluice run exited ({status}) before every task had its result"
+            )));
+        }
+    };
+    let _ = stop_progress.send(());
+    let _ = progress.await;
+    pipeline.stop().await?;
+    let _ = std::fs::remove_file(&config_path);
     let results: Vec<TaskResult> = results
         .iter()
         .filter_map(|m| serde_json::from_slice(m.payload()?).ok())
@@ -341,6 +380,198 @@ hard quota: initech used {capped_tokens} of {QUOTA_TOKENS} tokens; {} tasks refu
         anyhow::bail!(
             "demo: windowed usage {from_windows:?} differs from the results {by_tenant:?}"
         )
+    }
+}
+
+/// The `sluice run` child process and the address of its HTTP listener.
+struct Pipeline {
+    child: tokio::process::Child,
+    addr: String,
+    log: PathBuf,
+}
+
+impl Pipeline {
+    /// Starts `sluice run --config <config>` with its logs (stderr) going to
+    /// `log`, and waits for the address it listens at.
+    async fn start(config: &Path, log: &Path) -> anyhow::Result<Pipeline> {
+        let mut cmd = tokio::process::Command::new(std::env::current_exe()?);
+        cmd.arg("run")
+            .arg("--config")
+            .arg(config)
+            // Plain text in the log file.
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(log)?)
+            .kill_on_drop(true);
+        // The demo's config is complete; `SLUICE_<SECTION>__<KEY>` variables
+        // meant for other runs stay out (`SLUICE_LOG` is passed on).
+        for (k, _) in std::env::vars_os() {
+            let k = k.to_string_lossy();
+            if k.starts_with(crate::config::ENV_PREFIX) && k.contains("__") {
+                cmd.env_remove(&*k);
+            }
+        }
+        let mut child = cmd.spawn()?;
+        let stdout = child
+            .stdout
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("demo: no stdout from sluice run"))?;
+        let mut lines = tokio::io::BufReader::new(stdout).lines();
+        let listening = tokio::time::timeout(Duration::from_secs(120), async {
+            while let Ok(Some(line)) = lines.next_line().await {
+                if let Some(addr) = line.strip_prefix("LISTENING ") {
+                    return Some(addr.trim().to_string());
+                }
+            }
+            None
+        })
+        .await;
+        let mut pipeline = Pipeline {
+            child,
+            addr: String::new(),
+            log: log.to_path_buf(),
+        };
+        match listening {
+            Ok(Some(addr)) => pipeline.addr = addr,
+            Ok(None) => {
+                let status = pipeline.child.wait().await?;
+                return Err(pipeline.failed(&format!("sluice run exited ({status}) at start")));
+            }
+            Err(_) => {
+                return Err(pipeline.failed("sluice run did not listen within 120 s"));
+            }
+        }
+        // Whatever else it prints is not the demo's.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Ok(pipeline)
+    }
+
+    /// Stops the pipeline as an operator would (SIGTERM), and checks it
+    /// exited cleanly.
+    async fn stop(&mut self) -> anyhow::Result<()> {
+        if let Some(pid) = self.child.id() {
+            let sent = tokio::process::Command::new("kill")
+                .args(["-TERM", &pid.to_string()])
+                .status()
+                .await
+                .is_ok_and(|s| s.success());
+            if !sent {
+                self.child.start_kill()?;
+            }
+        }
+        match tokio::time::timeout(Duration::from_secs(60), self.child.wait()).await {
+            Ok(status) if status.as_ref().is_ok_and(|s| s.success()) => Ok(()),
+            Ok(status) => {
+                let status = status.map_or_else(|e| e.to_string(), |s| s.to_string());
+                Err(self.failed(&format!("sluice run exited ({status}) when stopped")))
+            }
+            Err(_) => {
+                let _ = self.child.kill().await;
+                Err(self.failed("sluice run did not stop within 60 s of SIGTERM"))
+            }
+        }
+    }
+
+    /// An error naming what failed, with the end of the pipeline's log.
+    fn failed(&self, what: &str) -> anyhow::Error {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        let tail = lines[lines.len().saturating_sub(20)..].join("\n");
+        anyhow::anyhow!(
+            "demo: {what}; the end of its log ({}):\n{tail}",
+            self.log.display()
+        )
+    }
+}
+
+/// Figures the pipeline's `/metrics` shows.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+struct Figures {
+    /// Provider calls made (every answered or failed attempt).
+    calls: f64,
+    /// Input and output tokens of answered calls.
+    tokens: f64,
+    /// Their cost, micro-dollars.
+    cost_micros: f64,
+}
+
+/// Sums the demo's figures from a Prometheus text exposition.
+fn figures(text: &str) -> Figures {
+    let mut f = Figures::default();
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((series, value)) = line.trim().rsplit_once(' ') else {
+            continue;
+        };
+        let Ok(v) = value.parse::<f64>() else {
+            continue;
+        };
+        match series.split('{').next().unwrap_or(series) {
+            // An open breaker refuses a call without making it.
+            "sluice_llm_requests_total" if !series.contains("status=\"circuit_open\"") => {
+                f.calls += v
+            }
+            "sluice_tokens_total" if !series.contains("kind=\"cached\"") => f.tokens += v,
+            "sluice_cost_micros_total" => f.cost_micros += v,
+            _ => {}
+        }
+    }
+    f
+}
+
+/// Shows progress until `stop` resolves: a line rewritten in place on a
+/// terminal, a plain line every 2 s otherwise; then a last line.
+async fn show_progress(
+    metrics_url: String,
+    done: Arc<AtomicUsize>,
+    total: usize,
+    mut stop: tokio::sync::oneshot::Receiver<()>,
+) {
+    let tty = std::io::stdout().is_terminal();
+    let every = Duration::from_millis(if tty { 250 } else { 2000 });
+    let client = reqwest::Client::new();
+    let started = Instant::now();
+    let mut last = Figures::default();
+    let mut width = 0;
+    loop {
+        let stopped = tokio::select! {
+            _ = &mut stop => true,
+            _ = tokio::time::sleep(every) => false,
+        };
+        let scraped = async {
+            let r = client
+                .get(&metrics_url)
+                .timeout(Duration::from_secs(2))
+                .send()
+                .await?;
+            r.error_for_status()?.text().await
+        };
+        if let Ok(text) = scraped.await {
+            last = figures(&text);
+        }
+        let line = format!(
+            "progress {:>4}s: {}/{total} tasks done, {} provider calls, {} tokens, {} µ$",
+            started.elapsed().as_secs(),
+            done.load(Ordering::Relaxed),
+            last.calls as u64,
+            last.tokens as u64,
+            last.cost_micros as u64,
+        );
+        let mut out = std::io::stdout().lock();
+        if tty {
+            // Padded over what a longer previous line left.
+            width = width.max(line.chars().count());
+            let _ = write!(out, "\r{line:<width$}");
+            if stopped {
+                let _ = writeln!(out);
+            }
+        } else {
+            let _ = writeln!(out, "{line}");
+        }
+        let _ = out.flush();
+        if stopped {
+            return;
+        }
     }
 }
 
