@@ -3,6 +3,7 @@
 # loudly when something cannot be installed. Safe to run repeatedly.
 #   - system packages for the -sys crates (libclang for RocksDB's bindgen,
 #     OpenSSL headers and a C/C++ toolchain for librdkafka)
+#   - stunnel4 and openssl, for the TLS test (the broker behind a TLS proxy)
 #   - the local Kafka-protocol broker (tansu), see scripts/install-tansu.sh
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -30,6 +31,9 @@ dpkg -s libssl-dev >/dev/null 2>&1 || missing+=(libssl-dev)
 command -v pkg-config >/dev/null || missing+=(pkg-config)
 command -v g++ >/dev/null || missing+=(g++)
 command -v make >/dev/null || missing+=(make)
+# The TLS test runs the broker behind stunnel, with certificates made by openssl.
+command -v stunnel4 >/dev/null || command -v stunnel >/dev/null || missing+=(stunnel4)
+command -v openssl >/dev/null || missing+=(openssl)
 
 if [ "${#missing[@]}" -gt 0 ]; then
   echo "setup: installing system packages: ${missing[*]}"

@@ -12,9 +12,13 @@ echo "test: building (release profile, target dir $CARGO_TARGET_DIR)"
 cargo build --release --workspace --all-targets
 
 name="test-$$"
+trap '"$root/scripts/broker.sh" stop "$name"; "$root/scripts/tls-broker.sh" stop "$name"' EXIT
 bootstrap="$("$root/scripts/broker.sh" start "$name")"
-trap '"$root/scripts/broker.sh" stop "$name"' EXIT
 echo "test: broker at $bootstrap"
 export SLUICE_TEST_BOOTSTRAP="$bootstrap"
+# A second broker reachable only over TLS (through stunnel): "BOOTSTRAP CA OTHER_CA".
+SLUICE_TEST_TLS="$("$root/scripts/tls-broker.sh" start "$name")"
+echo "test: TLS broker at ${SLUICE_TEST_TLS%% *}"
+export SLUICE_TEST_TLS
 export RUST_BACKTRACE=1
 cargo test --release --workspace --lib --bins --tests -- --test-threads="${SLUICE_TEST_THREADS:-3}" "$@"

@@ -8,9 +8,9 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
-use rdkafka::config::ClientConfig;
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::client::{ClientContext, DefaultClientContext};
+use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::message::{Header, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
@@ -44,6 +44,15 @@ pub enum KafkaError {
         name: String,
         /// The broker's answer.
         code: RDKafkaErrorCode,
+    },
+    /// No broker answered; `reason` is the last error the client met (e.g.
+    /// a failed TLS handshake).
+    #[error("cannot reach the cluster at {bootstrap}: {reason}")]
+    Unreachable {
+        /// The bootstrap servers.
+        bootstrap: String,
+        /// What the client met.
+        reason: String,
     },
     /// Producing or flushing failed.
     #[error("{step}: {source}")]
@@ -96,6 +105,59 @@ fn base(cluster: impl Into<Cluster>) -> ClientConfig {
     c
 }
 
+/// Remembers what a client reported failing (a refused connection, a failed
+/// TLS handshake or authentication), to say why a request failed.
+#[derive(Default)]
+struct LastError(std::sync::Mutex<Vec<String>>);
+
+impl LastError {
+    /// The last error, once the client's queued events (its log, its
+    /// errors) were served.
+    fn take_after(&self, consumer: &BaseConsumer<LastError>) -> Option<String> {
+        for _ in 0..5 {
+            let _ = consumer.poll(Duration::from_millis(20));
+        }
+        let seen = std::mem::take(&mut *self.0.lock().ok()?);
+        // "n/n brokers are down" follows the reason.
+        let down = |m: &&String| m.contains("brokers are down");
+        seen.iter()
+            .rev()
+            .find(|m| !down(m))
+            .or_else(|| seen.last())
+            .cloned()
+    }
+}
+
+impl LastError {
+    fn remember(&self, reason: &str) {
+        if let Ok(mut seen) = self.0.lock() {
+            if seen.len() >= 16 {
+                seen.remove(0);
+            }
+            seen.push(reason.to_string());
+        }
+    }
+}
+
+impl ClientContext for LastError {
+    // librdkafka reports a failed connection (refused, TLS handshake,
+    // authentication) in its log from its own threads; errors wait for a poll
+    // that a metadata request does not make.
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+        if (level as i32) <= (RDKafkaLogLevel::Error as i32) {
+            tracing::debug!(fac, log_message, "kafka client");
+            self.remember(log_message);
+        }
+    }
+
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        tracing::debug!(%error, reason, "kafka client error");
+        self.remember(reason);
+    }
+}
+
+impl ConsumerContext for LastError {}
+
 /// A topic to create: name, partition count, and topic configs.
 pub type TopicDef<'a> = (&'a str, i32, &'a [(&'a str, &'a str)]);
 
@@ -113,7 +175,11 @@ pub fn create_topics_rf(
     topics: &[TopicDef<'_>],
     replication: i32,
 ) -> Result<(), KafkaError> {
-    let admin: AdminClient<DefaultClientContext> = base(cluster).create()?;
+    let cluster = cluster.into();
+    // Reach the cluster first, so a refused connection or TLS handshake says
+    // so instead of timing the creation out.
+    partition_counts(&cluster, &[])?;
+    let admin: AdminClient<DefaultClientContext> = base(&cluster).create()?;
     let new: Vec<NewTopic<'_>> = topics
         .iter()
         .map(|(name, p, configs)| {
@@ -140,8 +206,19 @@ pub fn partition_counts(
     cluster: impl Into<Cluster>,
     topics: &[String],
 ) -> Result<std::collections::HashMap<String, i32>, KafkaError> {
-    let consumer: BaseConsumer = base(cluster).create()?;
-    let md = consumer.fetch_metadata(None, Duration::from_secs(10))?;
+    let cluster = cluster.into();
+    let consumer: BaseConsumer<LastError> = base(&cluster)
+        .set_log_level(RDKafkaLogLevel::Error)
+        .create_with_context(LastError::default())?;
+    let md = consumer
+        .fetch_metadata(None, Duration::from_secs(10))
+        .map_err(|e| match consumer.context().take_after(&consumer) {
+            Some(reason) => KafkaError::Unreachable {
+                bootstrap: cluster.bootstrap.clone(),
+                reason,
+            },
+            None => e.into(),
+        })?;
     Ok(md
         .topics()
         .iter()

@@ -21,6 +21,8 @@ pub const UNBATCHED: &str = "[batching]\nenabled = false\n";
 /// A simulator, a config and the topics of one test.
 pub struct Pipeline {
     pub rt: tokio::runtime::Runtime,
+    /// The cluster the pipeline and the test's own clients use.
+    pub cluster: sluice::kafka::Cluster,
     pub sim: SimHandle,
     pub prefix: String,
     pub config: PathBuf,
@@ -46,6 +48,41 @@ impl Pipeline {
         partitions: i32,
         task_topics: &[(&str, i32)],
     ) -> Pipeline {
+        let cluster = sluice::kafka::Cluster::from(&bootstrap());
+        Self::build(
+            sim_config,
+            guarantee,
+            extra_toml,
+            partitions,
+            task_topics,
+            cluster,
+        )
+    }
+
+    /// Exactly-once on `cluster` (its client properties go to
+    /// `[kafka.client]`, and the test's own clients use them too).
+    pub fn over(
+        cluster: sluice::kafka::Cluster,
+        sim_config: SimConfig,
+        extra_toml: &str,
+    ) -> Pipeline {
+        Self::build(sim_config, "exactly_once", extra_toml, 2, &[], cluster)
+    }
+
+    fn build(
+        sim_config: SimConfig,
+        guarantee: &str,
+        extra_toml: &str,
+        partitions: i32,
+        task_topics: &[(&str, i32)],
+        cluster: sluice::kafka::Cluster,
+    ) -> Pipeline {
+        let client = cluster
+            .client
+            .iter()
+            .map(|(k, v)| format!("{k:?} = {v:?}"))
+            .collect::<Vec<_>>()
+            .join(", ");
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -72,6 +109,7 @@ max_in_flight_per_partition = 2000
 [kafka]
 bootstrap_servers = "{bootstrap}"
 session_timeout_ms = 6000
+client = {{ {client} }}
 
 [topics]
 tasks_prefix = "{prefix}.tasks."
@@ -120,12 +158,13 @@ listen = "127.0.0.1:0"
 {extra_toml}
 "#,
             state = state.path().display(),
-            bootstrap = bootstrap(),
+            bootstrap = cluster.bootstrap,
             url = sim.base_url(),
         );
         std::fs::write(&config, toml).unwrap();
         let p = Pipeline {
             rt,
+            cluster,
             sim,
             prefix,
             config,
@@ -134,7 +173,7 @@ listen = "127.0.0.1:0"
         };
         for (task_type, n) in task_topics {
             let topic = p.topic(task_type);
-            sluice::kafka::create_topics(&bootstrap(), &[(&topic, *n, &[])]).unwrap();
+            sluice::kafka::create_topics(&p.cluster, &[(&topic, *n, &[])]).unwrap();
         }
         let out = std::process::Command::new(super::sluice_bin())
             .args([
@@ -259,7 +298,7 @@ listen = "127.0.0.1:0"
                 .push(t.record());
         }
         for (topic, recs) in by_topic {
-            produce(&bootstrap(), &topic, recs).unwrap();
+            produce(&self.cluster, &topic, recs).unwrap();
         }
     }
 
@@ -274,9 +313,9 @@ listen = "127.0.0.1:0"
                 .collect::<std::collections::HashSet<_>>()
                 .len()
         };
-        read_topics(&bootstrap(), &t, true, timeout, |m| distinct(m) >= n).unwrap();
+        read_topics(&self.cluster, &t, true, timeout, |m| distinct(m) >= n).unwrap();
         std::thread::sleep(Duration::from_secs(2));
-        read_topics(&bootstrap(), &t, true, Duration::from_secs(5), |_| false)
+        read_topics(&self.cluster, &t, true, Duration::from_secs(5), |_| false)
             .unwrap()
             .into_iter()
             .map(|m| {
@@ -302,7 +341,7 @@ listen = "127.0.0.1:0"
 
     pub fn dead_letters(&self, task_type: &str) -> Vec<OwnedMessage> {
         read_topics(
-            &bootstrap(),
+            &self.cluster,
             &[&self.dlq(task_type)],
             true,
             Duration::from_secs(3),
