@@ -77,12 +77,19 @@ impl Pipeline {
         task_topics: &[(&str, i32)],
         cluster: sluice::kafka::Cluster,
     ) -> Pipeline {
-        let client = cluster
-            .client
-            .iter()
-            .map(|(k, v)| format!("{k:?} = {v:?}"))
-            .collect::<Vec<_>>()
-            .join(", ");
+        // Inline, and only when there are properties: a test's extra TOML
+        // may have a [kafka.client] table of its own.
+        let client = match cluster.client.is_empty() {
+            true => String::new(),
+            false => {
+                let props: Vec<String> = cluster
+                    .client
+                    .iter()
+                    .map(|(k, v)| format!("{k:?} = {v:?}"))
+                    .collect();
+                format!("client = {{ {} }}", props.join(", "))
+            }
+        };
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -109,7 +116,7 @@ max_in_flight_per_partition = 2000
 [kafka]
 bootstrap_servers = "{bootstrap}"
 session_timeout_ms = 6000
-client = {{ {client} }}
+{client}
 
 [topics]
 tasks_prefix = "{prefix}.tasks."
