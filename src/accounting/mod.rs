@@ -381,7 +381,7 @@ impl Accounting {
         let stores = settings
             .windows
             .iter()
-            .map(|w| format!("{}-{}", settings.name, w.name))
+            .map(|w| store_name(&settings.name, w))
             .collect();
         Accounting(Arc::new(Inner {
             settings,
@@ -462,7 +462,7 @@ impl Accounting {
 
     /// The window store of a window size.
     pub fn store_name(&self, window: &WindowSpec) -> String {
-        format!("{}-{}", self.settings().name, window.name)
+        store_name(&self.settings().name, window)
     }
 
     /// The window stores, in `windows` order.
@@ -472,23 +472,24 @@ impl Accounting {
 
     /// Declares the window stores (unless declared already: `invoke_llm`
     /// reads them too) and returns their names, in `windows` order.
-    pub fn declare_stores(&self, builder: &StreamBuilder) -> Vec<String> {
-        self.windows()
-            .iter()
-            .map(|w| {
-                let name = self.store_name(w);
-                if !builder.has_store(&name) {
-                    builder.add_window_store(&name, Duration::from_millis(w.kept_ms() as u64));
-                }
-                name
-            })
-            .collect()
+    pub fn declare_stores(&self, builder: &StreamBuilder) -> &[String] {
+        for (w, name) in self.windows().iter().zip(self.stores()) {
+            if !builder.has_store(name) {
+                builder.add_window_store(name, Duration::from_millis(w.kept_ms() as u64));
+            }
+        }
+        self.stores()
     }
 
     /// The window sizes.
     pub fn windows(&self) -> &[WindowSpec] {
         &self.settings().windows
     }
+}
+
+/// The window store of a window size, for the operator named `name`.
+fn store_name(name: &str, window: &WindowSpec) -> String {
+    format!("{name}-{}", window.name)
 }
 
 /// `account` on a stream of results.
@@ -502,10 +503,9 @@ impl AccountStreamExt for KStream<String, TaskResult> {
     fn account(&self, accounting: &Accounting) -> KStream<String, TaskResult> {
         let names = accounting.declare_stores(self.builder());
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-        let (a, stores) = (accounting.clone(), names.clone());
+        let a = accounting.clone();
         self.process(&accounting.settings().name, &refs, move || Accountant {
             accounting: a.clone(),
-            stores: stores.clone(),
             last_expiry_ms: 0,
             next: Seq {
                 incarnation: chrono::Utc::now().timestamp_millis(),
@@ -519,8 +519,6 @@ impl AccountStreamExt for KStream<String, TaskResult> {
 /// One instance per task.
 struct Accountant {
     accounting: Accounting,
-    /// Store name per window, in `windows` order.
-    stores: Vec<String>,
     last_expiry_ms: i64,
     /// The next result's place in this task's counting order.
     next: Seq,
@@ -627,7 +625,7 @@ impl Accountant {
         for (tenant, updates) in self.held.take() {
             for p in updates {
                 let usage = ctx
-                    .window::<String, TenantUsage>(&self.stores[p.window])?
+                    .window::<String, TenantUsage>(&accounting.stores()[p.window])?
                     .get(&tenant, p.start)?
                     .unwrap_or_default();
                 let u = UsageOut::new(&tenant, &windows[p.window], p.start, &usage);
@@ -874,7 +872,8 @@ impl Processor<String, TaskResult> for Accountant {
             .pressure
             .lock()
             .retain(|_, until| *until > time.wall_clock_ms);
-        for (w, store) in self.accounting.windows().iter().zip(&self.stores) {
+        let accounting = self.accounting.clone();
+        for (w, store) in accounting.windows().iter().zip(accounting.stores()) {
             ctx.window::<String, TenantUsage>(store)?
                 .expire_before(time.wall_clock_ms - w.kept_ms())?;
         }

@@ -137,7 +137,7 @@ fn invoke<K: Data, V: LlmInput>(
     // Hard quotas read the tenant windows the accountant keeps; recovered
     // results are added to them.
     if let Some(accounting) = llm.accounting() {
-        stores.extend(accounting.declare_stores(stream.builder()));
+        stores.extend_from_slice(accounting.declare_stores(stream.builder()));
     }
     let refs: Vec<&str> = stores.iter().map(String::as_str).collect();
     let step = llm.clone();
