@@ -183,6 +183,8 @@ pub fn steps(
         max_attempts: config.tasks.max_attempts,
         idempotency_ttl_hours: config.tasks.idempotency_ttl_hours,
         probe_interval_ms: config.tasks.probe_interval_ms,
+        bad_request_trap_after: config.tasks.bad_request_trap_after,
+        bad_request_wait_ms: config.tasks.bad_request_wait_ms,
         fallbacks: config.routing.fallbacks.clone(),
         prices: config.prices.clone(),
         recovery,

@@ -312,6 +312,15 @@ pub struct TasksSection {
     /// While intake is held (bad credentials, open breaker without fallback),
     /// how often one held task probes the provider, ms.
     pub probe_interval_ms: u64,
+    /// Consecutive calls of one model refused with the same `400` that make
+    /// it a configuration fault (a parameter or template the model rejects):
+    /// its tasks are held instead of dead-lettered. 0 dead-letters every
+    /// `400` at once.
+    pub bad_request_trap_after: u32,
+    /// How long a task refused with a `400` waits for its model's run to
+    /// decide (another answer: dead-lettered; the run reaching
+    /// `bad_request_trap_after`: held), ms.
+    pub bad_request_wait_ms: u64,
     /// How the services publishing tasks partition them by tenant:
     /// `murmur2` (Java clients, Kafka Streams, librdkafka's `murmur2_random`)
     /// or `crc32` (librdkafka's default `consistent_random`: Python, Go, .NET,
@@ -344,6 +353,8 @@ impl Default for TasksSection {
             max_attempts: 5,
             idempotency_ttl_hours: 7 * 24,
             probe_interval_ms: 2_000,
+            bad_request_trap_after: 5,
+            bad_request_wait_ms: 10_000,
             partitioner: KeyPartitioner::Murmur2,
             repartition: Repartition::Auto,
         }

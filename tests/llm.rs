@@ -1062,3 +1062,92 @@ fn another_tenants_task_reusing_an_id_never_gets_the_first_tenants_answer() {
     assert_eq!(p.metric(&app, "sluice_duplicates_skipped_total"), 0.0);
     app.proc.stop();
 }
+
+#[test]
+fn a_model_refusing_every_request_with_the_same_400_holds_its_tasks_instead_of_draining_them() {
+    let sim = SimConfig::from_json_value(serde_json::json!({
+        "model_overrides": { "small": { "status_override": 400 } }
+    }))
+    .unwrap();
+    let p = Pipeline::new(sim, "");
+    let mut app = p.start_env("trap", &[("SLUICE_TASKS__BAD_REQUEST_WAIT_MS", "1000")]);
+    let tasks: Vec<Task> = (0..30)
+        .map(|i| Task::new(i, "classify", "acme", "normal"))
+        .collect();
+    p.produce(&tasks);
+    // Readiness says which model and what the provider answered.
+    eventually(Duration::from_secs(30), "readiness fails", || {
+        let (code, body) = p.http(&app, "/readyz");
+        (code == 503
+            && body.contains("bad_request:small")
+            && body.contains("Invalid request (simulated)"))
+        .then_some(())
+    });
+    // Well past the wait a lone refusal gets: still nothing dead-lettered,
+    // no result, the tasks kept.
+    std::thread::sleep(Duration::from_secs(4));
+    assert_eq!(p.http(&app, "/readyz").0, 503);
+    assert!(
+        p.dead_letters("classify").is_empty(),
+        "nothing drains into the dead-letter topic"
+    );
+    let none = read_topics(
+        &bootstrap(),
+        &[&p.completed(), &p.failed()],
+        true,
+        Duration::from_secs(2),
+        |_| false,
+    )
+    .unwrap();
+    assert!(
+        none.is_empty(),
+        "no result while the model refuses them all"
+    );
+    assert!(p.metric(&app, "sluice_tasks_parked") > 0.0);
+    // The model is fixed: every kept task is answered, once.
+    p.sim
+        .update(|c| {
+            c.model_overrides.remove("small");
+        })
+        .unwrap();
+    let results = p.results(tasks.len(), Duration::from_secs(60));
+    assert_each_answered_once(&tasks, &results);
+    assert!(results.iter().all(|(r, _)| r.success), "{results:?}");
+    eventually(Duration::from_secs(20), "ready again", || {
+        (p.http(&app, "/readyz").0 == 200).then_some(())
+    });
+    assert!(p.dead_letters("classify").is_empty());
+    app.proc.stop();
+}
+
+#[test]
+fn a_400_too_few_tasks_share_is_the_tasks_own_and_dead_lettered_after_the_wait() {
+    let sim = SimConfig::from_json_value(serde_json::json!({
+        "model_overrides": { "small": { "status_override": 400 } }
+    }))
+    .unwrap();
+    let p = Pipeline::new(sim, UNBATCHED);
+    let mut app = p.start_env("lone", &[("SLUICE_TASKS__BAD_REQUEST_WAIT_MS", "1500")]);
+    // Fewer refusals than a run needs (5): each is the task's own.
+    let tasks: Vec<Task> = (0..3)
+        .map(|i| Task::new(i, "summarize", "acme", "normal"))
+        .collect();
+    p.produce(&tasks);
+    let results = p.results(tasks.len(), Duration::from_secs(30));
+    assert_each_answered_once(&tasks, &results);
+    for (r, _) in &results {
+        assert!(!r.success, "{r:?}");
+        assert_eq!(r.error_code.as_deref(), Some("bad_request"), "{r:?}");
+    }
+    let dead = p.dead_letters("summarize");
+    assert_eq!(dead.len(), tasks.len());
+    assert!(dead
+        .iter()
+        .all(|m| header(m, "dlq.category").as_deref() == Some("bad_request")));
+    assert_eq!(
+        p.http(&app, "/readyz").0,
+        200,
+        "never a configuration fault"
+    );
+    app.proc.stop();
+}

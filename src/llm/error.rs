@@ -166,6 +166,15 @@ impl LlmError {
         }
     }
 
+    /// The provider's own error message, if it gave one (may quote input:
+    /// never logged per task).
+    pub fn provider_message(&self) -> Option<&str> {
+        match self {
+            LlmError::Status { message, .. } if !message.is_empty() => Some(message),
+            _ => None,
+        }
+    }
+
     /// Rate-limit headers carried by the error, if any.
     pub fn rate_limit(&self) -> Option<&RateLimitInfo> {
         match self {

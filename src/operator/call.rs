@@ -4,6 +4,7 @@
 
 use sluice_topology::{Headers, OutputRecord, ProcessError};
 
+use super::trap::{self, Verdict};
 use super::{
     idempotency_key, in_flight_key, now_ms, output_value, position_headers, Ctx, Failure, Item,
     LlmProcessor, HEADER_OFFSET, HEADER_SOURCE,
@@ -13,7 +14,8 @@ use crate::envelope::DlqCategory;
 use crate::llm::apportion::apportion_usage;
 use crate::llm::prompt::split_batch_answer;
 use crate::llm::{
-    CallFailure, CallOutcome, ChatRequest, ErrorClass, Message, ResponseFormat, Usage,
+    CallFailure, CallOutcome, ChatRequest, ErrorClass, Message, PermanentKind, ResponseFormat,
+    Usage,
 };
 use crate::pipeline::batch::estimated_tokens;
 
@@ -25,6 +27,19 @@ pub(super) struct Job {
     batch: Option<BatchCall>,
     /// Set on a call that probes a held provider.
     pub(super) probe: bool,
+}
+
+/// A job refused with a `400`, waiting for its model's run of refusals to
+/// decide (see [`trap`]).
+pub(super) struct Refused {
+    job: Job,
+    /// The run it belongs to.
+    epoch: u64,
+    since_ms: i64,
+    /// The error (the dead letter's reason if it comes to that).
+    message: String,
+    /// Attempts the call took.
+    attempts: u32,
 }
 
 /// A batch's id and its one request.
@@ -128,6 +143,14 @@ impl LlmProcessor {
                 None => return,
             }
         }
+        if !job.probe {
+            let runs = &self.step.0.bad_requests;
+            if let Some(message) = runs.trapped(&job.model) {
+                let (fault, detail) = runs.fault(&job.model, &message);
+                self.hold(ctx, &fault, &detail, job);
+                return;
+            }
+        }
         self.spawn_call(ctx, job);
     }
 
@@ -192,6 +215,9 @@ impl LlmProcessor {
         }
         let failure = match result {
             Ok(outcome) => {
+                if self.step.0.bad_requests.enabled() {
+                    self.step.0.bad_requests.answered(&job.model);
+                }
                 if was_probe || self.faulted.contains(&job.model) {
                     self.recovered(ctx, &job.model);
                 }
@@ -201,6 +227,43 @@ impl LlmProcessor {
         };
         match failure.class() {
             ErrorClass::Permanent(kind) => {
+                let step = self.step.clone();
+                let runs = &step.0.bad_requests;
+                let message = failure.error.to_string();
+                let attempts = failure.attempts.max(1);
+                if kind == PermanentKind::BadRequest && job.batch.is_none() && runs.enabled() {
+                    // Not dead-lettered yet: the model's run of refusals
+                    // decides (see `trap`).
+                    // The same refusal: the same status, code and message.
+                    // (A message many tasks share quotes none of them: it
+                    // may be shown.)
+                    let answer = match failure.error.provider_message() {
+                        Some(said) => format!("{message}: {said}"),
+                        None => message.clone(),
+                    };
+                    let (epoch, trapped) = runs.refused(&job.model, &answer);
+                    if trapped {
+                        let (fault, detail) = runs.fault(&job.model, &answer);
+                        self.hold(ctx, &fault, &detail, job);
+                        return self.decide_refused(ctx);
+                    }
+                    if was_probe {
+                        self.recovered(ctx, &job.model);
+                    }
+                    self.refused.push(Refused {
+                        job,
+                        epoch,
+                        since_ms: now_ms(),
+                        message,
+                        attempts,
+                    });
+                    return Ok(());
+                }
+                if kind != PermanentKind::BadRequest && runs.enabled() {
+                    // Another refusal ends the run (a batch's 400 neither
+                    // counts nor ends it: its tasks are called alone next).
+                    runs.answered(&job.model);
+                }
                 if was_probe {
                     self.recovered(ctx, &job.model);
                 }
@@ -212,20 +275,7 @@ impl LlmProcessor {
                     self.call_singly(ctx, job.items, model);
                     return Ok(());
                 }
-                let attempts_used = failure.attempts.max(1);
-                let message = failure.error.to_string();
-                for item in job.items {
-                    let why = Failure {
-                        category: kind.dlq_category(),
-                        message: message.clone(),
-                        attempts: item.routed.task.envelope.attempt_number - 1 + attempts_used,
-                    };
-                    let held = item.held.clone();
-                    ctx.with_record(&held, |ctx| {
-                        self.fail(ctx, &item.routed, &item.headers, &job.model, why)
-                    })?;
-                }
-                Ok(())
+                self.fail_job(ctx, job, kind.dlq_category(), &message, attempts)
             }
             ErrorClass::Config => {
                 let fault = format!("provider:{}", job.model);
@@ -447,6 +497,7 @@ impl LlmProcessor {
         health.clear(&format!("provider:{model}"));
         health.clear(&format!("breaker:{model}"));
         health.clear(&format!("rate_limited:{model}"));
+        health.clear(&trap::fault_name(model));
         self.faulted.remove(model);
         let (resume, keep): (Vec<Job>, Vec<Job>) = std::mem::take(&mut self.parked)
             .into_iter()
@@ -462,6 +513,58 @@ impl LlmProcessor {
             self.step.0.health.release(ctx.task_id());
             self.faulted.clear();
         }
+    }
+
+    /// Dead-letters every task of a job refused for good, with a failed
+    /// result each.
+    fn fail_job(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        job: Job,
+        category: DlqCategory,
+        message: &str,
+        attempts_used: u32,
+    ) -> Result<(), ProcessError> {
+        for item in job.items {
+            let why = Failure {
+                category,
+                message: message.to_string(),
+                attempts: item.routed.task.envelope.attempt_number - 1 + attempts_used,
+            };
+            let held = item.held.clone();
+            ctx.with_record(&held, |ctx| {
+                self.fail(ctx, &item.routed, &item.headers, &job.model, why)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Settles the jobs refused with a `400` whose model's run decided:
+    /// trapped → held with the model's fault; ended by another answer, or
+    /// undecided past the wait → dead-lettered as `bad_request`.
+    pub(super) fn decide_refused(&mut self, ctx: &mut Ctx<'_>) -> Result<(), ProcessError> {
+        if self.refused.is_empty() {
+            return Ok(());
+        }
+        let step = self.step.clone();
+        let runs = &step.0.bad_requests;
+        let wait = step.settings().bad_request_wait_ms as i64;
+        let now = now_ms();
+        for r in std::mem::take(&mut self.refused) {
+            match runs.verdict(&r.job.model, r.epoch) {
+                Verdict::Trapped => {
+                    let answer = runs.trapped(&r.job.model).unwrap_or_default();
+                    let (fault, detail) = runs.fault(&r.job.model, &answer);
+                    self.hold(ctx, &fault, &detail, r.job);
+                }
+                Verdict::Open if now - r.since_ms < wait => self.refused.push(r),
+                Verdict::Open | Verdict::Broken => {
+                    let category = DlqCategory::BadRequest;
+                    self.fail_job(ctx, r.job, category, &r.message, r.attempts)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Re-publishes a task to its topic with the next attempt number (its

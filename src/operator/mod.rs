@@ -7,7 +7,8 @@
 //! is a new attempt); build its prompt (a bad request is dead-lettered at
 //! once); call asynchronously, the record held in flight. On completion:
 //! success → a completed result; permanent failure → dead letter and a
-//! failed result; transient failure past the in-call retries → re-published
+//! failed result (a `400` first waits for its model's run: the same `400`
+//! to a run of calls is a configuration fault, see [`trap`]); transient failure past the in-call retries → re-published
 //! with `attemptNumber + 1`, or dead-lettered as `exhausted` on the last
 //! attempt; configuration fault (401/403/unknown model), open breaker
 //! without fallback, long rate limit → the task is held, intake stops,
@@ -29,6 +30,7 @@ mod call;
 pub mod health;
 pub mod metrics;
 mod recover;
+mod trap;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -89,6 +91,12 @@ pub struct LlmSettings {
     pub idempotency_ttl_hours: u64,
     /// While intake is held, how often one held task probes the provider, ms.
     pub probe_interval_ms: u64,
+    /// Consecutive calls of a model refused with the same `400` that make it
+    /// a configuration fault (see [`trap`]); 0 dead-letters every `400` at once.
+    pub bad_request_trap_after: u32,
+    /// How long a task refused with a `400` waits for its model's run to
+    /// decide before it is dead-lettered, ms.
+    pub bad_request_wait_ms: u64,
     /// Fallback model per model, while a model's breaker is open.
     pub fallbacks: BTreeMap<String, String>,
     /// Prices per model (a result's `costMicros`).
@@ -132,6 +140,7 @@ struct StepInner {
     prompts: PromptBuilder,
     health: Health,
     metrics: OperatorMetrics,
+    bad_requests: trap::BadRequestRuns,
 }
 
 impl LlmStep {
@@ -148,6 +157,7 @@ impl LlmStep {
                 .accounting
                 .as_ref()
                 .and_then(Accounting::quota_gate),
+            bad_requests: trap::BadRequestRuns::new(settings.bad_request_trap_after),
             settings,
             client,
             prompts,
@@ -277,6 +287,9 @@ pub struct LlmProcessor {
     /// redeliveries of them waiting for its result.
     in_flight: HashMap<String, Vec<(InFlight, Headers)>>,
     parked: Vec<call::Job>,
+    /// Jobs refused with a `400`, waiting for their model's run to decide
+    /// (see [`trap`]).
+    refused: Vec<call::Refused>,
     /// Models this task raised a fault for; a success of one clears it.
     faulted: HashSet<String>,
     probing: bool,
@@ -311,6 +324,7 @@ impl LlmProcessor {
             step,
             in_flight: Default::default(),
             parked: Vec::new(),
+            refused: Vec::new(),
             faulted: HashSet::new(),
             probing: false,
             last_probe_ms: 0,
@@ -656,6 +670,7 @@ impl<K: Data, V: LlmInput> Processor<K, V> for LlmProcessor {
             self.probing = true;
             self.start_call(ctx, job);
         }
+        self.decide_refused(ctx)?;
         // Where this task's committed results end (see `recover`).
         if let Some(recovery) = &self.step.settings().recovery {
             let partition = ctx.task_id().partition;
