@@ -15,6 +15,7 @@ use crate::llm::{LlmClient, PromptBuilder};
 use crate::operator::{Health, LlmSettings, LlmStep, OperatorMetrics, Recovery};
 use crate::pipeline::{default_topology, BatchMetrics, Batching, ResultsSink, Steps, TaskSource};
 use crate::route::RouteStep;
+use crate::trace::Tracer;
 use crate::usage::UsageQueries;
 use sluice_topology::runtime::Guarantee;
 use sluice_topology::{Topology, TopologyError};
@@ -229,12 +230,13 @@ pub fn steps(
         source,
         route,
         batching,
-        llm: LlmStep::new(
+        llm: LlmStep::traced(
             settings,
             client,
             prompts,
             health,
             OperatorMetrics::register(registry)?,
+            Tracer::start(&config.tracing, registry)?,
         ),
         accounting,
         results,

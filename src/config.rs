@@ -26,7 +26,7 @@ pub struct ConfigError {
 }
 
 impl ConfigError {
-    fn new(key: impl Into<String>, message: impl Into<String>) -> Self {
+    pub(crate) fn new(key: impl Into<String>, message: impl Into<String>) -> Self {
         ConfigError {
             key: key.into(),
             message: message.into(),
@@ -69,6 +69,9 @@ pub struct Config {
     /// The HTTP listener (metrics, health, queries).
     #[serde(default)]
     pub http: HttpSection,
+    /// Spans of the LLM step and their OTLP export.
+    #[serde(default)]
+    pub tracing: crate::trace::TracingSection,
 }
 
 /// `[app]`.
@@ -519,6 +522,7 @@ impl Config {
 
     /// Semantic checks across keys.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.tracing.validate()?;
         if self.kafka.bootstrap_servers.trim().is_empty() {
             return Err(ConfigError::new(
                 "kafka.bootstrap_servers",

@@ -18,4 +18,5 @@ pub mod operator;
 pub mod pipeline;
 pub mod route;
 pub mod sim;
+pub mod trace;
 pub mod usage;

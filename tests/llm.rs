@@ -14,6 +14,7 @@ use rdkafka::Message;
 use sluice::envelope::TaskResult;
 use sluice::kafka::{produce, read_topics, OutRecord};
 use sluice::sim::SimConfig;
+use sluice::trace::TraceParent;
 
 #[test]
 fn every_task_gets_exactly_one_result_despite_provider_faults() {
@@ -74,15 +75,21 @@ fn every_task_gets_exactly_one_result_despite_provider_faults() {
         "{ok:?}"
     );
     assert!(header(msg, "traceparent").is_some());
-    // Every result carries its own task's trace context.
+    // Every result carries a span of its own under its task's trace.
     let by_id: HashMap<&str, &Task> = tasks.iter().map(|t| (t.id.as_str(), t)).collect();
+    let mut spans = HashSet::new();
     for (r, m) in &results {
+        let task = TraceParent::parse(&by_id[r.task_id.as_str()].traceparent).unwrap();
+        let header = header(m, "traceparent").unwrap_or_default();
+        let span = TraceParent::parse(&header).unwrap_or_else(|| panic!("{header:?}"));
         assert_eq!(
-            header(m, "traceparent").as_deref(),
-            Some(by_id[r.task_id.as_str()].traceparent.as_str()),
+            (span.trace_id, span.flags),
+            (task.trace_id, task.flags),
             "{}",
             r.task_id
         );
+        assert_ne!(span.span_id, task.span_id, "{}", r.task_id);
+        assert!(spans.insert(span.span_id), "a span id reused: {header}");
     }
     app.proc.stop();
 }
@@ -1148,6 +1155,115 @@ fn a_400_too_few_tasks_share_is_the_tasks_own_and_dead_lettered_after_the_wait()
         p.http(&app, "/readyz").0,
         200,
         "never a configuration fault"
+    );
+    app.proc.stop();
+}
+
+/// An OTLP/HTTP collector over a real socket: keeps every span it is sent.
+struct Collector {
+    _rt: tokio::runtime::Runtime,
+    addr: std::net::SocketAddr,
+    spans: std::sync::Arc<std::sync::Mutex<Vec<serde_json::Value>>>,
+}
+
+impl Collector {
+    fn start() -> Collector {
+        use axum::routing::post;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let spans = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = spans.clone();
+        let app = axum::Router::new().route(
+            "/v1/traces",
+            post(move |body: axum::Json<serde_json::Value>| {
+                let kept = kept.clone();
+                async move {
+                    for rs in body["resourceSpans"].as_array().into_iter().flatten() {
+                        assert_eq!(
+                            rs["resource"]["attributes"][0]["value"]["stringValue"],
+                            "sluice"
+                        );
+                        for ss in rs["scopeSpans"].as_array().into_iter().flatten() {
+                            let spans = ss["spans"].as_array().cloned().unwrap_or_default();
+                            kept.lock().unwrap().extend(spans);
+                        }
+                    }
+                    "{}"
+                }
+            }),
+        );
+        let listener = rt
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let addr = listener.local_addr().unwrap();
+        rt.spawn(async move { axum::serve(listener, app).await });
+        Collector {
+            _rt: rt,
+            addr,
+            spans,
+        }
+    }
+}
+
+#[test]
+fn each_results_span_is_exported_to_the_collector_under_its_tasks_trace() {
+    let collector = Collector::start();
+    let p = Pipeline::new(
+        SimConfig::default(),
+        &format!(
+            "{UNBATCHED}\n[tracing]\notlp_endpoint = \"http://{}\"\nexport_interval_ms = 100\n",
+            collector.addr
+        ),
+    );
+    let mut app = p.start("otlp");
+    let tasks: Vec<Task> = (0..20)
+        .map(|i| Task::new(i, "summarize", "acme", "normal"))
+        .collect();
+    p.produce(&tasks);
+    let results = p.results(tasks.len(), Duration::from_secs(60));
+    assert_each_answered_once(&tasks, &results);
+    eventually(Duration::from_secs(30), "every span exported", || {
+        (collector.spans.lock().unwrap().len() >= results.len()).then_some(())
+    });
+    let spans = collector.spans.lock().unwrap().clone();
+    assert_eq!(spans.len(), results.len(), "one span per result");
+    let by_id: HashMap<&str, &Task> = tasks.iter().map(|t| (t.id.as_str(), t)).collect();
+    for (r, m) in &results {
+        let task = TraceParent::parse(&by_id[r.task_id.as_str()].traceparent).unwrap();
+        let own = TraceParent::parse(&header(m, "traceparent").unwrap()).unwrap();
+        let span = spans
+            .iter()
+            .find(|s| s["spanId"] == format!("{:016x}", own.span_id))
+            .unwrap_or_else(|| panic!("no span exported for {}", r.task_id));
+        assert_eq!(span["traceId"], format!("{:032x}", task.trace_id));
+        assert_eq!(span["parentSpanId"], format!("{:016x}", task.span_id));
+        assert_eq!(span["name"], "sluice summarize");
+        assert_eq!(span["status"]["code"], 1);
+        let attr = |key: &str| {
+            span["attributes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|a| a["key"] == key)
+                .map(|a| a["value"].clone())
+                .unwrap_or_else(|| panic!("{key} missing in {span}"))
+        };
+        assert_eq!(attr("sluice.task.id")["stringValue"], r.task_id);
+        assert_eq!(attr("gen_ai.request.model")["stringValue"], r.model);
+        assert_eq!(
+            attr("gen_ai.usage.output_tokens")["intValue"],
+            r.output_tokens.to_string()
+        );
+        let start: i64 = span["startTimeUnixNano"].as_str().unwrap().parse().unwrap();
+        let end: i64 = span["endTimeUnixNano"].as_str().unwrap().parse().unwrap();
+        assert!(start <= end, "{span}");
+    }
+    assert_eq!(
+        p.metric(&app, "sluice_trace_spans_exported_total"),
+        results.len() as f64
     );
     app.proc.stop();
 }

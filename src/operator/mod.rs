@@ -47,6 +47,7 @@ use crate::config::Price;
 use crate::envelope::{DlqCategory, Route, TaskResult};
 use crate::llm::{ChatRequest, LlmClient, PromptBuilder, Usage};
 use crate::pipeline::{BatchItem, LlmInput, Routed, Work};
+use crate::trace::Tracer;
 pub use call::CallDone;
 pub use health::Health;
 pub use metrics::OperatorMetrics;
@@ -58,7 +59,8 @@ pub const HEADER_OFFSET: &str = "sluice.offset";
 /// Result header on a result given again to a redelivered task: the task's
 /// one call was answered (and accounted) before.
 pub const HEADER_DUPLICATE: &str = "sluice.duplicate";
-/// W3C trace context headers carried from task to result.
+/// W3C trace context headers of a task (a result carries a child span of
+/// its `traceparent`, see [`crate::trace`]).
 pub const TRACE_HEADERS: [&str; 2] = ["traceparent", "tracestate"];
 
 const MINUTE_MS: i64 = 60_000;
@@ -141,10 +143,12 @@ struct StepInner {
     health: Health,
     metrics: OperatorMetrics,
     bad_requests: trap::BadRequestRuns,
+    tracer: Tracer,
 }
 
 impl LlmStep {
-    /// A step calling `client` with prompts from `prompts`.
+    /// A step calling `client` with prompts from `prompts`; its results'
+    /// spans are not exported.
     pub fn new(
         settings: LlmSettings,
         client: LlmClient,
@@ -152,7 +156,20 @@ impl LlmStep {
         health: Health,
         metrics: OperatorMetrics,
     ) -> Self {
+        Self::traced(settings, client, prompts, health, metrics, Tracer::local())
+    }
+
+    /// A step whose results' spans go to `tracer`.
+    pub fn traced(
+        settings: LlmSettings,
+        client: LlmClient,
+        prompts: PromptBuilder,
+        health: Health,
+        metrics: OperatorMetrics,
+        tracer: Tracer,
+    ) -> Self {
         LlmStep(Arc::new(StepInner {
+            tracer,
             quota: settings
                 .accounting
                 .as_ref()
@@ -365,7 +382,7 @@ impl LlmProcessor {
                 match serde_json::from_slice::<TaskResult>(&stored.result_json) {
                     Ok(result) if result.tenant_id == item.task.task.tenant() => {
                         self.metrics().duplicates.inc();
-                        forward_result(ctx, result, &item.headers, true)?;
+                        forward_result(ctx, &self.step, result, &item.headers, true)?;
                         return Ok(None);
                     }
                     // Another tenant's task under the same id: never its
@@ -534,9 +551,12 @@ impl LlmProcessor {
         for (waiter, headers) in self.end_flight(&flight) {
             self.metrics().duplicates.inc();
             let again = result.clone();
-            ctx.with_record(&waiter, |ctx| forward_result(ctx, again, &headers, true))?;
+            let step = &self.step;
+            ctx.with_record(&waiter, |ctx| {
+                forward_result(ctx, step, again, &headers, true)
+            })?;
         }
-        forward_result(ctx, result, headers, false)
+        forward_result(ctx, &self.step, result, headers, false)
     }
 
     /// Dead-letters a task and forwards its failed result (its record current).
@@ -694,11 +714,13 @@ impl<K: Data, V: LlmInput> Processor<K, V> for LlmProcessor {
 /// [`HEADER_DUPLICATE`], so its tokens are not accounted twice.
 fn forward_result(
     ctx: &mut Ctx<'_>,
+    step: &LlmStep,
     result: TaskResult,
     trace_from: &Headers,
     duplicate: bool,
 ) -> Result<(), ProcessError> {
-    let mut headers = result_headers(trace_from, ctx.position());
+    let mut headers = step.0.tracer.result_headers(trace_from, &result, duplicate);
+    headers.extend(position_headers(ctx.position()));
     if duplicate {
         headers.push((HEADER_DUPLICATE.into(), b"1".to_vec()));
     }
@@ -709,17 +731,6 @@ fn forward_result(
         timestamp: now_ms(),
         headers,
     })
-}
-
-/// A result's headers: the task's trace context and its input position.
-fn result_headers(trace_from: &Headers, position: Option<Position>) -> Headers {
-    let mut headers: Headers = trace_from
-        .iter()
-        .filter(|(k, _)| TRACE_HEADERS.contains(&k.as_str()))
-        .cloned()
-        .collect();
-    headers.extend(position_headers(position));
-    headers
 }
 
 /// The headers naming an input position.
