@@ -446,6 +446,8 @@ pub fn read_existing(
         )
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
+        // A start that is gone by the time it is fetched (retention).
+        .set("auto.offset.reset", "earliest")
         .set(
             "isolation.level",
             if read_committed {
@@ -493,15 +495,23 @@ pub fn read_existing(
     for e in from.elements() {
         let key = (e.topic().to_string(), e.partition());
         let end = ends.get(&key).copied().unwrap_or(0);
-        match e.offset() {
-            Offset::End => continue,
-            Offset::Offset(o) if o >= end => continue,
+        let offset = match (e.error(), e.offset()) {
             _ if end <= 0 => continue,
-            offset => {
-                tpl.add_partition_offset(e.topic(), e.partition(), offset)?;
-                open.insert(key, end);
-            }
-        }
+            (Ok(()), Offset::End) => continue,
+            (Ok(()), Offset::Offset(o)) if o >= end => continue,
+            (Ok(()), Offset::Offset(o)) => Offset::Offset(o),
+            // A look-up that gave no offset: from the beginning.
+            _ => Offset::Beginning,
+        };
+        tracing::debug!(
+            topic = e.topic(),
+            partition = e.partition(),
+            ?offset,
+            end,
+            "reading"
+        );
+        tpl.add_partition_offset(e.topic(), e.partition(), offset)?;
+        open.insert(key, end);
     }
     if open.is_empty() {
         return Ok(0);
