@@ -1,10 +1,11 @@
 //! Small Kafka helpers for the command-line tools, the start-up checks and
-//! the tests: creating topics, partition counts, producing a batch, and
-//! reading topics from the beginning. Each takes a [`Cluster`]: the bootstrap
+//! the tests: creating topics, partition counts, producing with delivery
+//! reports counted, reading topics from the beginning, and reading what
+//! topics hold when a read starts (from the beginning or a time). Each takes a [`Cluster`]: the bootstrap
 //! servers and the client properties (`[kafka.client]`: security protocol,
 //! SASL, TLS) every client gets; a bare bootstrap address converts to one.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -12,8 +13,8 @@ use rdkafka::client::{ClientContext, DefaultClientContext};
 use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::RDKafkaErrorCode;
-use rdkafka::message::{Header, OwnedHeaders, OwnedMessage};
-use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+use rdkafka::message::{BorrowedMessage, DeliveryResult, Header, OwnedHeaders, OwnedMessage};
+use rdkafka::producer::{BaseRecord, Producer, ProducerContext, ThreadedProducer};
 use rdkafka::{Message, Offset, TopicPartitionList};
 
 /// A record to produce.
@@ -53,6 +54,14 @@ pub enum KafkaError {
         bootstrap: String,
         /// What the client met.
         reason: String,
+    },
+    /// Records were not delivered (after the client's own retries).
+    #[error("{failed} records not delivered, the first: {first}")]
+    Undelivered {
+        /// How many.
+        failed: u64,
+        /// The first failure.
+        first: String,
     },
     /// Producing or flushing failed.
     #[error("{step}: {source}")]
@@ -232,20 +241,99 @@ pub fn partition_counts(
 }
 
 /// Produces records (idempotent producer, murmur2 partitioner) and waits
-/// until all are acknowledged.
+/// until all are acknowledged; a record the broker did not take is an error.
 pub fn produce(
     cluster: impl Into<Cluster>,
     topic: &str,
     records: impl IntoIterator<Item = OutRecord>,
 ) -> Result<usize, KafkaError> {
-    let producer: ThreadedProducer<DefaultProducerContext> = base(cluster)
-        .set("enable.idempotence", "true")
-        .set("linger.ms", "10")
-        .set("partitioner", "murmur2_random")
-        .set("queue.buffering.max.messages", "1000000")
-        .create()?;
+    let publisher = Publisher::new(cluster)?;
     let mut n = 0;
     for r in records {
+        publisher.send(topic, &r)?;
+        n += 1;
+    }
+    publisher.finish(Duration::from_secs(60))?.check()?;
+    Ok(n)
+}
+
+/// What a [`Publisher`]'s deliveries came to.
+#[derive(Clone, Debug, Default)]
+pub struct Delivered {
+    /// Records the broker acknowledged.
+    pub acked: u64,
+    /// Records that failed for good (after the client's own retries).
+    pub failed: u64,
+    /// The first failure, as the client reported it.
+    pub first_error: Option<String>,
+    /// Per topic and partition, the offset after the last acknowledged record.
+    pub ends: BTreeMap<(String, i32), i64>,
+}
+
+impl Delivered {
+    /// An error when any record failed.
+    pub fn check(self) -> Result<Delivered, KafkaError> {
+        match self.failed {
+            0 => Ok(self),
+            failed => Err(KafkaError::Undelivered {
+                failed,
+                first: self.first_error.unwrap_or_default(),
+            }),
+        }
+    }
+}
+
+/// Counts delivery reports.
+#[derive(Default)]
+struct Deliveries(std::sync::Mutex<Delivered>);
+
+impl ClientContext for Deliveries {}
+
+impl ProducerContext for Deliveries {
+    type DeliveryOpaque = ();
+
+    fn delivery(&self, result: &DeliveryResult<'_>, _: ()) {
+        let Ok(mut d) = self.0.lock() else {
+            return;
+        };
+        match result {
+            Ok(m) => {
+                d.acked += 1;
+                let end = d
+                    .ends
+                    .entry((m.topic().to_string(), m.partition()))
+                    .or_insert(0);
+                *end = (*end).max(m.offset() + 1);
+            }
+            Err((e, _)) => {
+                d.failed += 1;
+                d.first_error.get_or_insert_with(|| e.to_string());
+            }
+        }
+    }
+}
+
+/// An idempotent producer (murmur2 partitioner for keyed records without a
+/// partition) that counts what the broker acknowledged: records are sent one
+/// by one, and [`Publisher::finish`] flushes and reports.
+pub struct Publisher {
+    producer: ThreadedProducer<Deliveries>,
+}
+
+impl Publisher {
+    /// A producer on `cluster`.
+    pub fn new(cluster: impl Into<Cluster>) -> Result<Publisher, KafkaError> {
+        let producer = base(cluster)
+            .set("enable.idempotence", "true")
+            .set("linger.ms", "10")
+            .set("partitioner", "murmur2_random")
+            .set("queue.buffering.max.messages", "1000000")
+            .create_with_context(Deliveries::default())?;
+        Ok(Publisher { producer })
+    }
+
+    /// Queues a record for `topic` (waiting while the client's queue is full).
+    pub fn send(&self, topic: &str, r: &OutRecord) -> Result<(), KafkaError> {
         let headers = r.headers.iter().fold(OwnedHeaders::new(), |h, (k, v)| {
             h.insert(Header {
                 key: k,
@@ -266,8 +354,8 @@ pub fn produce(
             rec = rec.partition(p);
         }
         loop {
-            match producer.send(rec) {
-                Ok(()) => break,
+            match self.producer.send(rec) {
+                Ok(()) => return Ok(()),
                 Err((e, back))
                     if matches!(e.rdkafka_error_code(), Some(RDKafkaErrorCode::QueueFull)) =>
                 {
@@ -282,15 +370,209 @@ pub fn produce(
                 }
             }
         }
-        n += 1;
     }
-    producer
-        .flush(Duration::from_secs(60))
-        .map_err(|source| KafkaError::Produce {
-            step: "flush",
-            source,
+
+    /// Waits until every record sent was acknowledged or failed (up to
+    /// `timeout`) and reports the deliveries.
+    pub fn finish(self, timeout: Duration) -> Result<Delivered, KafkaError> {
+        self.producer
+            .flush(timeout)
+            .map_err(|source| KafkaError::Produce {
+                step: "flush",
+                source,
+            })?;
+        let delivered = self
+            .producer
+            .context()
+            .0
+            .lock()
+            .map(|d| d.clone())
+            .unwrap_or_default();
+        Ok(delivered)
+    }
+}
+
+/// Where [`read_existing`] starts in each partition.
+#[derive(Clone, Copy, Debug)]
+pub enum Start {
+    /// The first record kept.
+    Beginning,
+    /// The first record whose timestamp is at or after this time (ms since
+    /// the epoch), found with the broker's offsets-for-times look-up.
+    Time(i64),
+}
+
+/// What a [`read_existing`] callback says about a record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flow {
+    /// Taken; go on.
+    Next,
+    /// The record was written after the read started: not taken, and its
+    /// partition is read no further.
+    Past,
+    /// Stop reading.
+    Stop,
+}
+
+/// How long [`read_existing`] waits for more records before it takes what
+/// it got as everything there is.
+const READ_IDLE: Duration = Duration::from_secs(1);
+/// The same, for the first record (the first fetch looks offsets up and
+/// connects to the partitions' leaders).
+const READ_FIRST_IDLE: Duration = Duration::from_secs(10);
+
+/// Reads every partition of `topics` from `start` up to its end as the
+/// broker reports it when the read starts, without joining a group or
+/// committing anything, handing each record to `f` with whether it lies at
+/// or past that end. Past the reported end only what the same fetch brought
+/// is handed over (a broker may report the end of a partition's last batch
+/// too low; `f` answers [`Flow::Past`] for records written after the read
+/// started). Every record up to the end is handed over, however long `f`
+/// takes; a partition whose end is not reached is taken as read when
+/// nothing more comes for a second. `read_committed` hides aborted and open
+/// transactions. Returns how many records `f` took.
+pub fn read_existing(
+    cluster: impl Into<Cluster>,
+    topics: &[String],
+    start: Start,
+    read_committed: bool,
+    mut f: impl FnMut(&BorrowedMessage<'_>, bool) -> Flow,
+) -> Result<u64, KafkaError> {
+    let cluster = cluster.into();
+    let consumer: BaseConsumer<LastError> = base(&cluster)
+        .set(
+            "group.id",
+            format!("sluice-reader-{}", uuid::Uuid::new_v4()),
+        )
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        // A start that is gone by the time it is fetched (retention).
+        .set("auto.offset.reset", "earliest")
+        .set(
+            "isolation.level",
+            if read_committed {
+                "read_committed"
+            } else {
+                "read_uncommitted"
+            },
+        )
+        .set_log_level(RDKafkaLogLevel::Error)
+        .create_with_context(LastError::default())?;
+    let md = consumer
+        .fetch_metadata(None, Duration::from_secs(10))
+        .map_err(|e| match consumer.context().take_after(&consumer) {
+            Some(reason) => KafkaError::Unreachable {
+                bootstrap: cluster.bootstrap.clone(),
+                reason,
+            },
+            None => e.into(),
         })?;
-    Ok(n)
+    // Each partition's end now, and where reading starts.
+    let mut ends: HashMap<(String, i32), i64> = HashMap::new();
+    let mut from = TopicPartitionList::new();
+    for t in md
+        .topics()
+        .iter()
+        .filter(|t| topics.iter().any(|x| x == t.name()))
+    {
+        for p in t.partitions() {
+            let (_, high) = consumer.fetch_watermarks(t.name(), p.id(), Duration::from_secs(10))?;
+            ends.insert((t.name().to_string(), p.id()), high);
+            let offset = match start {
+                Start::Beginning => Offset::Beginning,
+                Start::Time(ms) => Offset::Offset(ms),
+            };
+            from.add_partition_offset(t.name(), p.id(), offset)?;
+        }
+    }
+    if let Start::Time(_) = start {
+        from = consumer.offsets_for_times(from, Duration::from_secs(10))?;
+    }
+    // Partitions with nothing to read (empty, or nothing at or after the
+    // time) are done at once.
+    let mut open: HashMap<(String, i32), i64> = HashMap::new();
+    let mut tpl = TopicPartitionList::new();
+    for e in from.elements() {
+        let key = (e.topic().to_string(), e.partition());
+        let end = ends.get(&key).copied().unwrap_or(0);
+        let offset = match (e.error(), e.offset()) {
+            _ if end <= 0 => continue,
+            (Ok(()), Offset::End) => continue,
+            (Ok(()), Offset::Offset(o)) if o >= end => continue,
+            (Ok(()), Offset::Offset(o)) => Offset::Offset(o),
+            // A look-up that gave no offset: from the beginning.
+            _ => Offset::Beginning,
+        };
+        tracing::debug!(
+            topic = e.topic(),
+            partition = e.partition(),
+            ?offset,
+            end,
+            "reading"
+        );
+        tpl.add_partition_offset(e.topic(), e.partition(), offset)?;
+        open.insert(key, end);
+    }
+    if open.is_empty() {
+        return Ok(0);
+    }
+    consumer.assign(&tpl)?;
+    let mut reached: std::collections::HashSet<(String, i32)> = Default::default();
+    let mut stopped: std::collections::HashSet<(String, i32)> = Default::default();
+    let mut idle_since = Instant::now();
+    let mut received = 0u64;
+    let mut handed = 0u64;
+    loop {
+        let Some(msg) = consumer.poll(Duration::from_millis(100)) else {
+            // A partition ends in records a read_committed reader never
+            // gets (transaction markers): its position passing the end says
+            // it was reached.
+            if let Ok(positions) = consumer.position() {
+                for e in positions.elements() {
+                    let key = (e.topic().to_string(), e.partition());
+                    if e.offset().to_raw().is_some_and(|p| p >= open[&key]) {
+                        reached.insert(key);
+                    }
+                }
+            }
+            let all_reached = open
+                .keys()
+                .all(|k| reached.contains(k) || stopped.contains(k));
+            // Nothing more comes: every record there is to get was handed
+            // over (the first fetch may take longer).
+            let idle = match received {
+                0 => READ_FIRST_IDLE,
+                _ => READ_IDLE,
+            };
+            if all_reached || idle_since.elapsed() > idle {
+                return Ok(handed);
+            }
+            continue;
+        };
+        idle_since = Instant::now();
+        received += 1;
+        let msg = msg?;
+        let key = (msg.topic().to_string(), msg.partition());
+        let Some(end) = open.get(&key).copied() else {
+            continue;
+        };
+        if stopped.contains(&key) {
+            continue;
+        }
+        match f(&msg, msg.offset() >= end) {
+            Flow::Next => handed += 1,
+            Flow::Past => {
+                stopped.insert(key.clone());
+                let mut tp = TopicPartitionList::new();
+                tp.add_partition(&key.0, key.1);
+                let _ = consumer.pause(&tp);
+            }
+            Flow::Stop => return Ok(handed),
+        }
+        if msg.offset() + 1 >= end {
+            reached.insert(key);
+        }
+    }
 }
 
 /// Reads every partition of `topics` from the beginning until `done` returns

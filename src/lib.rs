@@ -8,6 +8,7 @@ pub mod accounting;
 pub mod app;
 pub mod config;
 pub mod demo;
+pub mod dlq;
 pub mod envelope;
 pub mod examples;
 pub mod http;

@@ -25,6 +25,8 @@ enum Command {
     /// Prints a tenant's current usage windows, asked of any running
     /// instance (it forwards to the one holding the tenant).
     Usage(sluice::usage::UsageArgs),
+    /// Inspects and replays dead letters.
+    Dlq(sluice::dlq::DlqArgs),
     /// Runs the demo on a local broker with the simulated provider.
     Demo(sluice::demo::DemoArgs),
     /// Runs the simulated OpenAI-compatible provider.
@@ -101,6 +103,11 @@ fn main() -> ExitCode {
             Command::Usage(args) => sluice::usage::run_cli(args)
                 .await
                 .map_err(|e| fail(e.into())),
+            Command::Dlq(args) => sluice::dlq::run(args).await.map_err(|e| match e {
+                sluice::dlq::DlqError::Config(c) => (EXIT_CONFIG, c.to_string()),
+                sluice::dlq::DlqError::Usage(u) => (EXIT_CONFIG, u),
+                other => fail(other.into()),
+            }),
             Command::Demo(args) => sluice::demo::run(args).await.map_err(fail),
             Command::SimProvider(args) => sluice::sim::run(args).await.map_err(|e| match e {
                 sluice::sim::SimError::Config(c) => (EXIT_CONFIG, c.to_string()),

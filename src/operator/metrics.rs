@@ -65,7 +65,7 @@ impl OperatorMetrics {
             results: ["completed", "failed"].map(|s| results.with_label_values(&[s])),
             duplicates: IntCounter::new(
                 names::DUPLICATES,
-                "Redelivered tasks answered from the idempotency store",
+                "Redelivered tasks answered from the idempotency store (replayed dead letters of tasks done: nothing emitted)",
             )?,
             republished: IntCounter::new(
                 names::REPUBLISHED,

@@ -3,8 +3,9 @@
 //!
 //! Per task: look it up in the idempotency store (a redelivered task that
 //! succeeded gets its stored result again without a call; the same input
-//! replayed after a crash emits nothing; a task that failed and comes back
-//! is a new attempt); build its prompt (a bad request is dead-lettered at
+//! replayed after a crash, or a dead letter replayed by `sluice dlq replay`
+//! of a task that succeeded since, emits nothing; a task that failed and
+//! comes back is a new attempt); build its prompt (a bad request is dead-lettered at
 //! once); call asynchronously, the record held in flight. On completion:
 //! success → a completed result; permanent failure → dead letter and a
 //! failed result (a `400` first waits for its model's run: the same `400`
@@ -59,6 +60,11 @@ pub const HEADER_OFFSET: &str = "sluice.offset";
 /// Result header on a result given again to a redelivered task: the task's
 /// one call was answered (and accounted) before.
 pub const HEADER_DUPLICATE: &str = "sluice.duplicate";
+/// Task header on a dead letter re-published by `sluice dlq replay`:
+/// `<dead-letter topic>/<partition>/<offset>`. A replayed task whose id
+/// already succeeded emits nothing (its result is out already), so
+/// replaying twice never adds a second result.
+pub const HEADER_REPLAY_OF: &str = "sluice.replay.of";
 /// W3C trace context headers of a task (a result carries a child span of
 /// its `traceparent`, see [`crate::trace`]).
 pub const TRACE_HEADERS: [&str; 2] = ["traceparent", "tracestate"];
@@ -367,9 +373,10 @@ impl LlmProcessor {
         let env = &item.task.task.envelope;
         let key = idempotency_key(&env.task_type, &env.task_id);
         // The same input replayed emits nothing; a redelivered task that
-        // succeeded gets its stored result again without a call. A stored
-        // failure is not final: a task that failed and comes back is a new
-        // attempt (its cause may be gone).
+        // succeeded gets its stored result again without a call, a replayed
+        // dead letter of it nothing. A stored failure is not final: a task
+        // that failed and comes back (or is replayed) is a new attempt (its
+        // cause may be gone).
         let current = ctx.position();
         if let Some((stored, position)) = ctx
             .kv::<String, StoredOutcome>(&self.completed_store)?
@@ -382,7 +389,11 @@ impl LlmProcessor {
                 match serde_json::from_slice::<TaskResult>(&stored.result_json) {
                     Ok(result) if result.tenant_id == item.task.task.tenant() => {
                         self.metrics().duplicates.inc();
-                        forward_result(ctx, &self.step, result, &item.headers, true)?;
+                        // A replayed dead letter of a task that succeeded
+                        // since: its result is out already.
+                        if !is_replay(&item.headers) {
+                            forward_result(ctx, &self.step, result, &item.headers, true)?;
+                        }
                         return Ok(None);
                     }
                     // Another tenant's task under the same id: never its
@@ -550,6 +561,9 @@ impl LlmProcessor {
         let flight = in_flight_key(&result.tenant_id, &key);
         for (waiter, headers) in self.end_flight(&flight) {
             self.metrics().duplicates.inc();
+            if success && is_replay(&headers) {
+                continue;
+            }
             let again = result.clone();
             let step = &self.step;
             ctx.with_record(&waiter, |ctx| {
@@ -731,6 +745,11 @@ fn forward_result(
         timestamp: now_ms(),
         headers,
     })
+}
+
+/// Whether a task's headers mark it as a replayed dead letter.
+fn is_replay(headers: &Headers) -> bool {
+    headers.iter().any(|(k, _)| k == HEADER_REPLAY_OF)
 }
 
 /// The headers naming an input position.

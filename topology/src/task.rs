@@ -586,8 +586,9 @@ impl TaskCore {
 }
 
 impl TaskCtx {
-    /// Queues the current record's original bytes for its source's dead-letter
-    /// topic, with the reason headers.
+    /// Queues the current record's original key, bytes and headers for its
+    /// source's dead-letter topic, with the reason headers, stamped with the
+    /// time it was dead-lettered.
     pub(crate) fn dead_letter(
         &mut self,
         reason: &str,
@@ -620,9 +621,10 @@ impl TaskCtx {
             origin.partition.to_string(),
         );
         add(dlq_headers::ORIGINAL_OFFSET, origin.offset.to_string());
+        let now = chrono::Utc::now();
         add(
             dlq_headers::SENT_AT,
-            chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            now.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
         );
         *self
             .counters
@@ -637,7 +639,10 @@ impl TaskCtx {
             partition,
             key: raw.key.clone(),
             value: raw.value.clone(),
-            timestamp: raw.timestamp,
+            // When it was dead-lettered, as `dlq.sent.at`: the topic's
+            // retention and look-ups by time (offsets for times) follow
+            // that, not the age of the original record.
+            timestamp: now.timestamp_millis(),
             headers,
         });
         Ok(())
