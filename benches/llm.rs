@@ -56,6 +56,7 @@ fn request(i: u64) -> ChatRequest {
             Message::user(format!("item {i}: the quick brown fox")),
         ],
         max_tokens: Some(8),
+        max_completion_tokens: None,
         temperature: None,
         response_format: None,
     }

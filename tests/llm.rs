@@ -5,6 +5,8 @@
 mod common;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::pipeline::*;
@@ -1265,5 +1267,123 @@ fn each_results_span_is_exported_to_the_collector_under_its_tasks_trace() {
         p.metric(&app, "sluice_trace_spans_exported_total"),
         results.len() as f64
     );
+    app.proc.stop();
+}
+
+/// An HTTP proxy over a real socket that tunnels `CONNECT` requests and counts them.
+fn connect_proxy(rt: &tokio::runtime::Runtime) -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let tunnels = Arc::new(AtomicUsize::new(0));
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let counted = tunnels.clone();
+    rt.spawn(async move {
+        loop {
+            let Ok((mut client, _)) = listener.accept().await else {
+                return;
+            };
+            let counted = counted.clone();
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") {
+                    if client.read_exact(&mut byte).await.is_err() {
+                        return;
+                    }
+                    head.push(byte[0]);
+                }
+                let head = String::from_utf8_lossy(&head).to_string();
+                let Some(target) = head
+                    .lines()
+                    .next()
+                    .and_then(|l| l.strip_prefix("CONNECT "))
+                    .and_then(|l| l.split(' ').next())
+                else {
+                    let _ = client.write_all(b"HTTP/1.1 405 Only CONNECT\r\n\r\n").await;
+                    return;
+                };
+                let Ok(mut upstream) = tokio::net::TcpStream::connect(target).await else {
+                    let _ = client.write_all(b"HTTP/1.1 502 Bad Gateway\r\n\r\n").await;
+                    return;
+                };
+                counted.fetch_add(1, Ordering::SeqCst);
+                if client
+                    .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                    .await
+                    .is_ok()
+                {
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+                }
+            });
+        }
+    });
+    (addr, tunnels)
+}
+
+#[test]
+fn a_provider_behind_a_proxy_with_its_own_key_header_headers_query_and_token_field() {
+    // An Azure-like deployment: the key in `api-key`, an organisation header,
+    // `api-version` in the query, a model refusing `max_tokens`; reached only
+    // through the proxy the environment names.
+    let sim = SimConfig::from_json_value(serde_json::json!({
+        "api_keys": ["azure-key"],
+        "api_key_header": "api-key",
+        "required_headers": { "OpenAI-Organization": "org-7" },
+        "required_query": { "api-version": "2024-10-21" },
+        "model_overrides": { "small": { "reject_max_tokens": true } },
+    }))
+    .unwrap();
+    let p = Pipeline::new(sim, "");
+    let text = std::fs::read_to_string(&p.config)
+        .unwrap()
+        .replacen(
+            "name = \"sim\"\n",
+            "name = \"sim\"\napi_key_env = \"SIM_AZURE_KEY\"\napi_key_header = \"api-key\"\n\
+             headers = { \"OpenAI-Organization\" = \"org-7\" }\n\
+             query = { \"api-version\" = \"2024-10-21\" }\n",
+            1,
+        )
+        .replacen(
+            "name = \"small\"\nprovider = \"sim\"\n",
+            "name = \"small\"\nprovider = \"sim\"\nmax_tokens_field = \"max_completion_tokens\"\n",
+            1,
+        );
+    std::fs::write(&p.config, text).unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (proxy, tunnels) = connect_proxy(&rt);
+    let proxy_url = format!("http://{proxy}");
+    let mut app = p.start_env(
+        "azure",
+        &[
+            ("SIM_AZURE_KEY", "azure-key"),
+            ("HTTP_PROXY", &proxy_url),
+            ("NO_PROXY", ""),
+        ],
+    );
+    let tasks: Vec<Task> = (0..20)
+        .map(|i| Task::new(i, "classify", "acme", "normal"))
+        .collect();
+    p.produce(&tasks);
+    let results = p.results(tasks.len(), Duration::from_secs(60));
+    assert_each_answered_once(&tasks, &results);
+    assert!(
+        results.iter().all(|(r, _)| r.success),
+        "{:?}",
+        results
+            .iter()
+            .map(|(r, _)| (r.error_code.clone(), r.error_message.clone()))
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        tunnels.load(Ordering::SeqCst) > 0,
+        "calls went through the proxy"
+    );
+    assert!(p.dead_letters("classify").is_empty());
     app.proc.stop();
 }

@@ -1,6 +1,7 @@
 //! Configuration of providers and models (the `[[llm.providers]]` / `[[llm.models]]` tables).
 //! Each field's doc comment is user documentation.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -27,8 +28,25 @@ pub struct ProviderConfig {
     /// Name referred to by models; appears in logs.
     pub name: String,
     /// Base URL, with or without the trailing `/v1` (e.g. `https://api.openai.com/v1`,
-    /// `http://127.0.0.1:8000`).
+    /// `http://127.0.0.1:8000`); a URL ending in `/chat/completions` is used as it is (e.g.
+    /// an Azure OpenAI deployment's).
     pub base_url: String,
+    /// The header the API key is sent in, as it is (e.g. Azure's `api-key`); default
+    /// `Authorization: Bearer <key>`.
+    #[serde(default)]
+    pub api_key_header: Option<String>,
+    /// Extra headers sent with every request (e.g. `OpenAI-Organization`, `OpenAI-Project`).
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    /// Query parameters added to the URL (e.g. Azure's `api-version`).
+    #[serde(default)]
+    pub query: BTreeMap<String, String>,
+    /// HTTP proxy the requests go through (`http://host:port`, optionally with
+    /// `user:password@`), tunnelled with `CONNECT`. Unset: the `HTTPS_PROXY` / `HTTP_PROXY` /
+    /// `ALL_PROXY` environment variables (and `NO_PROXY`) decide, as curl does. `"none"`:
+    /// never a proxy.
+    #[serde(default)]
+    pub proxy: Option<String>,
     /// Environment variable holding the API key.
     #[serde(default)]
     pub api_key_env: Option<String>,
@@ -50,6 +68,10 @@ impl ProviderConfig {
         Self {
             name: name.into(),
             base_url: base_url.into(),
+            api_key_header: None,
+            headers: BTreeMap::new(),
+            query: BTreeMap::new(),
+            proxy: None,
             api_key_env: None,
             api_key_file: None,
             connect_timeout_ms: default_connect_timeout_ms(),
@@ -98,6 +120,17 @@ fn default_timeout_ms() -> u64 {
     60_000
 }
 
+/// How a model takes its completion token cap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MaxTokensField {
+    /// `max_tokens`.
+    #[default]
+    MaxTokens,
+    /// `max_completion_tokens`.
+    MaxCompletionTokens,
+}
+
 /// A model as Sluice routes to it: its provider, upstream id, timeout and traffic controls.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -109,6 +142,11 @@ pub struct ModelConfig {
     /// Model id sent upstream; defaults to `name`.
     #[serde(default)]
     pub upstream_model: Option<String>,
+    /// The request field of the completion token cap: `max_tokens`, or
+    /// `max_completion_tokens` for models that reject `max_tokens` (OpenAI's reasoning
+    /// models).
+    #[serde(default)]
+    pub max_tokens_field: MaxTokensField,
     /// Per-call timeout in milliseconds (one attempt, not the retries).
     #[serde(default = "default_timeout_ms")]
     pub timeout_ms: u64,
@@ -127,6 +165,7 @@ impl ModelConfig {
             name: name.into(),
             provider: provider.into(),
             upstream_model: None,
+            max_tokens_field: MaxTokensField::default(),
             timeout_ms: default_timeout_ms(),
             limiter: LimiterConfig::default(),
             breaker: BreakerConfig::default(),

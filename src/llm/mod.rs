@@ -34,7 +34,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 pub use breaker::{BreakerConfig, BreakerState, CircuitBreaker};
-pub use config::{LlmConfig, ModelConfig, ProviderConfig};
+pub use config::{LlmConfig, MaxTokensField, ModelConfig, ProviderConfig};
 pub use error::{ErrorClass, LlmError, PermanentKind};
 pub use limiter::{AimdLimiter, LimiterConfig, Outcome, Permit};
 pub use metrics::LlmMetrics;
@@ -54,6 +54,8 @@ pub struct ModelEndpoint {
     pub name: String,
     /// Model id sent upstream.
     pub upstream_model: String,
+    /// Whether the token cap goes in `max_completion_tokens`.
+    pub max_completion_tokens: bool,
     /// Timeout of one attempt.
     pub timeout: Duration,
     /// The provider hop.
@@ -80,6 +82,7 @@ impl ModelEndpoint {
         Self {
             name: config.name.clone(),
             upstream_model: config.upstream().to_string(),
+            max_completion_tokens: config.max_tokens_field == MaxTokensField::MaxCompletionTokens,
             timeout: config.timeout(),
             transport,
             limiter: AimdLimiter::new(config.limiter.clone()),
@@ -205,6 +208,10 @@ impl LlmClient {
             });
         };
         request.model = ep.upstream_model.clone();
+        if ep.max_completion_tokens {
+            request.max_completion_tokens =
+                request.max_tokens.take().or(request.max_completion_tokens);
+        }
         let est_tokens = request.estimated_tokens();
         let started = Instant::now();
         let mut attempts = 0u32;

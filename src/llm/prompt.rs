@@ -237,6 +237,7 @@ impl PromptBuilder {
             model: String::new(),
             messages: self.build_messages(task)?,
             max_tokens: template.max_tokens,
+            max_completion_tokens: None,
             temperature: template.temperature,
             response_format: (task.task_type == task_types::EXTRACT)
                 .then_some(ResponseFormat::JsonObject),

@@ -87,6 +87,7 @@ fn request() -> ChatRequest {
         model: "ignored".into(),
         messages: vec![Message::user("hi")],
         max_tokens: Some(16),
+        max_completion_tokens: None,
         temperature: None,
         response_format: None,
     }

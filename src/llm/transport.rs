@@ -23,11 +23,50 @@ pub trait ChatTransport: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<ChatResponse, LlmError>>;
 }
 
-/// The connection-pooling HTTP/1.1 client of a provider (TLS when the URL says `https`).
-type HyperClient = hyper_util::client::legacy::Client<
-    hyper_tls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
-    http_body_util::Full<bytes::Bytes>,
->;
+type Body = http_body_util::Full<bytes::Bytes>;
+type Connector = hyper_util::client::legacy::connect::HttpConnector;
+type Tunnel = hyper_util::client::legacy::connect::proxy::Tunnel<Connector>;
+
+/// The connection-pooling HTTP/1.1 client of a provider (TLS when the URL says `https`),
+/// directly or through a proxy's `CONNECT` tunnel.
+#[derive(Debug, Clone)]
+enum HyperClient {
+    Direct(hyper_util::client::legacy::Client<hyper_tls::HttpsConnector<Connector>, Body>),
+    Proxied(hyper_util::client::legacy::Client<hyper_tls::HttpsConnector<Tunnel>, Body>),
+}
+
+impl HyperClient {
+    /// Sends `req`: the answer's status, rate-limit headers and body.
+    async fn exchange(
+        &self,
+        req: http::Request<Body>,
+    ) -> Result<(u16, RateLimitInfo, bytes::Bytes), LlmError> {
+        match self {
+            HyperClient::Direct(c) => exchange(c, req).await,
+            HyperClient::Proxied(c) => exchange(c, req).await,
+        }
+    }
+}
+
+async fn exchange<C>(
+    client: &hyper_util::client::legacy::Client<C, Body>,
+    req: http::Request<Body>,
+) -> Result<(u16, RateLimitInfo, bytes::Bytes), LlmError>
+where
+    C: hyper_util::client::legacy::connect::Connect + Clone + Send + Sync + 'static,
+{
+    use http_body_util::BodyExt as _;
+    let response = client.request(req).await.map_err(map_client_error)?;
+    let status = response.status().as_u16();
+    let rate_limit = RateLimitInfo::from_headers(response.headers());
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| LlmError::Transport(format!("reading the response: {e}")))?
+        .to_bytes();
+    Ok((status, rate_limit, body))
+}
 
 /// The HTTP client for one OpenAI-compatible provider.
 ///
@@ -41,8 +80,10 @@ pub struct HttpProvider {
     url: String,
     /// `url`, parsed once (not per request).
     uri: http::Uri,
-    /// `Authorization: Bearer …`, marked sensitive.
-    auth: Option<http::HeaderValue>,
+    /// `Authorization: Bearer …` (or the configured key header), marked sensitive.
+    auth: Option<(http::HeaderName, http::HeaderValue)>,
+    /// Extra headers of every request.
+    headers: http::HeaderMap,
     http: HyperClient,
 }
 
@@ -50,10 +91,27 @@ impl HttpProvider {
     /// Builds the client, reading the API key from the configured env var or file.
     pub fn new(config: &ProviderConfig) -> Result<Self, LlmError> {
         let api_key = config.resolve_api_key()?;
-        let url = completions_url(&config.base_url);
         let invalid = |e: &dyn std::fmt::Display| {
             LlmError::Config(format!("provider {}: invalid base_url: {e}", config.name))
         };
+        let url = with_query(&completions_url(&config.base_url), &config.query)
+            .map_err(|e| invalid(&e))?;
+        let bad = |key: &str, what: &str| {
+            LlmError::Config(format!("provider {}: {key}: {what}", config.name))
+        };
+        let key_header = match &config.api_key_header {
+            None => http::header::AUTHORIZATION,
+            Some(h) => http::HeaderName::try_from(h.as_str())
+                .map_err(|_| bad("api_key_header", "not a valid header name"))?,
+        };
+        let mut headers = http::HeaderMap::new();
+        for (k, v) in &config.headers {
+            let name = http::HeaderName::try_from(k.as_str())
+                .map_err(|_| bad(&format!("headers.{k}"), "not a valid header name"))?;
+            let value = http::HeaderValue::try_from(v.as_str())
+                .map_err(|_| bad(&format!("headers.{k}"), "not a valid header value"))?;
+            headers.insert(name, value);
+        }
         let uri: http::Uri = url.parse().map_err(|e| invalid(&e))?;
         match uri.scheme_str() {
             Some("http" | "https") if uri.host().is_some() => {}
@@ -61,15 +119,18 @@ impl HttpProvider {
         }
         let auth = api_key
             .map(|key| {
-                let mut v = http::HeaderValue::try_from(format!("Bearer {}", key.expose()))
-                    .map_err(|_| {
-                        LlmError::Config(format!(
-                            "provider {}: the API key is not a valid header value",
-                            config.name
-                        ))
-                    })?;
+                let value = match config.api_key_header {
+                    None => format!("Bearer {}", key.expose()),
+                    Some(_) => key.expose().to_string(),
+                };
+                let mut v = http::HeaderValue::try_from(value).map_err(|_| {
+                    LlmError::Config(format!(
+                        "provider {}: the API key is not a valid header value",
+                        config.name
+                    ))
+                })?;
                 v.set_sensitive(true);
-                Ok::<_, LlmError>(v)
+                Ok::<_, LlmError>((key_header.clone(), v))
             })
             .transpose()?;
         let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
@@ -78,16 +139,29 @@ impl HttpProvider {
         connector.set_connect_timeout(Some(Duration::from_millis(config.connect_timeout_ms)));
         let tls = hyper_tls::native_tls::TlsConnector::new()
             .map_err(|e| LlmError::Config(format!("http client: tls: {e}")))?;
-        let https = hyper_tls::HttpsConnector::from((connector, tls.into()));
-        let http =
-            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-                .pool_max_idle_per_host(config.max_idle_connections)
-                .build(https);
+        let mut builder =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new());
+        builder.pool_max_idle_per_host(config.max_idle_connections);
+        let http = match proxy_for(config, &uri)? {
+            None => HyperClient::Direct(
+                builder.build(hyper_tls::HttpsConnector::from((connector, tls.into()))),
+            ),
+            Some((proxy, auth)) => {
+                let mut tunnel = Tunnel::new(proxy, connector);
+                if let Some(auth) = auth {
+                    tunnel = tunnel.with_auth(auth);
+                }
+                HyperClient::Proxied(
+                    builder.build(hyper_tls::HttpsConnector::from((tunnel, tls.into()))),
+                )
+            }
+        };
         Ok(Self {
             name: config.name.clone(),
             url,
             uri,
             auth,
+            headers,
             http,
         })
     }
@@ -104,26 +178,20 @@ impl HttpProvider {
 
     /// Sends one chat completion request.
     pub async fn chat(&self, request: &ChatRequest) -> Result<ChatResponse, LlmError> {
-        use http_body_util::BodyExt as _;
         let body = serde_json::to_vec(request)
             .map_err(|e| LlmError::Transport(format!("request body: {e}")))?;
         let mut builder =
             http::Request::post(self.uri.clone()).header(http::header::CONTENT_TYPE, JSON);
-        if let Some(auth) = &self.auth {
-            builder = builder.header(http::header::AUTHORIZATION, auth.clone());
+        if let Some((name, value)) = &self.auth {
+            builder = builder.header(name, value.clone());
+        }
+        if let Some(h) = builder.headers_mut() {
+            h.extend(self.headers.iter().map(|(k, v)| (k.clone(), v.clone())));
         }
         let req = builder
             .body(http_body_util::Full::new(bytes::Bytes::from(body)))
             .map_err(|e| LlmError::Transport(e.to_string()))?;
-        let response = self.http.request(req).await.map_err(map_client_error)?;
-        let status = response.status().as_u16();
-        let rate_limit = RateLimitInfo::from_headers(response.headers());
-        let body = response
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| LlmError::Transport(format!("reading the response: {e}")))?
-            .to_bytes();
+        let (status, rate_limit, body) = self.http.exchange(req).await?;
         if (200..300).contains(&status) {
             parse_chat_body(&body, rate_limit)
         } else {
@@ -150,14 +218,58 @@ impl ChatTransport for HttpProvider {
     }
 }
 
-/// `base_url` may or may not already end in `/v1`.
+/// The proxy the provider's requests go through, with its credentials: the configured one
+/// (`"none"`: none), else the one the environment gives for `uri`.
+fn proxy_for(
+    config: &ProviderConfig,
+    uri: &http::Uri,
+) -> Result<Option<(http::Uri, Option<http::HeaderValue>)>, LlmError> {
+    use hyper_util::client::proxy::matcher::Matcher;
+    let matcher = match config.proxy.as_deref() {
+        Some("none") => return Ok(None),
+        Some(p) => {
+            let ok = p
+                .parse::<http::Uri>()
+                .is_ok_and(|u| matches!(u.scheme_str(), Some("http")) && u.host().is_some());
+            if !ok {
+                return Err(LlmError::Config(format!(
+                    "provider {}: proxy: expected http://host:port",
+                    config.name
+                )));
+            }
+            Matcher::builder().all(p.to_string()).build()
+        }
+        None => Matcher::from_env(),
+    };
+    Ok(matcher
+        .intercept(uri)
+        .map(|i| (i.uri().clone(), i.basic_auth().cloned())))
+}
+
+/// `base_url` may or may not already end in `/v1`; one ending in `/chat/completions` is
+/// the endpoint itself.
 fn completions_url(base_url: &str) -> String {
     let base = base_url.trim_end_matches('/');
-    if base.ends_with("/v1") {
+    if base.ends_with("/chat/completions") {
+        base.to_string()
+    } else if base.ends_with("/v1") {
         format!("{base}/chat/completions")
     } else {
         format!("{base}/v1/chat/completions")
     }
+}
+
+/// `url` with `query` appended (percent-encoded).
+fn with_query(
+    url: &str,
+    query: &std::collections::BTreeMap<String, String>,
+) -> Result<String, String> {
+    if query.is_empty() {
+        return Ok(url.to_string());
+    }
+    let mut u = reqwest::Url::parse(url).map_err(|e| e.to_string())?;
+    u.query_pairs_mut().extend_pairs(query.iter());
+    Ok(u.to_string())
 }
 
 fn map_client_error(e: hyper_util::client::legacy::Error) -> LlmError {

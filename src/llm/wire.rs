@@ -70,6 +70,10 @@ pub struct ChatRequest {
     /// Completion token cap.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<u32>,
+    /// Completion token cap, for models that reject `max_tokens` (the client moves it here
+    /// for a model configured so).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_completion_tokens: Option<u32>,
     /// Sampling temperature.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub temperature: Option<f32>,
@@ -84,7 +88,11 @@ impl ChatRequest {
     pub fn estimated_tokens(&self) -> u32 {
         let chars: usize = self.messages.iter().map(|m| m.content.len() + 16).sum();
         let prompt = u32::try_from(chars.div_ceil(4)).unwrap_or(u32::MAX);
-        prompt.saturating_add(self.max_tokens.unwrap_or(256))
+        prompt.saturating_add(
+            self.max_tokens
+                .or(self.max_completion_tokens)
+                .unwrap_or(256),
+        )
     }
 }
 

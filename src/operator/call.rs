@@ -108,6 +108,7 @@ impl LlmProcessor {
                 model: String::new(),
                 messages,
                 max_tokens,
+                max_completion_tokens: None,
                 temperature: items[0].request.temperature,
                 response_format: Some(ResponseFormat::JsonObject),
             },

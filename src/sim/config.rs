@@ -107,6 +107,18 @@ pub struct SimConfig {
     /// How many distinct system prompts are remembered for `cached_tokens` (oldest forgotten
     /// first).
     pub prompt_cache_entries: usize,
+
+    /// The header the API key comes in, as it is (Azure OpenAI's `api-key`), instead of
+    /// `Authorization: Bearer <key>`.
+    pub api_key_header: Option<String>,
+
+    /// Headers every request must carry with these values (e.g. `OpenAI-Organization`);
+    /// others are answered 401.
+    pub required_headers: BTreeMap<String, String>,
+
+    /// Query parameters every request must carry with these values (e.g. Azure's
+    /// `api-version`); others are answered 404 `Resource not found`, as Azure does.
+    pub required_query: BTreeMap<String, String>,
 }
 
 impl Default for SimConfig {
@@ -134,6 +146,9 @@ impl Default for SimConfig {
             batch_malformed_rate: 0.0,
             context_length: None,
             prompt_cache_entries: 10_000,
+            api_key_header: None,
+            required_headers: BTreeMap::new(),
+            required_query: BTreeMap::new(),
         }
     }
 }
@@ -166,6 +181,9 @@ pub struct ModelOverrides {
     /// Answer every request for this model with this status (an outage of
     /// one model; see [`SimConfig::status_override`]).
     pub status_override: Option<u16>,
+    /// Refuse requests that set `max_tokens` (400 `unsupported_parameter`), as OpenAI's
+    /// reasoning models do; they take `max_completion_tokens`.
+    pub reject_max_tokens: bool,
 }
 
 /// A latency distribution, written with a `kind` tag, e.g.

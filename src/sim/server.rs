@@ -354,7 +354,47 @@ fn add_retry_after(headers: &mut HeaderMap, wait: Duration) {
     set_header(headers, header::RETRY_AFTER_MS, ms.to_string());
 }
 
-/// Checks `Authorization: Bearer <key>` against the configured keys.
+/// Checks the required headers and query parameters.
+fn check_deployment(
+    config: &SimConfig,
+    headers: &HeaderMap,
+    query: Option<&str>,
+) -> Result<(), ApiError> {
+    for (name, value) in &config.required_headers {
+        let got = headers.get(name.as_str()).and_then(|v| v.to_str().ok());
+        if got != Some(value.as_str()) {
+            return Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                format!("Header {name} missing or not valid for this key (simulated)."),
+                error_type::INVALID_REQUEST,
+                Some("invalid_header"),
+                None,
+            ));
+        }
+    }
+    let pairs: Vec<(String, String)> = query
+        .map(|q| {
+            reqwest::Url::parse(&format!("http://q/?{q}"))
+                .map(|u| u.query_pairs().into_owned().collect())
+                .unwrap_or_default()
+        })
+        .unwrap_or_default();
+    for (name, value) in &config.required_query {
+        if !pairs.iter().any(|(k, v)| k == name && v == value) {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                "Resource not found (simulated).",
+                error_type::INVALID_REQUEST,
+                Some("404"),
+                None,
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks `Authorization: Bearer <key>` (or the configured key header) against the
+/// configured keys.
 fn check_api_key(headers: &HeaderMap, config: &SimConfig) -> Result<(), ApiError> {
     // Without configured keys the simulator behaves like vLLM or Ollama.
     if config.api_keys.is_empty() {
@@ -369,14 +409,20 @@ fn check_api_key(headers: &HeaderMap, config: &SimConfig) -> Result<(), ApiError
             None,
         )
     };
-    let key = headers
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| {
-            let (scheme, key) = v.trim().split_once(' ')?;
-            scheme.eq_ignore_ascii_case("bearer").then_some(key.trim())
-        })
-        .filter(|key| !key.is_empty());
+    let key = match &config.api_key_header {
+        Some(name) => headers
+            .get(name.as_str())
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim),
+        None => headers
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| {
+                let (scheme, key) = v.trim().split_once(' ')?;
+                scheme.eq_ignore_ascii_case("bearer").then_some(key.trim())
+            }),
+    }
+    .filter(|key| !key.is_empty());
     let Some(key) = key else {
         return Err(unauthorized(
             "You didn't provide an API key. You need to provide your API key in an \
@@ -416,6 +462,8 @@ struct Prompt {
     prompt_tokens: u64,
     system_tokens: u64,
     max_tokens: Option<u64>,
+    /// The request set `max_tokens` (not `max_completion_tokens`).
+    sets_max_tokens: bool,
 }
 
 fn message_text(content: Option<&Value>, index: usize) -> Result<String, ApiError> {
@@ -492,6 +540,7 @@ fn parse_request(body: &[u8]) -> Result<Prompt, ApiError> {
             ));
         }
     }
+    let sets_max_tokens = request.max_tokens.is_some();
     let max_tokens = request.max_completion_tokens.or(request.max_tokens);
     if max_tokens == Some(0) {
         return Err(invalid_request(
@@ -529,6 +578,7 @@ fn parse_request(body: &[u8]) -> Result<Prompt, ApiError> {
         prompt_tokens,
         system_tokens,
         max_tokens,
+        sets_max_tokens,
     })
 }
 
@@ -580,11 +630,15 @@ fn compose_answer(prompt: &Prompt, config: &SimConfig) -> Answer {
 
 async fn chat_completions(
     State(state): State<Arc<SimState>>,
+    axum::extract::RawQuery(query): axum::extract::RawQuery,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
     state.stats.lock().requests_total += 1;
-    let response = chat_pipeline(&state, &headers, &body).await;
+    let response = match check_deployment(&state.config(), &headers, query.as_deref()) {
+        Err(e) => e.into_response(),
+        Ok(()) => chat_pipeline(&state, &headers, &body).await,
+    };
     *state
         .stats
         .lock()
@@ -620,6 +674,21 @@ async fn chat_pipeline(state: &SimState, headers: &HeaderMap, body: &[u8]) -> Re
     {
         state.stats.lock().injected.status_override += 1;
         return overridden_response(status);
+    }
+    if prompt.sets_max_tokens
+        && config
+            .model_overrides
+            .get(&prompt.model)
+            .is_some_and(|o| o.reject_max_tokens)
+    {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "Unsupported parameter: 'max_tokens' is not supported with this model. \
+             Use 'max_completion_tokens' instead.",
+            error_type::INVALID_REQUEST,
+            Some("unsupported_parameter"),
+            Some("max_tokens"),
+        );
     }
     if let Some(models) = &config.models {
         if !models.contains(&prompt.model) {

@@ -146,6 +146,7 @@ fn request(model: &str) -> ChatRequest {
         model: model.into(),
         messages: vec![Message::system("Task: summarize"), Message::user("text")],
         max_tokens: Some(64),
+        max_completion_tokens: None,
         temperature: Some(0.0),
         response_format: Some(ResponseFormat::JsonObject),
     }
