@@ -13,7 +13,14 @@
 //!   time per task of the operator, the simulator (this process) and the
 //!   broker, between the first and the last result.
 //!
+//! - queueing provider: the simulator in queueing mode (4 slots, 200 ms per
+//!   call, no 429s), 1,000 tasks through `sluice run` with a 5 s call timeout
+//!   and the default limiter: `util_queue` is the calls/s achieved over the
+//!   slots' capacity (4 / 0.2 s), `timeouts_queue` the calls that hit the
+//!   timeout (the simulator counts each request its client gave up).
+//!
 //! Diagnostics (environment): `SLUICE_BENCH_SKIP_QUOTA` (overhead rounds only),
+//! `SLUICE_BENCH_SKIP_QUEUE` (no queueing round),
 //! `SLUICE_BENCH_TASKS` (tasks per round), `SLUICE_BENCH_LOG` (the operator's
 //! log filter), `SLUICE_BENCH_HIST` (results per 50 ms), `SLUICE_BENCH_PERF`
 //! (`perf record` of the operator into that file; `SLUICE_BENCH_PERF_FLAT`
@@ -420,6 +427,145 @@ fn wait_committed(bootstrap: &str, group: &str, topic: &str, partitions: i32, n:
     }
 }
 
+/// Slots and latency of the queueing round.
+const QUEUE_SLOTS: u32 = 4;
+const QUEUE_LATENCY_MS: u64 = 200;
+const QUEUE_TASKS: usize = 1_000;
+
+/// The queueing round: `(util_queue, timeouts_queue)`.
+fn queue_round(bin: &str, bootstrap: &str, rt: &tokio::runtime::Runtime) -> (f64, u64) {
+    let sim = rt
+        .block_on(sluice::sim::start(
+            SimConfig {
+                slots: Some(QUEUE_SLOTS),
+                latency: sluice::sim::Latency::Fixed {
+                    ms: QUEUE_LATENCY_MS,
+                },
+                ..SimConfig::default()
+            },
+            "127.0.0.1:0".parse().unwrap(),
+        ))
+        .unwrap();
+    let prefix = format!(
+        "bench-queue-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("sluice.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+[app]
+id = "{prefix}-app"
+state_dir = "{state}"
+
+[kafka]
+bootstrap_servers = "{bootstrap}"
+session_timeout_ms = 6000
+
+[topics]
+task_types = ["classify"]
+tasks_prefix = "{prefix}.tasks."
+results_completed = "{prefix}.results.completed"
+results_failed = "{prefix}.results.failed"
+partitions = 2
+
+[[llm.providers]]
+name = "sim"
+base_url = "{url}"
+
+# The default limiter: its adaptive concurrency limit is what is measured.
+[[llm.models]]
+name = "m"
+provider = "sim"
+timeout_ms = 5000
+
+[prices.m]
+input = 150000
+output = 600000
+
+[batching]
+enabled = false
+
+[http]
+listen = "127.0.0.1:0"
+"#,
+            state = dir.path().join("state").display(),
+            url = sim.base_url(),
+        ),
+    )
+    .unwrap();
+    let created = std::process::Command::new(bin)
+        .args([
+            "topics",
+            "create",
+            "--config",
+            &config.display().to_string(),
+        ])
+        .output()
+        .unwrap();
+    assert!(created.status.success());
+    let topic = format!("{prefix}.tasks.classify");
+    let tasks = (0..QUEUE_TASKS).map(|i| OutRecord {
+        key: Some(format!("tenant-{}", i % 8).into_bytes()),
+        value: Some(
+            serde_json::to_vec(&serde_json::json!({
+                "taskId": format!("q{i}"), "taskType": "classify", "tenantId": format!("tenant-{}", i % 8),
+                "submittedAt": chrono::Utc::now().to_rfc3339(),
+                "payload": { "content": format!("item {i}: the quick brown fox"), "labels": ["a", "b", "c"] },
+            }))
+            .unwrap(),
+        ),
+        ..Default::default()
+    });
+    produce(bootstrap, &topic, tasks).unwrap();
+    let mut child = std::process::Command::new(bin)
+        .args(["run", "--config", &config.display().to_string()])
+        .env(
+            "SLUICE_LOG",
+            std::env::var("SLUICE_BENCH_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_committed(bootstrap, &format!("{prefix}-app"), &topic, 2, QUEUE_TASKS);
+    let completed = format!("{prefix}.results.completed");
+    let msgs = read_topics(
+        bootstrap,
+        &[&completed],
+        true,
+        Duration::from_secs(600),
+        |m| m.len() >= QUEUE_TASKS,
+    )
+    .unwrap();
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let _ = child.wait();
+    let stats = sim.stats();
+    let times: Vec<i64> = msgs
+        .iter()
+        .filter_map(|m| serde_json::from_slice::<TaskResult>(m.payload()?).ok())
+        .map(|r| r.completed_at.timestamp_millis())
+        .collect();
+    let (lo, hi) = (times.iter().min().unwrap(), times.iter().max().unwrap());
+    // The first answer comes one latency after the first call.
+    let secs = (hi - lo) as f64 / 1000.0 + QUEUE_LATENCY_MS as f64 / 1000.0;
+    let capacity = f64::from(QUEUE_SLOTS) * 1000.0 / QUEUE_LATENCY_MS as f64;
+    let util = stats.served_ok as f64 / secs / capacity;
+    eprintln!(
+        "queue: {} results, {} calls answered in {secs:.1}s ({:.1} calls/s of {capacity:.0}), {} queued at the simulator, {} given up (timeouts)",
+        times.len(),
+        stats.served_ok,
+        stats.served_ok as f64 / secs,
+        stats.queued,
+        stats.abandoned,
+    );
+    rt.block_on(sim.shutdown());
+    (util, stats.abandoned)
+}
+
 const ROUNDS: usize = 3;
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -557,6 +703,11 @@ fn main() {
     } else {
         skipped()
     };
+    let (util_queue, timeouts_queue) = if std::env::var("SLUICE_BENCH_SKIP_QUEUE").is_err() {
+        queue_round(env!("CARGO_BIN_EXE_sluice"), &bootstrap, &rt)
+    } else {
+        (f64::NAN, 0)
+    };
     let sim = rt
         .block_on(sluice::sim::start(
             SimConfig::default(),
@@ -596,12 +747,14 @@ fn main() {
         op / hyper
     );
     println!(
-        "RESULT util_hdr={:.3} rate_429_hdr={:.4} util_nohdr={:.3} rate_429_nohdr={:.4} reconverge_s={:.0} overhead_ratio={:.2}",
+        "RESULT util_hdr={:.3} rate_429_hdr={:.4} util_nohdr={:.3} rate_429_nohdr={:.4} reconverge_s={:.0} overhead_ratio={:.2} util_queue={:.3} timeouts_queue={}",
         hdr.util,
         hdr.rate_429,
         nohdr.util,
         nohdr.rate_429,
         hdr.reconverge_s.max(nohdr.reconverge_s),
-        op / plain
+        op / plain,
+        util_queue,
+        timeouts_queue
     );
 }

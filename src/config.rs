@@ -593,6 +593,12 @@ impl Config {
                     format!("unknown provider {}", m.provider),
                 ));
             }
+            m.limiter.concurrency.validate().map_err(|(key, message)| {
+                ConfigError::new(
+                    format!("llm.models[{i}].limiter.concurrency.{key}"),
+                    message,
+                )
+            })?;
         }
         let known = |m: &str| self.knows_model(m);
         if let Some(m) = &self.routing.default_model {
@@ -949,6 +955,40 @@ input = 150000
         assert_eq!(c.topics.dlq_topic("summarize"), "ai.tasks.summarize.dlq");
         assert_eq!(c.router().default_model, "small");
         assert_eq!(c.streams().commit_interval(), Duration::from_millis(100));
+    }
+
+    #[test]
+    fn adaptive_concurrency_is_on_by_default_and_bad_bounds_name_the_key() {
+        let c = load(MINIMAL, &[]).unwrap();
+        let conc = &c.llm.models[0].limiter.concurrency;
+        assert!(conc.enabled);
+        assert_eq!((conc.min_limit, conc.initial_limit), (1, 4));
+        let with = |table: &str| {
+            MINIMAL.replace(
+                "provider = \"sim\"",
+                &format!("provider = \"sim\"\nlimiter = {{ concurrency = {{ {table} }} }}"),
+            )
+        };
+        let c = load(&with("enabled = false"), &[]).unwrap();
+        assert!(!c.llm.models[0].limiter.concurrency.enabled);
+        for (table, key) in [
+            ("min_limit = 0", "min_limit"),
+            (
+                "max_limit = 2, initial_limit = 2, min_limit = 3",
+                "max_limit",
+            ),
+            ("initial_limit = 5000", "initial_limit"),
+            ("max_queue = 0.5", "max_queue"),
+        ] {
+            let err = load(&with(table), &[]).unwrap_err();
+            assert_eq!(
+                err.key,
+                format!("llm.models[0].limiter.concurrency.{key}"),
+                "{table}: {err}"
+            );
+        }
+        let err = load(&with("max_inflight = 3"), &[]).unwrap_err();
+        assert!(err.to_string().contains("max_inflight"), "{err}");
     }
 
     #[test]

@@ -1387,3 +1387,46 @@ fn a_provider_behind_a_proxy_with_its_own_key_header_headers_query_and_token_fie
     assert!(p.dead_letters("classify").is_empty());
     app.proc.stop();
 }
+
+#[test]
+fn a_one_slot_server_that_queues_answers_every_task_without_timeouts() {
+    // A self-hosted server with one slot (llama.cpp's default): 100–200 ms per call, the
+    // rest waits in its queue, never a 429. Sent at once, 60 calls would take 9 s and the
+    // last ones would pass the 4 s timeout; the adaptive concurrency limit keeps the queue
+    // short instead.
+    let sim = SimConfig::from_json_value(serde_json::json!({
+        "slots": 1,
+        "latency": { "kind": "uniform", "min_ms": 100, "max_ms": 200 },
+    }))
+    .unwrap();
+    let p = Pipeline::new(sim, UNBATCHED);
+    let text = std::fs::read_to_string(&p.config).unwrap().replacen(
+        "timeout_ms = 30000",
+        "timeout_ms = 4000",
+        1,
+    );
+    std::fs::write(&p.config, text).unwrap();
+    let mut app = p.start("one-slot");
+    let tasks: Vec<Task> = (0..60)
+        .map(|i| Task::new(i, "classify", "acme", "normal"))
+        .collect();
+    p.produce(&tasks);
+    let results = p.results(tasks.len(), Duration::from_secs(120));
+    assert_each_answered_once(&tasks, &results);
+    assert!(results.iter().all(|(r, _)| r.success && r.model == "small"));
+    let metric = |status: &str| {
+        p.metric(
+            &app,
+            &format!("sluice_llm_requests_total{{model=\"small\",status=\"{status}\"}}"),
+        )
+    };
+    assert_eq!(metric("timeout"), 0.0, "no call timed out");
+    assert_eq!(metric("circuit_open"), 0.0, "the breaker never opened");
+    assert_eq!(metric("ok"), 60.0);
+    let stats = p.sim.stats();
+    assert_eq!(stats.abandoned, 0, "no call was given up: {stats:?}");
+    assert_eq!(stats.status(200), 60, "one call per task: {stats:?}");
+    let limit = p.metric(&app, "sluice_llm_concurrency_limit{model=\"small\"}");
+    assert!(limit >= 1.0, "the limit is exported: {limit}");
+    app.proc.stop();
+}

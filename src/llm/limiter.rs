@@ -32,6 +32,11 @@
 //!   bounds allow there and then and hands each its grant, so a freed slot is refilled
 //!   without waiting for a chain of wake-ups, one scheduling hop per admission.
 //!
+//! * **Concurrency.** Calls in flight are bounded by the static `max_concurrency`, if set,
+//!   and by an adaptive limit learned from latency ([`super::concurrency`]) for providers
+//!   that queue instead of answering 429; a 429 or rate-limit headers leave the pacers
+//!   alone in charge.
+//!
 //! Time is `tokio::time::Instant`, so tests drive it with paused time.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -43,6 +48,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use super::concurrency::{ConcurrencyConfig, ConcurrencyControl, Sample};
 use super::ratelimit::RateLimitInfo;
 use crate::envelope::Priority;
 
@@ -103,6 +109,10 @@ pub struct LimiterConfig {
     /// Cap on calls in flight; unset means no cap.
     #[serde(default)]
     pub max_concurrency: Option<usize>,
+    /// Adaptive limit on calls in flight, learned from latency, for providers that queue
+    /// instead of answering 429 (llama.cpp, vLLM, Ollama).
+    #[serde(default)]
+    pub concurrency: ConcurrencyConfig,
     /// Fair-queueing weights of `high`, `normal`, `batch`.
     #[serde(default = "default_weights")]
     pub weights: [u32; 3],
@@ -144,6 +154,7 @@ impl Default for LimiterConfig {
             initial_tpm: None,
             min_tpm: default_min_tpm(),
             max_concurrency: None,
+            concurrency: ConcurrencyConfig::default(),
             weights: default_weights(),
             decrease_factor: default_decrease(),
             informed_decrease_factor: default_informed_decrease(),
@@ -164,6 +175,9 @@ pub enum Outcome {
         rate_limit: RateLimitInfo,
         /// Tokens actually used (prompt + completion).
         tokens_used: u32,
+        /// Completion tokens of the answer (0 for a rejection): the size its latency is
+        /// compared by.
+        output_tokens: u32,
     },
     /// HTTP 429.
     RateLimited {
@@ -172,7 +186,10 @@ pub enum Outcome {
         /// Headers of the answer.
         rate_limit: RateLimitInfo,
     },
-    /// Failed without telling anything about the rate (timeout, 5xx, connection error).
+    /// No answer within the call's timeout: nothing about the rate, but congestion for the
+    /// concurrency limit.
+    TimedOut,
+    /// Failed without telling anything about the rate (5xx, connection error).
     Failure,
 }
 
@@ -529,6 +546,8 @@ struct State {
     refused: VecDeque<(u64, f64)>,
     /// Grants made on a waiter's behalf (by whoever freed capacity), not yet picked up.
     handed: HashMap<u64, Grant>,
+    /// The adaptive concurrency limit, when enabled.
+    concurrency: Option<ConcurrencyControl>,
 }
 
 /// What a waiter should do.
@@ -554,6 +573,8 @@ struct Grant {
     req_rate: f64,
     tok_rate: f64,
     cum_tokens: f64,
+    /// Calls in flight when this one was admitted (itself excluded).
+    in_flight_before: usize,
 }
 
 #[derive(Debug)]
@@ -654,6 +675,10 @@ impl AimdLimiter {
             resolved: VecDeque::new(),
             refused: VecDeque::new(),
             handed: HashMap::new(),
+            concurrency: config
+                .concurrency
+                .enabled
+                .then(|| ConcurrencyControl::new(config.concurrency.clone(), now)),
         };
         Self {
             shared: Arc::new(Shared {
@@ -744,6 +769,22 @@ impl AimdLimiter {
     /// Calls admitted and not yet recorded.
     pub fn in_flight(&self) -> usize {
         self.shared.state.lock().in_flight
+    }
+
+    /// The bound on calls in flight: the adaptive limit (while a 429 or rate-limit headers
+    /// suspend it, the figure it follows the calls in flight with), capped by
+    /// `max_concurrency`; `None` when neither applies.
+    pub fn concurrency_limit(&self) -> Option<usize> {
+        let st = self.shared.state.lock();
+        let adaptive = st.concurrency.as_ref().map(ConcurrencyControl::limit);
+        min_bound(self.shared.config.max_concurrency, adaptive)
+    }
+}
+
+fn min_bound(a: Option<usize>, b: Option<usize>) -> Option<usize> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
     }
 }
 
@@ -859,7 +900,13 @@ impl State {
     ) -> Option<Instant> {
         loop {
             let i = self.head_class(&config.weights)?;
-            if config.max_concurrency.is_some_and(|m| self.in_flight >= m) {
+            let adaptive = self.concurrency.as_mut().and_then(|c| c.bound(now));
+            if min_bound(config.max_concurrency, adaptive).is_some_and(|m| self.in_flight >= m) {
+                if adaptive.is_some_and(|m| self.in_flight >= m) {
+                    if let Some(c) = self.concurrency.as_mut() {
+                        c.held_back();
+                    }
+                }
                 return None;
             }
             let cost = self.queues[i].front().map_or(0, |w| w.cost);
@@ -903,7 +950,14 @@ impl State {
                 req_rate: self.req.rate,
                 tok_rate: self.tok.rate,
                 cum_tokens: self.cum_tokens,
+                in_flight_before: self.in_flight - 1,
             };
+            // The limit is fully used: it may grow.
+            if adaptive.is_some_and(|m| self.in_flight >= m) {
+                if let Some(c) = self.concurrency.as_mut() {
+                    c.held_back();
+                }
+            }
             self.handed.insert(waiter.id, grant);
             wake.push(waiter.notify);
         }
@@ -1042,12 +1096,14 @@ impl State {
                 self.latency = Some(self.latency.map_or(sample, |l| 0.9 * l + 0.1 * sample));
             }
             Outcome::RateLimited { .. } => self.resolved.push_back((g.issued, 0, false)),
-            Outcome::Failure => {}
+            Outcome::TimedOut | Outcome::Failure => {}
         }
+        self.steer_concurrency(permit, outcome, now);
         match outcome {
             Outcome::Success {
                 rate_limit,
                 tokens_used,
+                ..
             } => {
                 self.accepted.push_back((now, tokens_used));
                 // Settle the token pacer to the real usage.
@@ -1086,11 +1142,41 @@ impl State {
                 let kind = self.attribute(&rate_limit, permit.est_tokens);
                 self.signal(config, kind, Signal::Loss, g, now, window);
             }
-            Outcome::Failure => {}
+            Outcome::TimedOut | Outcome::Failure => {}
         }
         let mut wake = Wake::new();
         self.dispatch(config, now, &mut wake);
         wake
+    }
+
+    /// Feeds an outcome to the adaptive concurrency limit.
+    fn steer_concurrency(&mut self, permit: &Permit, outcome: Outcome, now: Instant) {
+        let seq_now = self.seq;
+        let Some(c) = self.concurrency.as_mut() else {
+            return;
+        };
+        let g = permit.grant;
+        match outcome {
+            Outcome::Success {
+                rate_limit,
+                output_tokens,
+                ..
+            } => {
+                if rate_limit != RateLimitInfo::default() {
+                    c.on_rate_signal(now);
+                }
+                let sample = Sample {
+                    seq: g.seq,
+                    in_flight_before: g.in_flight_before,
+                    latency: now.saturating_duration_since(g.issued).as_secs_f64(),
+                    output_tokens,
+                };
+                c.on_sample(sample, seq_now, now);
+            }
+            Outcome::RateLimited { .. } => c.on_rate_signal(now),
+            Outcome::TimedOut => c.on_timeout(g.seq, seq_now),
+            Outcome::Failure => {}
+        }
     }
 
     /// Stops admissions for `length` from `now`.

@@ -19,6 +19,8 @@ pub mod names {
     pub const LLM_LATENCY_SECONDS: &str = "sluice_llm_latency_seconds";
     /// Current limiter rate by model and kind (`rps`, `tpm`).
     pub const LIMITER_RATE: &str = "sluice_limiter_rate";
+    /// Current bound on calls in flight by model (adaptive limit, capped by `max_concurrency`).
+    pub const CONCURRENCY_LIMIT: &str = "sluice_llm_concurrency_limit";
     /// Breaker state by model: 0 closed, 1 half-open, 2 open.
     pub const BREAKER_STATE: &str = "sluice_breaker_state";
     /// In-operator retries by model.
@@ -57,6 +59,7 @@ pub struct LlmMetrics {
     requests: IntCounterVec,
     latency: HistogramVec,
     limiter_rate: GaugeVec,
+    concurrency_limit: IntGaugeVec,
     breaker_state: IntGaugeVec,
     retries: IntCounterVec,
     priority_served: IntCounterVec,
@@ -69,6 +72,7 @@ impl LlmMetrics {
         registry.register(Box::new(m.requests.clone()))?;
         registry.register(Box::new(m.latency.clone()))?;
         registry.register(Box::new(m.limiter_rate.clone()))?;
+        registry.register(Box::new(m.concurrency_limit.clone()))?;
         registry.register(Box::new(m.breaker_state.clone()))?;
         registry.register(Box::new(m.retries.clone()))?;
         registry.register(Box::new(m.priority_served.clone()))?;
@@ -97,6 +101,13 @@ impl LlmMetrics {
             limiter_rate: GaugeVec::new(
                 Opts::new(names::LIMITER_RATE, "Adaptive limiter rate (rps or tpm)."),
                 &[MODEL, KIND],
+            )?,
+            concurrency_limit: IntGaugeVec::new(
+                Opts::new(
+                    names::CONCURRENCY_LIMIT,
+                    "Bound on provider calls in flight (adaptive limit, capped by max_concurrency).",
+                ),
+                &[MODEL],
             )?,
             breaker_state: IntGaugeVec::new(
                 Opts::new(
@@ -132,6 +143,8 @@ impl LlmMetrics {
             limiter_rate: self.limiter_rate.clone(),
             model: model.to_string(),
             tpm: Default::default(),
+            concurrency_limit: self.concurrency_limit.clone(),
+            concurrency: Default::default(),
             breaker: self.breaker_state.with_label_values(&[model]),
             served: Priority::ALL.map(|p| self.priority_served.with_label_values(&[p.as_str()])),
         }
@@ -165,6 +178,9 @@ pub struct ModelMetrics {
     limiter_rate: GaugeVec,
     model: String,
     tpm: std::sync::OnceLock<Gauge>,
+    /// Made on the first publish with a bound (a model may have none).
+    concurrency_limit: IntGaugeVec,
+    concurrency: std::sync::OnceLock<IntGauge>,
     breaker: IntGauge,
     served: [IntCounter; 3],
 }
@@ -181,7 +197,7 @@ impl ModelMetrics {
         self.served[priority.index()].inc();
     }
 
-    /// The limiter's current rates and the breaker's state.
+    /// The limiter's current rates and concurrency bound, and the breaker's state.
     pub fn publish_state(&self, limiter: &AimdLimiter, breaker: BreakerState) {
         self.rps.set(limiter.current_rps());
         if let Some(tpm) = limiter.current_tpm() {
@@ -191,6 +207,11 @@ impl ModelMetrics {
                         .with_label_values(&[&self.model, KIND_TPM])
                 })
                 .set(tpm);
+        }
+        if let Some(limit) = limiter.concurrency_limit() {
+            self.concurrency
+                .get_or_init(|| self.concurrency_limit.with_label_values(&[&self.model]))
+                .set(i64::try_from(limit).unwrap_or(i64::MAX));
         }
         self.breaker.set(breaker.as_gauge());
     }

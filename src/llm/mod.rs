@@ -3,7 +3,7 @@
 //! Each model gets a stack of small layers, each testable alone:
 //!
 //! ```text
-//! call ─► breaker check ─► limiter (AIMD, priority queue) ─► breaker permit
+//! call ─► breaker check ─► limiter (AIMD, concurrency, priority queue) ─► breaker permit
 //!          ▲                                                    │
 //!          └──────────── retry (backoff, bounded) ◄── timeout ◄─ HTTP (ChatTransport)
 //! ```
@@ -16,6 +16,7 @@
 
 pub mod apportion;
 pub mod breaker;
+pub mod concurrency;
 pub mod config;
 pub mod error;
 pub mod limiter;
@@ -34,6 +35,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 pub use breaker::{BreakerConfig, BreakerState, CircuitBreaker};
+pub use concurrency::ConcurrencyConfig;
 pub use config::{LlmConfig, MaxTokensField, ModelConfig, ProviderConfig};
 pub use error::{ErrorClass, LlmError, PermanentKind};
 pub use limiter::{AimdLimiter, LimiterConfig, Outcome, Permit};
@@ -278,6 +280,8 @@ impl LlmClient {
                 permit.record(Outcome::Success {
                     rate_limit: response.rate_limit,
                     tokens_used: tokens,
+                    output_tokens: u32::try_from(response.usage.completion_tokens)
+                        .unwrap_or(u32::MAX),
                 });
                 probe.success();
                 mm.observe_ok(seconds);
@@ -297,7 +301,10 @@ impl LlmClient {
                     ErrorClass::Permanent(_) => permit.record(Outcome::Success {
                         rate_limit,
                         tokens_used: 0,
+                        output_tokens: 0,
                     }),
+                    // No answer in time: the provider may be queueing.
+                    _ if matches!(error, LlmError::Timeout(_)) => permit.record(Outcome::TimedOut),
                     _ => permit.record(Outcome::Failure),
                 }
                 probe.record(Some(&class));

@@ -62,6 +62,14 @@ pub struct SimConfig {
     /// Time the model "thinks" before answering (also before injected 5xx answers).
     pub latency: Latency,
 
+    /// Queueing mode, like a self-hosted server (llama.cpp, vLLM, Ollama) with this many
+    /// slots: each admitted request holds a slot while it is held (`hang_*`) and for its
+    /// latency; requests beyond the slots wait for one in arrival order, so the latency a
+    /// client sees grows with the queue. Such servers queue instead of answering 429 (set
+    /// no `rps`/`rpm`/`tpm` to simulate one). Per model unless `limit_scope` is `global`.
+    /// `None` serves every request at once.
+    pub slots: Option<u32>,
+
     /// Per-model overrides of latency and limits, keyed by model name. Only used for limits
     /// when `limit_scope` is `per_model`.
     pub model_overrides: BTreeMap<String, ModelOverrides>,
@@ -134,6 +142,7 @@ impl Default for SimConfig {
             tpm: None,
             rate_limit_headers: true,
             latency: Latency::default(),
+            slots: None,
             model_overrides: BTreeMap::new(),
             error_rate: 0.0,
             status_override: None,
@@ -334,6 +343,9 @@ impl SimConfig {
                     "burst_429: need every_s > 0 and 0 <= duration_s <= every_s".to_owned(),
                 ));
             }
+        }
+        if self.slots == Some(0) {
+            return Err(ConfigError::Invalid("slots: must be at least 1".to_owned()));
         }
         if self.prompt_cache_entries == 0 {
             return Err(ConfigError::Invalid(

@@ -10,6 +10,8 @@
 //! - `GET /v1/models`;
 //! - real rate limits (requests/second with burst, requests/minute, tokens/minute) answered
 //!   with 429s and, optionally, the OpenAI `x-ratelimit-*` / `Retry-After` headers;
+//! - a queueing mode: a fixed number of slots, further requests waiting in arrival order (how
+//!   llama.cpp, vLLM and Ollama behave under load: no 429s, growing latency);
 //! - latency distributions and fault injection (5xx, hangs, malformed bodies, content-policy
 //!   and context-length rejections, forced statuses, periodic 429 storms), all changeable
 //!   at run time;
@@ -195,6 +197,11 @@ pub struct SimArgs {
     #[arg(long, value_name = "MS")]
     pub latency_ms: Option<u64>,
 
+    /// Queueing mode: serve this many requests at once, the others wait in arrival order
+    /// (like llama.cpp's slots).
+    #[arg(long)]
+    pub slots: Option<u32>,
+
     /// Requests per second (per model unless the config says `limit_scope = "global"`).
     #[arg(long)]
     pub rps: Option<f64>,
@@ -242,6 +249,9 @@ impl SimArgs {
         };
         if let Some(ms) = self.latency_ms {
             config.latency = Latency::Fixed { ms };
+        }
+        if self.slots.is_some() {
+            config.slots = self.slots;
         }
         if self.rps.is_some() {
             config.rps = self.rps;

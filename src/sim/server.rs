@@ -2,9 +2,10 @@
 //! (checks, limits, injected faults, deterministic answer) and the admin API.
 //!
 //! Pipeline order for `POST /v1/chat/completions`: `status_override` → API key → request
-//! validation → model → context length → content policy → `burst_429` → rate limits → hang →
-//! latency → `error_rate` → `malformed_rate` → answer.
+//! validation → model → context length → content policy → `burst_429` → rate limits → slot
+//! (queueing mode) → hang → latency → `error_rate` → `malformed_rate` → answer.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -20,7 +21,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tokio::sync::watch;
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
 use super::config::{ConfigError, Latency, LimitScope, SimConfig};
 use super::limits::{format_reset, Admission, LimitSnapshot, RateLimiter};
@@ -100,6 +101,9 @@ pub(crate) struct SimState {
     /// When the current `burst_429` setting was applied; storms are timed from it.
     burst_epoch: Mutex<Instant>,
     limiter: Mutex<RateLimiter>,
+    /// Slots of the queueing mode per limit key: the configured count and its semaphore
+    /// (tokio's is fair: waiters are served in arrival order).
+    slots: Mutex<HashMap<String, (u32, Arc<Semaphore>)>>,
     stats: Mutex<SimStats>,
     calls: Mutex<CallIndex>,
     prompt_cache: Mutex<PromptCache>,
@@ -117,6 +121,7 @@ impl SimState {
             config: RwLock::new(Arc::new(config)),
             burst_epoch: Mutex::new(Instant::now()),
             limiter: Mutex::new(RateLimiter::default()),
+            slots: Mutex::new(HashMap::new()),
             stats: Mutex::new(SimStats::default()),
             calls: Mutex::new(CallIndex::default()),
             prompt_cache: Mutex::new(PromptCache::default()),
@@ -183,6 +188,36 @@ impl SimState {
                 stopping.await;
                 false
             }
+        }
+    }
+
+    /// Waits in arrival order for a free slot of `key` (queueing mode); `Ok(None)` without
+    /// slots, `Err(())` when the server shuts down first. A changed slot count applies to
+    /// requests arriving after the change.
+    async fn take_slot(
+        &self,
+        key: &str,
+        slots: Option<u32>,
+    ) -> Result<Option<OwnedSemaphorePermit>, ()> {
+        let Some(n) = slots else { return Ok(None) };
+        let semaphore = {
+            let mut all = self.slots.lock();
+            let entry = all
+                .entry(key.to_owned())
+                .or_insert_with(|| (n, Arc::new(Semaphore::new(n as usize))));
+            if entry.0 != n {
+                *entry = (n, Arc::new(Semaphore::new(n as usize)));
+            }
+            entry.1.clone()
+        };
+        if let Ok(permit) = semaphore.clone().try_acquire_owned() {
+            return Ok(Some(permit));
+        }
+        self.stats.lock().queued += 1;
+        let mut shutdown = self.shutdown.clone();
+        tokio::select! {
+            permit = semaphore.acquire_owned() => permit.map(Some).map_err(|_| ()),
+            _ = shutdown.wait_for(|stop| *stop) => Err(()),
         }
     }
 
@@ -628,6 +663,21 @@ fn compose_answer(prompt: &Prompt, config: &SimConfig) -> Answer {
     }
 }
 
+/// Counts a request as abandoned when its handler is dropped before it answered (the
+/// client went away, e.g. timed out).
+struct Answering<'a> {
+    state: &'a SimState,
+    answered: bool,
+}
+
+impl Drop for Answering<'_> {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.state.stats.lock().abandoned += 1;
+        }
+    }
+}
+
 async fn chat_completions(
     State(state): State<Arc<SimState>>,
     axum::extract::RawQuery(query): axum::extract::RawQuery,
@@ -635,10 +685,15 @@ async fn chat_completions(
     body: Bytes,
 ) -> Response {
     state.stats.lock().requests_total += 1;
+    let mut answering = Answering {
+        state: &state,
+        answered: false,
+    };
     let response = match check_deployment(&state.config(), &headers, query.as_deref()) {
         Err(e) => e.into_response(),
         Ok(()) => chat_pipeline(&state, &headers, &body).await,
     };
+    answering.answered = true;
     *state
         .stats
         .lock()
@@ -810,6 +865,11 @@ async fn chat_pipeline(state: &SimState, headers: &HeaderMap, body: &[u8]) -> Re
         }
     };
 
+    // Queueing mode: the slot is held through the hang and the latency.
+    let _slot = match state.take_slot(limit_key, config.slots).await {
+        Ok(slot) => slot,
+        Err(()) => return shutting_down(),
+    };
     let hang = fire(&mut state.faults.lock().hang, config.hang_rate);
     if hang {
         state.stats.lock().injected.hangs += 1;

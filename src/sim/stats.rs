@@ -42,6 +42,10 @@ pub struct SimStats {
     pub batch_requests: u64,
     /// Items in micro-batch requests answered 200.
     pub batch_items: u64,
+    /// Requests that waited for a slot (queueing mode, `slots`).
+    pub queued: u64,
+    /// Requests whose client went away (e.g. timed out) before they were answered.
+    pub abandoned: u64,
     /// Faults the simulator injected or limits it enforced.
     pub injected: InjectedCounts,
     /// Distinct user contents currently counted by the call index.

@@ -405,6 +405,8 @@ fn cli_flags_override_the_file() {
         "--no-rate-limit-headers",
         "--latency-ms",
         "7",
+        "--slots",
+        "2",
     ])
     .expect("parses");
     assert_eq!(
@@ -418,6 +420,8 @@ fn cli_flags_override_the_file() {
     assert_eq!(config.models, Some(vec!["a".to_owned(), "b".to_owned()]));
     assert!(!config.rate_limit_headers);
     assert_eq!(config.latency, Latency::Fixed { ms: 7 });
+    assert_eq!(config.slots, Some(2));
+    assert!(SimConfig::from_toml_str("slots = 0").is_err());
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1190,6 +1194,86 @@ async fn hangs_hold_requests_for_hang_ms_or_until_the_client_gives_up() {
     assert!(stopped.elapsed() < Duration::from_secs(3));
     let status = held.await.expect("task").expect("answered before shutdown");
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slots_queue_requests_in_arrival_order_without_429s() {
+    let sim = start_sim(SimConfig {
+        slots: Some(2),
+        latency: Latency::Fixed { ms: 200 },
+        ..SimConfig::default()
+    })
+    .await;
+    // Six requests at once on two slots of 200 ms: answered in three waves.
+    let started = Instant::now();
+    let mut calls = Vec::new();
+    for i in 0..6 {
+        let (http, url) = (
+            sim.http.clone(),
+            format!("{}/chat/completions", sim.base_url()),
+        );
+        let body = request("Task: summarize", &format!("queued {i}"));
+        calls.push(tokio::spawn(async move {
+            let r = http.post(url).bearer_auth(KEY).json(&body).send().await;
+            (r.expect("answered").status(), started.elapsed())
+        }));
+    }
+    let mut waits = Vec::new();
+    for c in calls {
+        let (status, elapsed) = c.await.expect("task");
+        assert_eq!(
+            status,
+            StatusCode::OK,
+            "a queueing server never answers 429"
+        );
+        waits.push(elapsed);
+    }
+    waits.sort();
+    assert!(waits[5] >= Duration::from_millis(600), "{waits:?}");
+    let stats = sim.stats();
+    assert_eq!(stats.status(200), 6);
+    assert_eq!(stats.queued, 4, "two served at once, four waited");
+    assert_eq!(stats.abandoned, 0);
+
+    // A client that gives up while its request waits leaves the queue: counted as
+    // abandoned, and the slot goes on to the next request.
+    sim.update(|c| c.slots = Some(1)).expect("valid");
+    let (http, url) = (
+        sim.http.clone(),
+        format!("{}/chat/completions", sim.base_url()),
+    );
+    let holder = tokio::spawn(async move {
+        let body = request("Task: summarize", "holds the slot");
+        http.post(url)
+            .bearer_auth(KEY)
+            .json(&body)
+            .send()
+            .await
+            .map(|r| r.status())
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(100))
+        .build()
+        .expect("client");
+    let gave_up = impatient
+        .post(format!("{}/chat/completions", sim.base_url()))
+        .bearer_auth(KEY)
+        .json(&request("Task: summarize", "gives up"))
+        .send()
+        .await;
+    assert!(gave_up.is_err_and(|e| e.is_timeout()));
+    assert_eq!(
+        holder.await.expect("task").expect("answered"),
+        StatusCode::OK
+    );
+    assert_eq!(
+        post(&sim, &request("Task: summarize", "next")).await.status,
+        StatusCode::OK
+    );
+    let stats = sim.stats();
+    assert_eq!(stats.abandoned, 1, "{stats:?}");
+    assert_eq!(stats.status(200), 8);
 }
 
 #[tokio::test]

@@ -9,6 +9,7 @@ fn ok() -> Outcome {
     Outcome::Success {
         rate_limit: RateLimitInfo::default(),
         tokens_used: 100,
+        output_tokens: 20,
     }
 }
 
@@ -191,6 +192,7 @@ async fn headers_warn_before_any_429() {
             p.record(Outcome::Success {
                 rate_limit,
                 tokens_used: 1,
+                output_tokens: 1,
             });
         } else {
             refused += 1;
@@ -527,6 +529,7 @@ async fn simulate(sc: Scenario) -> SimReport {
                     permit.record(Outcome::Success {
                         rate_limit: info,
                         tokens_used: 150,
+                        output_tokens: 50,
                     });
                 } else {
                     refused.lock()[second] += 1;
