@@ -1430,3 +1430,75 @@ fn a_one_slot_server_that_queues_answers_every_task_without_timeouts() {
     assert!(limit >= 1.0, "the limit is exported: {limit}");
     app.proc.stop();
 }
+
+#[test]
+fn metrics_hold_what_happened_in_a_workload() {
+    // 40 tasks answered, 5 refused by the content policy, 3 undecodable: the
+    // series on /metrics say exactly that.
+    let sim = SimConfig::from_json_value(serde_json::json!({
+        "content_policy_marker": "FORBIDDEN",
+    }))
+    .unwrap();
+    let p = Pipeline::new(sim, UNBATCHED);
+    let mut app = p.start("metrics");
+    let mut tasks: Vec<Task> = (0..45)
+        .map(|i| Task::new(i, "summarize", "acme", "normal"))
+        .collect();
+    for t in tasks.iter_mut().skip(40) {
+        t.content = format!("FORBIDDEN {}", t.id);
+    }
+    p.produce(&tasks);
+    let poison: Vec<OutRecord> = (0..3)
+        .map(|_| OutRecord {
+            key: Some(b"acme".to_vec()),
+            value: Some(b"{not json".to_vec()),
+            ..Default::default()
+        })
+        .collect();
+    produce(&bootstrap(), &p.topic("summarize"), poison).unwrap();
+    let results = p.results(tasks.len(), Duration::from_secs(60));
+    assert_each_answered_once(&tasks, &results);
+    let completed: Vec<&TaskResult> = results
+        .iter()
+        .map(|(r, _)| r)
+        .filter(|r| r.success)
+        .collect();
+    assert_eq!(completed.len(), 40);
+    let output_tokens: u64 = completed.iter().map(|r| r.output_tokens).sum();
+    let cost: i64 = completed.iter().map(|r| r.cost_micros).sum();
+    eventually(Duration::from_secs(20), "dead letters out", || {
+        (p.dead_letters("summarize").len() == 8).then_some(())
+    });
+    let expected = [
+        ("sluice_records_in_total", 48.0),
+        ("sluice_results_total{status=\"completed\"}", 40.0),
+        ("sluice_results_total{status=\"failed\"}", 5.0),
+        ("sluice_dlq_records_total{category=\"poison\"}", 3.0),
+        ("sluice_dlq_records_total{category=\"content_policy\"}", 5.0),
+        (
+            "sluice_llm_requests_total{model=\"small\",status=\"ok\"}",
+            40.0,
+        ),
+        (
+            "sluice_llm_requests_total{model=\"small\",status=\"content_policy\"}",
+            5.0,
+        ),
+        (
+            "sluice_tokens_total{kind=\"output\",model=\"small\"}",
+            output_tokens as f64,
+        ),
+        ("sluice_cost_micros_total{model=\"small\"}", cost as f64),
+        ("sluice_duplicates_skipped_total", 0.0),
+    ];
+    // Counted as they happen; a scrape right after the last result may
+    // precede the last increments by a moment.
+    eventually(Duration::from_secs(20), "metrics match", || {
+        expected
+            .iter()
+            .all(|(name, want)| p.metric(&app, name) == *want)
+            .then_some(())
+    });
+    let out = p.metric(&app, "sluice_records_out_total");
+    assert!(out >= 53.0, "45 results and 8 dead letters at least: {out}");
+    app.proc.stop();
+}
