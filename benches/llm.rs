@@ -295,30 +295,7 @@ listen = "127.0.0.1:0"
         ),
     )
     .unwrap();
-    let status = std::process::Command::new(bin)
-        .args([
-            "topics",
-            "create",
-            "--config",
-            &config.display().to_string(),
-        ])
-        .output()
-        .unwrap();
-    assert!(status.status.success());
-    let topic = format!("{prefix}.tasks.classify");
-    let tasks = (0..n).map(|i| OutRecord {
-        key: Some(format!("tenant-{}", i % 8).into_bytes()),
-        value: Some(
-            serde_json::to_vec(&serde_json::json!({
-                "taskId": format!("t{i}"), "taskType": "classify", "tenantId": format!("tenant-{}", i % 8),
-                "submittedAt": chrono::Utc::now().to_rfc3339(),
-                "payload": { "content": format!("item {i}: the quick brown fox"), "labels": ["a", "b", "c"] },
-            }))
-            .unwrap(),
-        ),
-        ..Default::default()
-    });
-    produce(bootstrap, &topic, tasks).unwrap();
+    let topic = create_and_fill(bin, bootstrap, &config, &prefix, "t", n);
     // SLUICE_BENCH_PERF=<file> profiles the operator with `perf record`.
     let mut cmd = match std::env::var("SLUICE_BENCH_PERF") {
         Ok(out) => {
@@ -393,6 +370,43 @@ listen = "127.0.0.1:0"
 }
 
 /// Waits until `group` has committed `n` records of `topic` in total.
+/// Creates the topics of `config` with `sluice topics create` and publishes `n` small
+/// classify tasks (ids `<id_prefix><i>`, eight tenants) to its task topic, which it returns.
+fn create_and_fill(
+    bin: &str,
+    bootstrap: &str,
+    config: &std::path::Path,
+    prefix: &str,
+    id_prefix: &str,
+    n: usize,
+) -> String {
+    let created = std::process::Command::new(bin)
+        .args([
+            "topics",
+            "create",
+            "--config",
+            &config.display().to_string(),
+        ])
+        .output()
+        .unwrap();
+    assert!(created.status.success());
+    let topic = format!("{prefix}.tasks.classify");
+    let tasks = (0..n).map(|i| OutRecord {
+        key: Some(format!("tenant-{}", i % 8).into_bytes()),
+        value: Some(
+            serde_json::to_vec(&serde_json::json!({
+                "taskId": format!("{id_prefix}{i}"), "taskType": "classify", "tenantId": format!("tenant-{}", i % 8),
+                "submittedAt": chrono::Utc::now().to_rfc3339(),
+                "payload": { "content": format!("item {i}: the quick brown fox"), "labels": ["a", "b", "c"] },
+            }))
+            .unwrap(),
+        ),
+        ..Default::default()
+    });
+    produce(bootstrap, &topic, tasks).unwrap();
+    topic
+}
+
 fn wait_committed(bootstrap: &str, group: &str, topic: &str, partitions: i32, n: usize) {
     use rdkafka::consumer::{BaseConsumer, Consumer};
     let consumer: BaseConsumer = rdkafka::ClientConfig::new()
@@ -496,30 +510,7 @@ listen = "127.0.0.1:0"
         ),
     )
     .unwrap();
-    let created = std::process::Command::new(bin)
-        .args([
-            "topics",
-            "create",
-            "--config",
-            &config.display().to_string(),
-        ])
-        .output()
-        .unwrap();
-    assert!(created.status.success());
-    let topic = format!("{prefix}.tasks.classify");
-    let tasks = (0..QUEUE_TASKS).map(|i| OutRecord {
-        key: Some(format!("tenant-{}", i % 8).into_bytes()),
-        value: Some(
-            serde_json::to_vec(&serde_json::json!({
-                "taskId": format!("q{i}"), "taskType": "classify", "tenantId": format!("tenant-{}", i % 8),
-                "submittedAt": chrono::Utc::now().to_rfc3339(),
-                "payload": { "content": format!("item {i}: the quick brown fox"), "labels": ["a", "b", "c"] },
-            }))
-            .unwrap(),
-        ),
-        ..Default::default()
-    });
-    produce(bootstrap, &topic, tasks).unwrap();
+    let topic = create_and_fill(bin, bootstrap, &config, &prefix, "q", QUEUE_TASKS);
     let mut child = std::process::Command::new(bin)
         .args(["run", "--config", &config.display().to_string()])
         .env(

@@ -137,6 +137,23 @@ impl LastError {
     }
 }
 
+/// The cluster's metadata; when no broker answers, the error says why (from
+/// the client's own report).
+fn metadata(
+    consumer: &BaseConsumer<LastError>,
+    cluster: &Cluster,
+) -> Result<rdkafka::metadata::Metadata, KafkaError> {
+    consumer
+        .fetch_metadata(None, Duration::from_secs(10))
+        .map_err(|e| match consumer.context().take_after(consumer) {
+            Some(reason) => KafkaError::Unreachable {
+                bootstrap: cluster.bootstrap.clone(),
+                reason,
+            },
+            None => e.into(),
+        })
+}
+
 impl LastError {
     fn remember(&self, reason: &str) {
         if let Ok(mut seen) = self.0.lock() {
@@ -219,15 +236,7 @@ pub fn partition_counts(
     let consumer: BaseConsumer<LastError> = base(&cluster)
         .set_log_level(RDKafkaLogLevel::Error)
         .create_with_context(LastError::default())?;
-    let md = consumer
-        .fetch_metadata(None, Duration::from_secs(10))
-        .map_err(|e| match consumer.context().take_after(&consumer) {
-            Some(reason) => KafkaError::Unreachable {
-                bootstrap: cluster.bootstrap.clone(),
-                reason,
-            },
-            None => e.into(),
-        })?;
+    let md = metadata(&consumer, &cluster)?;
     Ok(md
         .topics()
         .iter()
@@ -458,15 +467,7 @@ pub fn read_existing(
         )
         .set_log_level(RDKafkaLogLevel::Error)
         .create_with_context(LastError::default())?;
-    let md = consumer
-        .fetch_metadata(None, Duration::from_secs(10))
-        .map_err(|e| match consumer.context().take_after(&consumer) {
-            Some(reason) => KafkaError::Unreachable {
-                bootstrap: cluster.bootstrap.clone(),
-                reason,
-            },
-            None => e.into(),
-        })?;
+    let md = metadata(&consumer, &cluster)?;
     // Each partition's end now, and where reading starts.
     let mut ends: HashMap<(String, i32), i64> = HashMap::new();
     let mut from = TopicPartitionList::new();
