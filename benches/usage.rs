@@ -125,21 +125,39 @@ fn account(bootstrap: &str, topic: &str, n: usize, state: &std::path::Path) -> f
         std::thread::sleep(Duration::from_millis(1));
     }
     let start = Instant::now();
+    let cpu_start = cpu_secs();
+    let mut first = None;
     while (metrics.records_in() as usize) < n {
         std::thread::sleep(Duration::from_millis(2));
+        if first.is_none() && metrics.records_in() > 0 {
+            first = Some(start.elapsed().as_secs_f64());
+        }
         if app.is_finished() {
             panic!("app stopped: {:?}", app.status().state());
         }
     }
     let secs = start.elapsed().as_secs_f64();
+    let cpu = cpu_secs() - cpu_start;
     app.shutdown();
     app.join().expect("clean stop");
     eprintln!(
-        "accounted {n} results ({} window updates) in {secs:.2}s ({} task commits)",
+        "accounted {n} results ({} window updates) in {secs:.2}s (first after {:.2}s; {} task commits taking {:.2}s; {cpu:.2} CPU-seconds)",
         n * default_windows().len(),
-        metrics.commit_count()
+        first.unwrap_or(secs),
+        metrics.commit_count(),
+        metrics.commit_seconds_sum()
     );
     n as f64 / secs
+}
+
+/// CPU time of this process so far (user and system), seconds.
+fn cpu_secs() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
+    // Fields after the command name (which may hold spaces): utime is the 14th.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split(' ').collect();
+    let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
+    ticks / 100.0
 }
 
 /// Peak resident set of this process, MiB (`VmHWM`).

@@ -12,7 +12,8 @@ use common::{bootstrap, eventually};
 use rdkafka::message::OwnedMessage;
 use rdkafka::Message;
 use sluice::accounting::{
-    AlertRecord, Seq, TenantUsage, UsageRecord, UsageUpdates, WindowSpec, WindowUsage, HEADER_SEQ,
+    AlertRecord, ModelUsage, Seq, TenantUsage, UsageRecord, UsageUpdates, WindowSpec, WindowUsage,
+    HEADER_SEQ,
 };
 use sluice::envelope::TaskResult;
 use sluice::kafka::{produce, read_topics, OutRecord};
@@ -79,6 +80,7 @@ fn assert_usage_equals_results(
     let mut differ: BTreeMap<WindowKey, String> = BTreeMap::new();
     for key in want.keys().chain(got.keys()) {
         let sums = want.get(key).cloned().unwrap_or_default();
+        let by_model: BTreeMap<String, ModelUsage> = sums.by_model.into();
         let expected = (
             sums.total.requests,
             sums.total.input_tokens,
@@ -98,7 +100,7 @@ fn assert_usage_equals_results(
                 &u.by_model,
             )
         });
-        if last != Some((expected, &sums.by_model)) {
+        if last != Some((expected, &by_model)) {
             let last = last.map(|(t, _)| t);
             differ.insert(key.clone(), format!("{last:?} against {expected:?}"));
         }

@@ -151,6 +151,105 @@ impl ModelUsage {
     }
 }
 
+/// The per-model shares of a window, in model-name order. A tenant uses a
+/// few models, so a short sorted list beats a tree map; it encodes as a map
+/// (the same bytes and JSON a `BTreeMap` has).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ByModel(Vec<(String, ModelUsage)>);
+
+impl ByModel {
+    /// A model's share, if it has one.
+    pub fn get(&self, model: &str) -> Option<&ModelUsage> {
+        self.find(model).ok().map(|i| &self.0[i].1)
+    }
+
+    /// A model's share, added (zero) when it has none.
+    pub fn entry(&mut self, model: &str) -> &mut ModelUsage {
+        let i = match self.find(model) {
+            Ok(i) => i,
+            Err(i) => {
+                // One more slot, not the four an empty `Vec` grows to: most
+                // windows hold one or two models, and many are in memory.
+                self.0.reserve_exact(1);
+                self.0.insert(i, (model.to_string(), ModelUsage::default()));
+                i
+            }
+        };
+        &mut self.0[i].1
+    }
+
+    fn find(&self, model: &str) -> Result<usize, usize> {
+        self.0.binary_search_by(|(m, _)| m.as_str().cmp(model))
+    }
+
+    /// Every model's share, in model-name order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &ModelUsage)> {
+        self.0.iter().map(|(m, u)| (m.as_str(), u))
+    }
+
+    /// Number of models.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// True without any model.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl std::ops::Index<&str> for ByModel {
+    type Output = ModelUsage;
+
+    fn index(&self, model: &str) -> &ModelUsage {
+        self.get(model)
+            .unwrap_or_else(|| panic!("no usage of model {model}"))
+    }
+}
+
+impl From<ByModel> for BTreeMap<String, ModelUsage> {
+    fn from(m: ByModel) -> Self {
+        m.0.into_iter().collect()
+    }
+}
+
+impl Serialize for ByModel {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_map(self.0.iter().map(|(m, u)| (m, u)))
+    }
+}
+
+impl<'de> Deserialize<'de> for ByModel {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = ByModel;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a map of model names to usage")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<ByModel, A::Error> {
+                let mut out = ByModel(Vec::with_capacity(map.size_hint().unwrap_or(0).min(16)));
+                while let Some((model, usage)) = map.next_entry::<String, ModelUsage>()? {
+                    match out.find(&model) {
+                        Ok(i) => out.0[i].1 = usage,
+                        Err(i) => {
+                            out.0.reserve_exact(1);
+                            out.0.insert(i, (model, usage))
+                        }
+                    }
+                }
+                Ok(out)
+            }
+        }
+        d.deserialize_map(Visit)
+    }
+}
+
 /// A tenant's window: totals, the per-model breakdown, and how many of the
 /// alert thresholds it has crossed (kept with the window, so an alert is
 /// emitted once per window and threshold, across restarts and replays).
@@ -159,7 +258,7 @@ pub struct TenantUsage {
     /// Totals over every model.
     pub total: ModelUsage,
     /// Per model.
-    pub by_model: BTreeMap<String, ModelUsage>,
+    pub by_model: ByModel,
     /// Thresholds alerted (the first `alerted` of the configured ones).
     pub alerted: u8,
     /// Whether the tenant's soft quota for this window was alerted.
@@ -172,7 +271,7 @@ impl TenantUsage {
     /// Adds a completed result.
     pub fn add(&mut self, r: &TaskResult) {
         self.total.add(r);
-        self.by_model.entry(r.model.clone()).or_default().add(r);
+        self.by_model.entry(&r.model).add(r);
     }
 
     /// Prompt plus completion tokens, and cost: what quotas count.
@@ -248,7 +347,7 @@ impl WindowUsage {
             output_tokens: usage.total.output_tokens,
             cached_tokens: usage.total.cached_tokens,
             cost_micros: usage.total.cost_micros,
-            by_model: usage.by_model,
+            by_model: usage.by_model.into(),
         }
     }
 }
@@ -339,14 +438,12 @@ pub struct AccountingSettings {
 pub enum Update {
     /// A threshold (or soft quota) crossed.
     Alert(AlertRecord),
-    /// A window's new totals.
+    /// A window's totals changed (read them from its store).
     Usage {
         /// The window size: an index into the configured windows.
         window: usize,
         /// The window's start, ms since the epoch.
         start: i64,
-        /// Its new state.
-        usage: TenantUsage,
     },
 }
 
@@ -564,7 +661,7 @@ struct UsageOut<'a> {
     output_tokens: u64,
     cached_tokens: u64,
     cost_micros: i64,
-    by_model: &'a BTreeMap<String, ModelUsage>,
+    by_model: &'a ByModel,
 }
 
 impl<'a> UsageOut<'a> {
@@ -624,37 +721,44 @@ impl Accountant {
         let (settings, windows) = (accounting.settings(), accounting.windows());
         for (tenant, updates) in self.held.take() {
             for p in updates {
-                let usage = ctx
-                    .window::<String, TenantUsage>(&accounting.stores()[p.window])?
-                    .get(&tenant, p.start)?
-                    .unwrap_or_default();
-                let u = UsageOut::new(&tenant, &windows[p.window], p.start, &usage);
-                emit_json(
-                    ctx,
-                    &settings.usage_topic,
-                    &tenant,
-                    &u,
-                    p.at,
-                    usage.last_seq,
-                )?;
+                let w = &windows[p.window];
+                let store = &accounting.stores()[p.window];
+                let record = usage_record(ctx, store, &tenant, w, p.start)?;
+                emit_json(ctx, &settings.usage_topic, &tenant, p.at, record)?;
             }
         }
         Ok(())
     }
 }
 
-/// Emits a record keyed by tenant, as JSON, in the task's own partition (as
-/// its results), carrying the sequence number of the result that caused it.
+/// The usage record of a tenant's window as its store holds it now (JSON),
+/// and the sequence number of the last result counted into it.
+fn usage_record(
+    ctx: &mut Ctx<'_>,
+    store: &str,
+    tenant: &String,
+    w: &WindowSpec,
+    start: i64,
+) -> Result<(Vec<u8>, Seq), ProcessError> {
+    ctx.window::<String, TenantUsage>(store)?
+        .peek(tenant, start, |usage| {
+            let empty = TenantUsage::default();
+            let usage = usage.unwrap_or(&empty);
+            let json = serde_json::to_vec(&UsageOut::new(tenant, w, start, usage));
+            json.map(|json| (json, usage.last_seq))
+        })?
+        .map_err(|e| ProcessError::Fatal(format!("usage record encoding: {e}")))
+}
+
+/// Emits a JSON record keyed by tenant in the task's own partition (as its
+/// results), carrying the sequence number of the result that caused it.
 fn emit_json(
     ctx: &mut Ctx<'_>,
     topic: &str,
     tenant: &str,
-    value: &impl Serialize,
     at: i64,
-    seq: Seq,
+    (json, seq): (Vec<u8>, Seq),
 ) -> Result<(), ProcessError> {
-    let json = serde_json::to_vec(value)
-        .map_err(|e| ProcessError::Fatal(format!("{topic} record encoding: {e}")))?;
     ctx.emit(OutputRecord {
         topic: topic.to_string(),
         partition: Some(ctx.task_id().partition),
@@ -691,26 +795,22 @@ impl Accounting {
         for (i, (w, store)) in self.windows().iter().zip(self.stores()).enumerate() {
             let start = at - at.rem_euclid(w.size_ms);
             let mut windows = ctx.window::<String, TenantUsage>(store)?;
-            let mut usage: TenantUsage = windows.get(&r.tenant_id, start)?.unwrap_or_default();
-            if recovered && usage.last_seq >= seq {
+            if recovered
+                && windows.peek(&r.tenant_id, start, |u| {
+                    u.is_some_and(|u| u.last_seq >= seq)
+                })?
+            {
                 continue;
             }
-            usage.add(r);
-            usage.last_seq = usage.last_seq.max(seq);
-            out.extend(
-                self.crossed(&r.tenant_id, w, start, &mut usage)
-                    .into_iter()
-                    .map(Update::Alert),
-            );
-            windows.put(&r.tenant_id, start, &usage);
-            if recovered {
-                continue;
+            let alerts = windows.update(&r.tenant_id, start, |usage| {
+                usage.add(r);
+                usage.last_seq = usage.last_seq.max(seq);
+                self.crossed(&r.tenant_id, w, start, usage)
+            })?;
+            out.extend(alerts.into_iter().map(Update::Alert));
+            if !recovered {
+                out.push(Update::Usage { window: i, start });
             }
-            out.push(Update::Usage {
-                window: i,
-                start,
-                usage,
-            });
         }
         Ok(out)
     }
@@ -832,17 +932,17 @@ impl Processor<String, TaskResult> for Accountant {
                         if let Some(m) = &self.accounting.0.alerts {
                             m.with_label_values(&[&alert.kind]).inc();
                         }
-                        emit_json(ctx, &settings.alerts_topic, &r.tenant_id, &alert, at, seq)?;
+                        let json = serde_json::to_vec(&alert).map_err(|e| {
+                            ProcessError::Fatal(format!("alert record encoding: {e}"))
+                        })?;
+                        emit_json(ctx, &settings.alerts_topic, &r.tenant_id, at, (json, seq))?;
                     }
-                    Update::Usage {
-                        window,
-                        start,
-                        usage,
-                    } => match settings.usage_updates {
+                    Update::Usage { window, start } => match settings.usage_updates {
                         UsageUpdates::OnUpdate => {
                             let w = &self.accounting.windows()[window];
-                            let u = UsageOut::new(&r.tenant_id, w, start, &usage);
-                            emit_json(ctx, &settings.usage_topic, &r.tenant_id, &u, at, seq)?
+                            let store = &self.accounting.stores()[window];
+                            let (json, _) = usage_record(ctx, store, &r.tenant_id, w, start)?;
+                            emit_json(ctx, &settings.usage_topic, &r.tenant_id, at, (json, seq))?
                         }
                         UsageUpdates::OnCommit => self.held.hold(&r.tenant_id, window, start, at),
                     },

@@ -155,8 +155,7 @@ impl QuotaGate {
         let start = now_ms - now_ms.rem_euclid(w.size_ms);
         let used = ctx
             .window::<String, TenantUsage>(store)?
-            .get(&tenant.to_string(), start)?
-            .map(|u| u.amount())
+            .peek(&tenant.to_string(), start, |u| u.map(TenantUsage::amount))?
             .unwrap_or_default();
         let out = reserved.of(tenant);
         let after = used.plus(out).plus(worst);

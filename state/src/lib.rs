@@ -24,6 +24,8 @@ pub use checkpoint::{Checkpoint, LoadedCheckpoint};
 pub use error::StateError;
 pub use reader::{StoreReader, WindowRange};
 pub use rocks::{RocksEnv, RocksSettings};
-pub use task_state::{ChangelogRecord, RestoreStats, StoreId, StoreKind, StoreSpec, TaskState};
+pub use task_state::{
+    CachedValue, ChangelogRecord, RestoreStats, StoreId, StoreKind, StoreSpec, TaskState,
+};
 pub use value::{Position, StoredValue};
 pub use window::{decode_window_key, encode_window_key, window_key_prefix_len, WindowEntry};

@@ -11,6 +11,7 @@
 //! knows the newest window start it holds in RocksDB: a read of a newer window
 //! (the first record of a window) or of a cached key skips RocksDB.
 
+use std::any::{Any, TypeId};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::ops::{Bound, RangeBounds};
@@ -79,11 +80,85 @@ pub struct RestoreStats {
     pub records: u64,
 }
 
+/// A value a processor keeps decoded in the write cache between commits, so
+/// that a key updated by many records is decoded once and encoded once per
+/// commit instead of once per record (see [`TaskState::window_update`]).
+pub trait CachedValue: Any + Send {
+    /// The value's bytes as the store keeps them (without the header).
+    fn encode(&self) -> Vec<u8>;
+    /// For downcasting to the concrete type.
+    fn as_any(&self) -> &dyn Any;
+    /// For downcasting to the concrete type.
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+}
+
+/// A dirty entry of the write cache.
+enum Dirty {
+    /// Encoded (header and value), or `None` for a deletion.
+    Encoded(Option<Vec<u8>>),
+    /// Decoded, with what its header will say once encoded.
+    Decoded {
+        value: Box<dyn CachedValue>,
+        position: Option<Position>,
+        floor: i64,
+    },
+}
+
+impl Dirty {
+    /// Header and value bytes, or `None` for a deletion.
+    fn encoded(&self) -> Option<Cow<'_, [u8]>> {
+        match self {
+            Dirty::Encoded(v) => v.as_deref().map(Cow::Borrowed),
+            Dirty::Decoded {
+                value,
+                position,
+                floor,
+            } => Some(Cow::Owned(encode_parts(*position, *floor, &value.encode()))),
+        }
+    }
+
+    /// The entry as a stored value, or `None` for a deletion.
+    fn stored(&self, store: &str) -> Result<Option<StoredValue>, StateError> {
+        match self {
+            Dirty::Encoded(v) => v
+                .as_deref()
+                .map(|bytes| StoredValue::decode(store, bytes))
+                .transpose(),
+            Dirty::Decoded {
+                value,
+                position,
+                floor,
+            } => Ok(Some(StoredValue {
+                position: *position,
+                floor: *floor,
+                value: value.encode(),
+            })),
+        }
+    }
+
+    /// Encodes a decoded entry in place.
+    fn settle(&mut self) {
+        if let Dirty::Decoded { .. } = self {
+            let bytes = self.encoded().map(Cow::into_owned);
+            *self = Dirty::Encoded(bytes);
+        }
+    }
+
+    fn into_encoded(mut self) -> Option<Vec<u8>> {
+        self.settle();
+        match self {
+            Dirty::Encoded(v) => v,
+            Dirty::Decoded { .. } => unreachable!("settled"),
+        }
+    }
+}
+
 struct Store {
     spec: StoreSpec,
-    /// Dirty entries since the last local commit: encoded value or deletion.
-    /// Hashed: every record reads and writes it; the few range reads filter it.
-    dirty: FxHashMap<Vec<u8>, Option<Vec<u8>>>,
+    /// Dirty entries since the last local commit: encoded value or deletion,
+    /// or a value kept decoded until the commit. Hashed: every record reads
+    /// and writes it; the few range reads filter it.
+    dirty: FxHashMap<Vec<u8>, Dirty>,
     /// Committed entries kept in memory, equal to what RocksDB holds for them.
     clean: FxHashMap<Vec<u8>, Vec<u8>>,
     /// Bytes charged for `clean`.
@@ -171,14 +246,14 @@ impl Store {
 
     /// The dirty entries in key order (RocksDB inserts runs of ascending keys
     /// faster: the memtable's skiplist reuses its last insert position).
-    fn sorted_dirty(&self) -> impl Iterator<Item = (&Vec<u8>, &Option<Vec<u8>>)> {
+    fn sorted_dirty(&self) -> impl Iterator<Item = (&Vec<u8>, &Dirty)> {
         let mut entries: Vec<_> = self.dirty.iter().collect();
         entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
         entries.into_iter()
     }
 
     /// Sets a dirty entry, allocating its key only when it is new.
-    fn set_dirty(&mut self, key: Cow<'_, [u8]>, value: Option<Vec<u8>>) {
+    fn set_dirty(&mut self, key: Cow<'_, [u8]>, value: Dirty) {
         match self.dirty.get_mut(key.as_ref()) {
             Some(slot) => *slot = value,
             None => {
@@ -387,10 +462,7 @@ impl TaskState {
             return Ok(None);
         }
         if let Some(entry) = store.dirty.get(key) {
-            return entry
-                .as_deref()
-                .map(|bytes| StoredValue::decode(name, bytes))
-                .transpose();
+            return entry.stored(name);
         }
         if let Some(bytes) = store.clean.get(key) {
             return StoredValue::decode(name, bytes).map(Some);
@@ -422,17 +494,25 @@ impl TaskState {
     }
 
     fn write(&mut self, id: StoreId, key: Cow<'_, [u8]>, value: &[u8], position: Option<Position>) {
+        let floor = self.stamp(position);
+        self.stores[id.0].set_dirty(
+            key,
+            Dirty::Encoded(Some(encode_parts(position, floor, value))),
+        );
+    }
+
+    /// Notes a write reflecting the input at `position`; returns its floor.
+    fn stamp(&mut self, position: Option<Position>) -> i64 {
         if let Some(p) = position {
             let max = self.reflected.entry(p.source).or_insert(p.offset);
             *max = (*max).max(p.offset);
         }
-        let floor = position.map_or(-1, |p| self.write_floor.min(p.offset - 1));
-        self.stores[id.0].set_dirty(key, Some(encode_parts(position, floor, value)));
+        position.map_or(-1, |p| self.write_floor.min(p.offset - 1))
     }
 
     /// Deletes a key.
     pub fn delete(&mut self, id: StoreId, key: Vec<u8>) {
-        self.stores[id.0].set_dirty(Cow::Owned(key), None);
+        self.stores[id.0].set_dirty(Cow::Owned(key), Dirty::Encoded(None));
     }
 
     /// Reads one window of a key.
@@ -457,6 +537,75 @@ impl TaskState {
     ) {
         with_window_key(start_ms, key, |k| {
             self.write(id, Cow::Borrowed(k), value, position)
+        })
+    }
+
+    /// The value of one window of a key, kept decoded in the write cache
+    /// until the next commit encodes it, for a read-modify-write: the entry
+    /// is stamped with `position` (as a write is), and returned for the
+    /// caller to change in place. When the cache holds no decoded value of
+    /// type `T` for it yet, `load` makes one from the stored value (`None`
+    /// when there is none), or says why it cannot. A decoded value is read by every other read as
+    /// if it had been written encoded.
+    pub fn window_update<T: CachedValue>(
+        &mut self,
+        id: StoreId,
+        key: &[u8],
+        start_ms: i64,
+        position: Option<Position>,
+        load: impl FnOnce(Option<StoredValue>) -> Result<T, String>,
+    ) -> Result<&mut T, StateError> {
+        let floor = self.stamp(position);
+        let typed = with_window_key(start_ms, key, |k| {
+            matches!(
+                self.stores[id.0].dirty.get(k),
+                Some(Dirty::Decoded { value, .. }) if value.as_any().type_id() == TypeId::of::<T>()
+            )
+        });
+        if !typed {
+            let key = encode_window_key(start_ms, key);
+            let in_db = start_ms <= self.stores[id.0].newest_window;
+            let value =
+                load(self.read(id, &key, in_db)?).map_err(|reason| StateError::Corrupt {
+                    store: self.stores[id.0].spec.name.clone(),
+                    reason,
+                })?;
+            let value = Box::new(value);
+            let entry = Dirty::Decoded {
+                value,
+                position,
+                floor,
+            };
+            self.stores[id.0].dirty.insert(key, entry);
+        }
+        let dirty = &mut self.stores[id.0].dirty;
+        match with_window_key(start_ms, key, move |k| dirty.get_mut(k)) {
+            Some(Dirty::Decoded {
+                value,
+                position: p,
+                floor: f,
+            }) => {
+                (*p, *f) = (position, floor);
+                Ok(value
+                    .as_any_mut()
+                    .downcast_mut::<T>()
+                    .expect("decoded entry of the type checked"))
+            }
+            _ => unreachable!("decoded entry set above"),
+        }
+    }
+
+    /// The decoded value of type `T` the write cache holds for one window of
+    /// a key (see [`TaskState::window_update`]), if any.
+    pub fn window_decoded<T: CachedValue>(
+        &self,
+        id: StoreId,
+        key: &[u8],
+        start_ms: i64,
+    ) -> Option<&T> {
+        with_window_key(start_ms, key, |k| match self.stores[id.0].dirty.get(k) {
+            Some(Dirty::Decoded { value, .. }) => value.as_any().downcast_ref::<T>(),
+            _ => None,
         })
     }
 
@@ -487,8 +636,8 @@ impl TaskState {
             .iter()
             .filter(|(k, _)| range.contains(&k.as_slice()))
         {
-            match v {
-                Some(v) => merged.insert(k.clone(), v.clone()),
+            match v.encoded() {
+                Some(v) => merged.insert(k.clone(), v.into_owned()),
                 None => merged.remove(k),
             };
         }
@@ -531,8 +680,8 @@ impl TaskState {
             .iter()
             .filter(|(k, _)| k.starts_with(prefix))
         {
-            match v {
-                Some(v) => merged.insert(k.clone(), v.clone()),
+            match v.encoded() {
+                Some(v) => merged.insert(k.clone(), v.into_owned()),
                 None => merged.remove(k),
             };
         }
@@ -582,7 +731,7 @@ impl TaskState {
             .iter()
             .filter(|(k, _)| RangeBounds::<[u8]>::contains(&bounds, k.as_slice()))
         {
-            merged.insert(k.clone(), v.clone());
+            merged.insert(k.clone(), v.encoded().map(Cow::into_owned));
         }
         let name = &self.stores[id.0].spec.name;
         merged
@@ -626,16 +775,18 @@ impl TaskState {
     /// The records the changelogs need for everything written since the last
     /// local commit (coalesced: one record per dirty key). The dirty entries stay
     /// readable until [`TaskState::commit_local`] or [`TaskState::discard_dirty`].
-    pub fn flush_changelog(&self) -> Vec<ChangelogRecord> {
+    /// Decoded entries are encoded here, once.
+    pub fn flush_changelog(&mut self) -> Vec<ChangelogRecord> {
         let mut out = Vec::new();
-        for (i, store) in self.stores.iter().enumerate() {
+        for (i, store) in self.stores.iter_mut().enumerate() {
+            store.dirty.values_mut().for_each(Dirty::settle);
             if !store.spec.changelogged {
                 continue;
             }
             out.extend(store.dirty.iter().map(|(k, v)| ChangelogRecord {
                 store: StoreId(i),
                 key: k.clone(),
-                value: v.clone(),
+                value: v.encoded().map(Cow::into_owned),
             }));
         }
         out
@@ -663,7 +814,7 @@ impl TaskState {
                 store.expired_in_db = store.expire_before;
             }
             for (k, v) in store.sorted_dirty() {
-                match v {
+                match v.encoded() {
                     Some(v) => batch.put_cf(cf, k, v),
                     None => batch.delete_cf(cf, k),
                 }
@@ -704,7 +855,7 @@ impl TaskState {
             let mut dirty = std::mem::take(&mut store.dirty);
             for (k, v) in dirty.drain() {
                 store.wrote(&k);
-                match v {
+                match v.into_encoded() {
                     Some(v) if cached => {
                         let (a, f) = store.cache(k, v);
                         added += a;
@@ -886,6 +1037,115 @@ mod tests {
         assert_eq!(st.restore_offset(kv), 12);
         assert_eq!(st.reflected_positions().get(&1), Some(&7));
         assert_eq!(st.get(scratch, b"x").unwrap().unwrap().value, b"9");
+    }
+
+    /// A counter kept decoded in the write cache: its bytes are the count,
+    /// little-endian; `loads` counts how often it was made from bytes.
+    struct Counter(u64);
+
+    impl CachedValue for Counter {
+        fn encode(&self) -> Vec<u8> {
+            self.0.to_le_bytes().to_vec()
+        }
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+        fn as_any_mut(&mut self) -> &mut dyn Any {
+            self
+        }
+    }
+
+    fn count_from(stored: Option<StoredValue>, loads: &mut u32) -> Result<Counter, String> {
+        *loads += 1;
+        Ok(Counter(stored.map_or(0, |s| {
+            u64::from_le_bytes(s.value.try_into().expect("8 bytes"))
+        })))
+    }
+
+    #[test]
+    fn decoded_window_values_are_loaded_once_per_commit_and_read_as_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = RocksEnv::new(Default::default());
+        let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
+        let win = st.store_id("win").unwrap();
+        let mut loads = 0;
+        for offset in 0..5 {
+            let c = st
+                .window_update(win, b"k", 1_000, pos(offset), |s| count_from(s, &mut loads))
+                .unwrap();
+            c.0 += 1;
+        }
+        assert_eq!(loads, 1, "decoded once, then changed in place");
+        assert_eq!(st.window_decoded::<Counter>(win, b"k", 1_000).unwrap().0, 5);
+        // Every other read sees it as if written encoded, stamped by the last writer.
+        let got = st.window_get(win, b"k", 1_000).unwrap().unwrap();
+        assert_eq!(
+            (got.value, got.position),
+            (5u64.to_le_bytes().to_vec(), pos(4))
+        );
+        let range = st.window_range(win, 0, 2_000).unwrap();
+        assert_eq!(range.len(), 1);
+        assert_eq!(range[0].value.value, 5u64.to_le_bytes());
+        // The commit encodes it once, for the changelog and RocksDB alike.
+        let records = st.flush_changelog();
+        assert_eq!(records.len(), 1);
+        let sent = StoredValue::decode("win", records[0].value.as_ref().unwrap()).unwrap();
+        assert_eq!(
+            (sent.value, sent.position),
+            (5u64.to_le_bytes().to_vec(), pos(4))
+        );
+        st.commit_local(&HashMap::from([(win, 1)])).unwrap();
+        assert_eq!(
+            st.window_decoded::<Counter>(win, b"k", 1_000).map(|c| c.0),
+            None
+        );
+        // After the commit the next update loads the committed value again.
+        st.window_update(win, b"k", 1_000, pos(5), |s| count_from(s, &mut loads))
+            .unwrap()
+            .0 += 1;
+        assert_eq!(loads, 2);
+        st.discard_dirty();
+        drop(st);
+        let st = TaskState::open(dir.path(), &specs(), &env).unwrap();
+        let got = st.window_get(win, b"k", 1_000).unwrap().unwrap();
+        assert_eq!(got.value, 5u64.to_le_bytes(), "the aborted update is gone");
+    }
+
+    #[test]
+    fn a_decoded_value_of_another_type_is_reloaded_from_its_bytes() {
+        struct Other(u64);
+        impl CachedValue for Other {
+            fn encode(&self) -> Vec<u8> {
+                self.0.to_le_bytes().to_vec()
+            }
+            fn as_any(&self) -> &dyn Any {
+                self
+            }
+            fn as_any_mut(&mut self) -> &mut dyn Any {
+                self
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let env = RocksEnv::new(Default::default());
+        let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
+        let win = st.store_id("win").unwrap();
+        st.window_update(win, b"k", 0, pos(1), |_| Ok(Other(7)))
+            .unwrap();
+        let mut loads = 0;
+        let c = st
+            .window_update(win, b"k", 0, pos(2), |s| count_from(s, &mut loads))
+            .unwrap();
+        assert_eq!((c.0, loads), (7, 1));
+        let err = st
+            .window_update(win, b"j", 0, pos(3), |_| {
+                Err::<Counter, _>("bad bytes".into())
+            })
+            .err()
+            .unwrap();
+        assert!(
+            err.to_string().contains("win") && err.to_string().contains("bad bytes"),
+            "{err}"
+        );
     }
 
     #[test]

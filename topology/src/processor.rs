@@ -283,6 +283,67 @@ impl<K: Serialize + DeserializeOwned, V: Serialize + DeserializeOwned> WindowSto
         );
     }
 
+    /// Changes one window of a key in place (`V::default()` when it has no
+    /// value) and returns what `f` returns; the window is stamped with the
+    /// current record's position, as [`WindowStore::put`] stamps it. The
+    /// value stays decoded in the task's write cache until the next commit
+    /// encodes it, so a window many records update costs one decode and one
+    /// encode per commit instead of one per record.
+    pub fn update<R>(
+        &mut self,
+        key: &K,
+        window_start: i64,
+        f: impl FnOnce(&mut V) -> R,
+    ) -> Result<R, ProcessError>
+    where
+        V: Default + Send + 'static,
+    {
+        let value = self.state.window_update(
+            self.id,
+            &to_bincode(key),
+            window_start,
+            self.position,
+            |stored| {
+                let v = match stored {
+                    Some(s) => from_bincode(&s.value).map_err(|e| e.to_string())?,
+                    None => V::default(),
+                };
+                Ok(Bincoded(v))
+            },
+        )?;
+        Ok(f(&mut value.0))
+    }
+
+    /// Reads one window of a key without copying it when the write cache
+    /// holds it decoded (see [`WindowStore::update`]); `f` gets `None` when
+    /// the window has no value.
+    pub fn peek<R>(
+        &self,
+        key: &K,
+        window_start: i64,
+        f: impl FnOnce(Option<&V>) -> R,
+    ) -> Result<R, ProcessError>
+    where
+        V: Send + 'static,
+    {
+        let key = to_bincode(key);
+        if let Some(v) = self
+            .state
+            .window_decoded::<Bincoded<V>>(self.id, &key, window_start)
+        {
+            return Ok(f(Some(&v.0)));
+        }
+        let stored = self
+            .state
+            .window_get(self.id, &key, window_start)?
+            .map(|s| {
+                from_bincode::<V>(&s.value)
+                    .map_err(|e| ProcessError::Fatal(format!("corrupt window value: {e}")))
+            })
+            .transpose()?;
+        Ok(f(stored.as_ref()))
+    }
+
     /// The windows of `key` that start in `[from, to)`, oldest first.
     pub fn fetch(&self, key: &K, from: i64, to: i64) -> Result<Vec<(i64, V)>, ProcessError> {
         let key = to_bincode(key);
@@ -318,6 +379,24 @@ impl<K: Serialize + DeserializeOwned, V: Serialize + DeserializeOwned> WindowSto
     /// once, and RocksDB at the next commit).
     pub fn expire_before(&mut self, before: i64) -> Result<(), ProcessError> {
         Ok(self.state.expire_windows(self.id, before)?)
+    }
+}
+
+/// A value kept decoded in the write cache, encoded with bincode at the
+/// commit.
+struct Bincoded<V>(V);
+
+impl<V: Serialize + Send + 'static> sluice_state::CachedValue for Bincoded<V> {
+    fn encode(&self) -> Vec<u8> {
+        to_bincode(&self.0)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
     }
 }
 

@@ -532,7 +532,7 @@ impl TaskCore {
             changelog: self
                 .ctx
                 .state
-                .as_ref()
+                .as_mut()
                 .map(TaskState::flush_changelog)
                 .unwrap_or_default(),
             offsets: self.offsets_to_commit(),

@@ -125,7 +125,7 @@ impl StreamsConfig {
             processing_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             drain_timeout: Duration::from_secs(30),
             punctuate_interval: Duration::from_millis(50),
-            cache_max_entries: 100_000,
+            cache_max_entries: 50_000,
             replication_factor: 1,
             repartition_partitions: None,
             windowed_changelog_extra_retention: Duration::from_secs(24 * 3600),

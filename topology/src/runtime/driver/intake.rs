@@ -61,6 +61,7 @@ impl Engine {
         queues: &HashMap<Tp, SplitQueue>,
     ) -> Result<bool, RuntimeError> {
         let (eos, max) = (self.eos(), self.cfg.max_in_flight_per_partition);
+        let cache_max = self.cfg.cache_max_entries;
         let mut by_task: HashMap<TaskId, TaskQueues<'_>> = HashMap::new();
         for ((topic, partition), SplitQueue { queue, split_at }) in queues {
             if *split_at >= self.drains {
@@ -83,13 +84,13 @@ impl Engine {
                 continue;
             };
             task.core.drain_done();
-            if feed_task(task, &qs, metrics, eos, max, 1)? {
+            if feed_task(task, &qs, metrics, eos, (max, cache_max), 1)? {
                 busy.push((task, qs));
             }
         }
         let fed = !busy.is_empty();
         in_parallel(busy, self.cfg.processing_threads, |(task, qs)| {
-            feed_task(task, &qs, metrics, eos, max, FEED_BATCH)
+            feed_task(task, &qs, metrics, eos, (max, cache_max), FEED_BATCH)
         })?;
         Ok(fed)
     }
@@ -151,7 +152,7 @@ pub(super) fn feed_task(
     queues: &TaskQueues<'_>,
     metrics: &EngineMetrics,
     eos: bool,
-    max: usize,
+    (max, cache_max): (usize, usize),
     limit: usize,
 ) -> Result<bool, RuntimeError> {
     // Records whose calls completed since the last look leave room: without
@@ -160,7 +161,9 @@ pub(super) fn feed_task(
     let mut fed = false;
     for &(slot, queue) in queues {
         let mut taken = 0;
-        while taken < limit && task.has_room(slot, max) {
+        // A full write cache ends the round: the commit that empties it
+        // comes before more records make it bigger.
+        while taken < limit && task.has_room(slot, max) && !task.cache_full(cache_max) {
             match queue.poll(Duration::ZERO) {
                 None => break,
                 Some(Ok(msg)) => {

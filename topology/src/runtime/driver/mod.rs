@@ -107,6 +107,18 @@ impl ActiveTask {
         self.backlog[slot].is_empty() && self.core.trackers[slot].in_flight() < max
     }
 
+    /// True when the task's write cache holds `max` dirty entries or more
+    /// (a commit is due), or it asked for a commit.
+    fn cache_full(&self, max: usize) -> bool {
+        self.core.ctx.commit_requested
+            || self
+                .core
+                .ctx
+                .state
+                .as_ref()
+                .is_some_and(|s| s.dirty_len() >= max)
+    }
+
     /// Hands async completions to the task, in order, then sends (or, under
     /// exactly-once, holds) what they produced.
     fn complete(
@@ -673,14 +685,8 @@ impl Engine {
                 send_outputs(task, &metrics, eos)?;
             }
         }
-        let cache_full = self.tasks.values().any(|t| {
-            t.core.ctx.commit_requested
-                || t.core
-                    .ctx
-                    .state
-                    .as_ref()
-                    .is_some_and(|s| s.dirty_len() >= self.cfg.cache_max_entries)
-        });
+        let cache_max = self.cfg.cache_max_entries;
+        let cache_full = self.tasks.values().any(|t| t.cache_full(cache_max));
         let due = cache_full || self.last_commit.elapsed() >= self.cfg.commit_interval();
         self.commit_periodically(consumer, due)?;
         self.update_pauses(consumer)?;
