@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus::Registry;
-use sluice_topology::runtime::{EngineMetrics, IntakeControl, RunningApp, StreamsApp};
+use sluice_topology::runtime::{EngineMetrics, IntakeControl, Queries, RunningApp, StreamsApp};
 
 use crate::accounting::{Accounting, AccountingSettings};
 use crate::config::{Config, ConfigError, Repartition};
@@ -86,6 +86,7 @@ pub async fn run_pipeline(
     let intake = IntakeControl::default();
     let health = Health::new(intake.clone());
     let by_tenant = repartition_by_tenant(&config)?;
+    let shared_limits = client.has_group_limits().then(|| client.clone());
     let steps = steps(&config, by_tenant, client, &registry, health.clone())?;
     let topology = build(&steps)?;
     tracing::info!(topology = %topology.describe(&config.app.id), "starting");
@@ -107,6 +108,13 @@ pub async fn run_pipeline(
         .with_intake(intake)
         .start()
         .map_err(RunError::Start)?;
+    let group_share = shared_limits.map(|client| {
+        tokio::spawn(follow_group_share(
+            app.queries(),
+            steps.llm.completed_store(),
+            client,
+        ))
+    });
     let usage = steps
         .accounting
         .clone()
@@ -127,9 +135,40 @@ pub async fn run_pipeline(
     app.shutdown();
     let joined = tokio::task::spawn_blocking(move || app.join()).await?;
     http.abort();
+    if let Some(task) = group_share {
+        task.abort();
+    }
     result?;
     joined?;
     Ok(())
+}
+
+/// Keeps the models' share of their group limits (`group_rps`, `group_tpm`)
+/// at this instance's share of the LLM step's partitions (the sub-topology
+/// of `store`, its idempotency store), following every assignment change.
+/// Without partitions the share is the limiter's floor: no calls.
+async fn follow_group_share(queries: Queries, store: String, client: LlmClient) {
+    let mut changes = queries.assignment_changes();
+    loop {
+        match queries.assignment(&store) {
+            Ok(held) => {
+                tracing::debug!(
+                    assigned = held.assigned,
+                    partitions = held.partitions,
+                    "share of the group limits"
+                );
+                client.set_group_share(held.share());
+            }
+            Err(e) => {
+                // A pipeline without the LLM step's stores: nothing to follow.
+                tracing::warn!(error = %e, "group limits are not shared: no LLM step found");
+                return;
+            }
+        }
+        if changes.changed().await.is_err() {
+            return;
+        }
+    }
 }
 
 /// The partition count tasks are repartitioned by tenant to (the task

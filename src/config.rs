@@ -593,6 +593,9 @@ impl Config {
                     format!("unknown provider {}", m.provider),
                 ));
             }
+            m.limiter.validate().map_err(|(key, message)| {
+                ConfigError::new(format!("llm.models[{i}].limiter.{key}"), message)
+            })?;
             m.limiter.concurrency.validate().map_err(|(key, message)| {
                 ConfigError::new(
                     format!("llm.models[{i}].limiter.concurrency.{key}"),
@@ -989,6 +992,41 @@ input = 150000
         }
         let err = load(&with("max_inflight = 3"), &[]).unwrap_err();
         assert!(err.to_string().contains("max_inflight"), "{err}");
+    }
+
+    #[test]
+    fn group_limits_must_be_positive_numbers_and_bad_ones_name_the_key() {
+        let with = |table: &str| {
+            MINIMAL.replace(
+                "provider = \"sim\"",
+                &format!("provider = \"sim\"\nlimiter = {{ {table} }}"),
+            )
+        };
+        let c = load(&with("group_rps = 20.0, group_tpm = 90000.0"), &[]).unwrap();
+        let limiter = &c.llm.models[0].limiter;
+        assert_eq!(
+            (limiter.group_rps, limiter.group_tpm),
+            (Some(20.0), Some(90000.0))
+        );
+        assert!(load(MINIMAL, &[]).unwrap().llm.models[0]
+            .limiter
+            .group_rps
+            .is_none());
+        for (table, key) in [
+            ("group_rps = 0.0", "group_rps"),
+            ("group_rps = -3.0", "group_rps"),
+            ("group_rps = inf", "group_rps"),
+            ("group_tpm = nan", "group_tpm"),
+            ("group_tpm = 0.0", "group_tpm"),
+        ] {
+            let err = load(&with(table), &[]).unwrap_err();
+            assert_eq!(
+                err.key,
+                format!("llm.models[0].limiter.{key}"),
+                "{table}: {err}"
+            );
+            assert!(err.message.contains("positive"), "{table}: {err}");
+        }
     }
 
     #[test]

@@ -80,6 +80,7 @@ fn named_families() -> Vec<&'static str> {
         llm::LLM_REQUESTS_TOTAL,
         llm::LLM_LATENCY_SECONDS,
         llm::LIMITER_RATE,
+        llm::LIMITER_GROUP_SHARE,
         llm::CONCURRENCY_LIMIT,
         llm::BREAKER_STATE,
         llm::RETRIES_TOTAL,

@@ -32,6 +32,14 @@
 //!   bounds allow there and then and hands each its grant, so a freed slot is refilled
 //!   without waiting for a chain of wake-ups, one scheduling hop per admission.
 //!
+//! * **Group limits.** With `group_rps` / `group_tpm` (the provider's limit for the whole
+//!   consumer group), each dimension is capped at that limit times this instance's share of
+//!   the group's work ([`AimdLimiter::set_group_share`]): the shares of all instances sum to
+//!   at most 1, so together they never exceed the limit, and the adaptation above still
+//!   steers below the cap. A changed share rescales the rate, the learned ceiling and the
+//!   pacer's backlog by the same ratio at once, as a changed advertised limit does: what
+//!   this instance learned about the group's rate carries over.
+//!
 //! * **Concurrency.** Calls in flight are bounded by the static `max_concurrency`, if set,
 //!   and by an adaptive limit learned from latency ([`super::concurrency`]) for providers
 //!   that queue instead of answering 429; a 429 or rate-limit headers leave the pacers
@@ -136,12 +144,37 @@ pub struct LimiterConfig {
     /// Longest `Retry-After` honoured, in milliseconds.
     #[serde(default = "default_max_pause_ms")]
     pub max_pause_ms: u64,
+    /// The provider's request limit for the whole consumer group, requests/s: each instance
+    /// caps its request rate at this times its share of the LLM step's partitions. Unset
+    /// means no group cap.
+    #[serde(default)]
+    pub group_rps: Option<f64>,
+    /// The provider's token limit for the whole consumer group, tokens/min: each instance
+    /// caps its token rate at this times its share of the LLM step's partitions, and paces
+    /// tokens from the start (as with `initial_tpm`). Unset means no group cap.
+    #[serde(default)]
+    pub group_tpm: Option<f64>,
 }
 
 impl LimiterConfig {
     /// The measurement window, kept within 50 ms..=60 s.
     fn window(&self) -> Duration {
         Duration::from_millis(self.window_ms.clamp(50, 60_000))
+    }
+
+    /// Whether a group limit (`group_rps` or `group_tpm`) is set.
+    pub fn has_group_limit(&self) -> bool {
+        self.group_rps.is_some() || self.group_tpm.is_some()
+    }
+
+    /// Checks the keys that have no safe reading when wrong; the error names the key.
+    pub fn validate(&self) -> Result<(), (&'static str, String)> {
+        for (key, value) in [("group_rps", self.group_rps), ("group_tpm", self.group_tpm)] {
+            if value.is_some_and(|v| !(v.is_finite() && v > 0.0)) {
+                return Err((key, "must be a positive number".into()));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -162,6 +195,8 @@ impl Default for LimiterConfig {
             probe_growth: default_probe_growth(),
             window_ms: default_window_ms(),
             max_pause_ms: default_max_pause_ms(),
+            group_rps: None,
+            group_tpm: None,
         }
     }
 }
@@ -193,6 +228,9 @@ pub enum Outcome {
     Failure,
 }
 
+/// The smallest group share: an instance without partitions makes no calls, and a share of
+/// exactly 0 could not be rescaled from.
+pub const MIN_GROUP_SHARE: f64 = 1e-6;
 /// Below `(1 - NEAR_BAND) × ceiling` the rate climbs fast.
 const NEAR_BAND: f64 = 0.1;
 /// Fast climb far below the ceiling, as a fraction of it per second.
@@ -253,6 +291,8 @@ struct Dim {
     rate: f64,
     min: f64,
     max: f64,
+    /// This instance's part of the group limit, units per second (infinite without one).
+    cap: f64,
     ceiling: Option<f64>,
     above_since: Option<Instant>,
     /// GCRA theoretical arrival time.
@@ -271,11 +311,12 @@ struct Dim {
 }
 
 impl Dim {
-    fn new(rate: f64, min: f64, max: f64, now: Instant) -> Self {
-        Self {
+    fn new(rate: f64, min: f64, max: f64, cap: f64, now: Instant) -> Self {
+        let mut dim = Self {
             rate,
             min,
             max,
+            cap,
             ceiling: None,
             above_since: None,
             tat: now,
@@ -286,11 +327,51 @@ impl Dim {
             remaining_max: 0.0,
             latest_full_at: None,
             limit: None,
-        }
+        };
+        dim.rate = dim.rate.min(dim.hi());
+        dim
     }
 
     fn paced(&self) -> bool {
         self.rate.is_finite()
+    }
+
+    /// Upper bound of the rate: the configured maximum, or the group cap when lower.
+    fn hi(&self) -> f64 {
+        self.max.min(self.cap)
+    }
+
+    /// Lower bound of the rate: the configured floor, unless the group cap is lower.
+    fn lo(&self) -> f64 {
+        self.min.min(self.hi())
+    }
+
+    /// Sets the group cap. A change rescales the rate, the learned ceiling and the pacer's
+    /// backlog by the cap's ratio at once, as a changed advertised limit does (what was
+    /// learned about the group's rate carries over), never above the new cap. The floor is
+    /// not applied here: the round trip through a share of nearly nothing (a rebalance)
+    /// then gives back the rate it started from.
+    fn set_cap(&mut self, cap: f64, now: Instant) {
+        let old = std::mem::replace(&mut self.cap, cap);
+        if !self.paced() || old == cap {
+            return;
+        }
+        let ratio = if old.is_finite() && cap.is_finite() {
+            cap / old
+        } else {
+            1.0
+        };
+        let before = self.rate;
+        let hi = self.hi();
+        self.rate = (self.rate * ratio).min(hi).max(f64::MIN_POSITIVE);
+        self.ceiling = self.ceiling.map(|c| (c * ratio).min(hi));
+        self.above_since = None;
+        // The backlog is a number of units admitted ahead: at the new rate it takes longer
+        // (or less long) to pass.
+        if self.tat > now {
+            let debt = self.tat.duration_since(now).as_secs_f64() * before / self.rate;
+            self.tat = now + secs(debt);
+        }
     }
 
     /// Earliest next admission (GCRA with `tolerance` of slack); `None` when not paced.
@@ -338,13 +419,13 @@ impl Dim {
         if self.ceiling.is_some_and(|c| next < c) {
             self.above_since = None;
         }
-        self.rate = next.clamp(self.min, self.max);
+        self.rate = next.clamp(self.lo(), self.hi());
     }
 
     fn cut(&mut self, to: f64, supplied: f64, seq: u64, now: Instant) {
-        let to = to.clamp(self.min, self.max);
+        let to = to.clamp(self.lo(), self.hi());
         self.rate = if self.paced() { to.min(self.rate) } else { to };
-        self.ceiling = Some(supplied.max(self.rate).clamp(self.min, self.max));
+        self.ceiling = Some(supplied.max(self.rate).clamp(self.lo(), self.hi()));
         self.above_since = None;
         self.cut_seq = seq;
         self.last_cut = Some(now);
@@ -367,8 +448,9 @@ impl Dim {
             return;
         }
         let ratio = limit / old;
-        self.rate = (self.rate * ratio).clamp(self.min, self.max);
-        self.ceiling = self.ceiling.map(|c| (c * ratio).clamp(self.min, self.max));
+        let (lo, hi) = (self.lo(), self.hi());
+        self.rate = (self.rate * ratio).clamp(lo, hi);
+        self.ceiling = self.ceiling.map(|c| (c * ratio).clamp(lo, hi));
         self.above_since = None;
         self.cut_seq = seq_now;
         self.last_cut = Some(now);
@@ -386,7 +468,7 @@ impl Dim {
             && self.levels_readable()
             && remaining < self.remaining_max - 1.0
         {
-            let at = rate_at_issue.clamp(self.min, self.max);
+            let at = rate_at_issue.clamp(self.lo(), self.hi());
             self.rate = self.rate.min(at);
             self.ceiling = Some(at);
         }
@@ -515,6 +597,8 @@ struct Waiter {
 
 #[derive(Debug)]
 struct State {
+    /// This instance's share of the group limits.
+    share: f64,
     started: Instant,
     last_advance: Instant,
     req: Dim,
@@ -636,24 +720,30 @@ impl AimdLimiter {
     pub fn new(config: LimiterConfig) -> Self {
         let now = Instant::now();
         let min_rps = config.min_rps.max(1e-3);
+        // Until told its share, an instance may take the whole group limit (its share
+        // cannot be more).
         let req = Dim::new(
             config
                 .initial_rps
                 .clamp(min_rps, config.max_rps.max(min_rps)),
             min_rps,
             config.max_rps.max(min_rps),
+            config.group_rps.unwrap_or(f64::INFINITY),
             now,
         );
         let min_tps = config.min_tpm.max(1.0) / 60.0;
         let tok = Dim::new(
             config
                 .initial_tpm
+                .or(config.group_tpm)
                 .map_or(f64::INFINITY, |t| (t / 60.0).max(min_tps)),
             min_tps,
             f64::INFINITY,
+            config.group_tpm.map_or(f64::INFINITY, |t| t / 60.0),
             now,
         );
         let state = State {
+            share: 1.0,
             started: now,
             last_advance: now,
             req,
@@ -732,6 +822,49 @@ impl AimdLimiter {
                 Step::Park => notify.notified().await,
             }
         }
+    }
+
+    /// Sets this instance's share of the group limits (`group_rps`, `group_tpm`): the part
+    /// of the group's work it holds, kept within [`MIN_GROUP_SHARE`]..=1. The caps follow at
+    /// once, rescaling the current rates by the change (see the module documentation);
+    /// without group limits only the figure is kept.
+    pub fn set_group_share(&self, share: f64) {
+        let share = if share.is_nan() {
+            MIN_GROUP_SHARE
+        } else {
+            share.clamp(MIN_GROUP_SHARE, 1.0)
+        };
+        let config = &self.shared.config;
+        let mut wake = Wake::new();
+        {
+            let mut st = self.shared.state.lock();
+            if st.share == share {
+                return;
+            }
+            let now = Instant::now();
+            // Growth so far happened under the old caps.
+            st.advance(config, now);
+            st.share = share;
+            if let Some(rps) = config.group_rps {
+                st.req.set_cap(rps * share, now);
+            }
+            if let Some(tpm) = config.group_tpm {
+                st.tok.set_cap(tpm / 60.0 * share, now);
+            }
+            // A raised cap lets waiters in sooner than the head's timer says.
+            st.dispatch(config, now, &mut wake);
+        }
+        wake_all(wake);
+    }
+
+    /// This instance's share of the group limits (1 until [`AimdLimiter::set_group_share`]).
+    pub fn group_share(&self) -> f64 {
+        self.shared.state.lock().share
+    }
+
+    /// Whether the limiter has a group limit to share (`group_rps` or `group_tpm`).
+    pub fn has_group_limit(&self) -> bool {
+        self.shared.config.has_group_limit()
     }
 
     /// Current request rate target, per second.
@@ -900,6 +1033,11 @@ impl State {
     ) -> Option<Instant> {
         loop {
             let i = self.head_class(&config.weights)?;
+            // No share of the group limits (no partitions here): no calls at all, until a
+            // share comes (its setter dispatches again).
+            if self.share <= MIN_GROUP_SHARE && config.has_group_limit() {
+                return None;
+            }
             let adaptive = self.concurrency.as_mut().and_then(|c| c.bound(now));
             if min_bound(config.max_concurrency, adaptive).is_some_and(|m| self.in_flight >= m) {
                 if adaptive.is_some_and(|m| self.in_flight >= m) {

@@ -19,6 +19,8 @@ pub mod names {
     pub const LLM_LATENCY_SECONDS: &str = "sluice_llm_latency_seconds";
     /// Current limiter rate by model and kind (`rps`, `tpm`).
     pub const LIMITER_RATE: &str = "sluice_limiter_rate";
+    /// This instance's share of its model's group limits (`group_rps`, `group_tpm`), by model.
+    pub const LIMITER_GROUP_SHARE: &str = "sluice_limiter_group_share";
     /// Current bound on calls in flight by model (adaptive limit, capped by `max_concurrency`).
     pub const CONCURRENCY_LIMIT: &str = "sluice_llm_concurrency_limit";
     /// Breaker state by model: 0 closed, 1 half-open, 2 open.
@@ -59,6 +61,7 @@ pub struct LlmMetrics {
     requests: IntCounterVec,
     latency: HistogramVec,
     limiter_rate: GaugeVec,
+    group_share: GaugeVec,
     concurrency_limit: IntGaugeVec,
     breaker_state: IntGaugeVec,
     retries: IntCounterVec,
@@ -72,6 +75,7 @@ impl LlmMetrics {
         registry.register(Box::new(m.requests.clone()))?;
         registry.register(Box::new(m.latency.clone()))?;
         registry.register(Box::new(m.limiter_rate.clone()))?;
+        registry.register(Box::new(m.group_share.clone()))?;
         registry.register(Box::new(m.concurrency_limit.clone()))?;
         registry.register(Box::new(m.breaker_state.clone()))?;
         registry.register(Box::new(m.retries.clone()))?;
@@ -101,6 +105,13 @@ impl LlmMetrics {
             limiter_rate: GaugeVec::new(
                 Opts::new(names::LIMITER_RATE, "Adaptive limiter rate (rps or tpm)."),
                 &[MODEL, KIND],
+            )?,
+            group_share: GaugeVec::new(
+                Opts::new(
+                    names::LIMITER_GROUP_SHARE,
+                    "Share of the model's group limits this instance uses (its share of the partitions).",
+                ),
+                &[MODEL],
             )?,
             concurrency_limit: IntGaugeVec::new(
                 Opts::new(
@@ -141,6 +152,7 @@ impl LlmMetrics {
             latency: self.latency.with_label_values(&[model]),
             rps: self.limiter_rate.with_label_values(&[model, KIND_RPS]),
             limiter_rate: self.limiter_rate.clone(),
+            group_share: self.group_share.clone(),
             model: model.to_string(),
             tpm: Default::default(),
             concurrency_limit: self.concurrency_limit.clone(),
@@ -176,6 +188,9 @@ pub struct ModelMetrics {
     /// The token-rate series is made (from these two) only once the limiter
     /// paces tokens, which it may start doing at any time.
     limiter_rate: GaugeVec,
+    /// A model's share series is made on its first publish (only models with a group
+    /// limit have one).
+    group_share: GaugeVec,
     model: String,
     tpm: std::sync::OnceLock<Gauge>,
     /// Made on the first publish with a bound (a model may have none).
@@ -195,6 +210,13 @@ impl ModelMetrics {
     /// Counts one admission.
     pub fn observe_admission(&self, priority: Priority) {
         self.served[priority.index()].inc();
+    }
+
+    /// The share of the group limits the limiter was given.
+    pub fn publish_group_share(&self, share: f64) {
+        self.group_share
+            .with_label_values(&[&self.model])
+            .set(share);
     }
 
     /// The limiter's current rates and concurrency bound, and the breaker's state.

@@ -188,6 +188,25 @@ impl LlmClient {
         self.endpoints.get(model).map(|(e, _)| e)
     }
 
+    /// Whether any model has a group limit (`group_rps`, `group_tpm`) to share.
+    pub fn has_group_limits(&self) -> bool {
+        self.endpoints
+            .values()
+            .any(|(e, _)| e.limiter.has_group_limit())
+    }
+
+    /// Sets this instance's share of every model's group limits (see
+    /// [`AimdLimiter::set_group_share`]) and publishes it; models without one are left alone.
+    pub fn set_group_share(&self, share: f64) {
+        for (ep, mm) in self.endpoints.values() {
+            if ep.limiter.has_group_limit() {
+                ep.limiter.set_group_share(share);
+                mm.publish_group_share(ep.limiter.group_share());
+                mm.publish_state(&ep.limiter, ep.breaker.state());
+            }
+        }
+    }
+
     /// Whether the model's breaker refuses calls right now (route to a fallback).
     pub fn is_open(&self, model: &str) -> bool {
         self.endpoints

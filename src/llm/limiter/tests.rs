@@ -343,6 +343,122 @@ async fn token_limit_is_learned_from_429s_and_paces_tokens() {
     assert!((500_000.0..=560_000.0).contains(&tpm), "{tpm}");
 }
 
+fn group(rps: f64) -> LimiterConfig {
+    LimiterConfig {
+        // Far above the group limit: only the cap holds the rate back.
+        initial_rps: 100.0,
+        group_rps: Some(rps),
+        ..Default::default()
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_group_cap_holds_the_rate_to_the_share_and_follows_it_both_ways() {
+    let limiter = AimdLimiter::new(group(20.0));
+    // Until told its share, an instance may take the whole group limit.
+    assert_eq!(limiter.current_rps(), 20.0);
+    limiter.set_group_share(0.25);
+    assert_eq!(limiter.group_share(), 0.25);
+    assert_eq!(limiter.current_rps(), 5.0);
+    // Saturated for 4 s: slow start would double the rate every second; the cap holds it.
+    let n = grants_within(&limiter, 4, Duration::from_secs(4)).await;
+    assert!((19..=23).contains(&n), "{n}");
+    assert_eq!(limiter.current_rps(), 5.0);
+    // The share grows: so does the cap, and the rate with it at once.
+    limiter.set_group_share(0.5);
+    assert_eq!(limiter.current_rps(), 10.0);
+    let n = grants_within(&limiter, 4, Duration::from_secs(4)).await;
+    assert!((39..=43).contains(&n), "{n}");
+    // The share shrinks: the rate drops at once, before any 429.
+    limiter.set_group_share(0.25);
+    assert_eq!(limiter.current_rps(), 5.0);
+    let n = grants_within(&limiter, 4, Duration::from_secs(4)).await;
+    assert!((19..=23).contains(&n), "{n}");
+    assert_eq!(limiter.rate_limited_total(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn below_the_cap_the_rate_still_adapts_and_grows_back_to_a_raised_cap() {
+    let limiter = AimdLimiter::new(group(20.0));
+    limiter.set_group_share(0.5);
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(3) {
+        limiter.acquire(Priority::Normal, 10).await.record(ok());
+    }
+    // A 429 below the cap (another client uses the quota too): cut below the cap.
+    limiter
+        .acquire(Priority::Normal, 10)
+        .await
+        .record(limited(None));
+    let cut = limiter.current_rps();
+    assert!((8.5..=9.8).contains(&cut), "{cut}");
+    // The share doubles: the rate follows by the same ratio, below the new cap...
+    limiter.set_group_share(1.0);
+    let raised = limiter.current_rps();
+    assert!((raised - 2.0 * cut).abs() < 1e-9, "{raised} vs {cut}");
+    // ...and, without further 429s, grows to the new cap and no further.
+    let mut highest: f64 = 0.0;
+    for _ in 0..12 {
+        grants_within(&limiter, 4, Duration::from_secs(1)).await;
+        highest = highest.max(limiter.current_rps());
+    }
+    assert_eq!(highest, 20.0);
+    assert_eq!(limiter.current_rps(), 20.0);
+    let n = grants_within(&limiter, 4, Duration::from_secs(4)).await;
+    assert!((79..=83).contains(&n), "{n}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_a_share_nothing_is_admitted_and_the_rate_comes_back_with_it() {
+    let limiter = AimdLimiter::new(group(20.0));
+    limiter.set_group_share(0.5);
+    warm_up(&limiter, 2).await;
+    // A rebalance: every partition revoked, then assigned again.
+    limiter.set_group_share(0.0);
+    assert_eq!(limiter.group_share(), MIN_GROUP_SHARE);
+    assert!(limiter.current_rps() <= 20.0 * MIN_GROUP_SHARE);
+    let waiting = tokio::time::timeout(
+        Duration::from_secs(60),
+        limiter.acquire(Priority::Normal, 10),
+    )
+    .await;
+    assert!(waiting.is_err(), "no call without partitions");
+    let l = limiter.clone();
+    let admitted = tokio::spawn(async move {
+        let start = Instant::now();
+        l.acquire(Priority::Normal, 10).await.record(ok());
+        start.elapsed()
+    });
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    limiter.set_group_share(0.5);
+    let waited = admitted.await.unwrap();
+    assert!(
+        waited >= Duration::from_secs(5) && waited < Duration::from_millis(5_200),
+        "{waited:?}"
+    );
+    // The round trip gives back the rate (nothing was learned in between).
+    assert!((limiter.current_rps() - 10.0).abs() < 1e-6);
+    let n = grants_within(&limiter, 4, Duration::from_secs(4)).await;
+    assert!((39..=43).contains(&n), "{n}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_group_token_limit_paces_tokens_from_the_start_within_the_share() {
+    let limiter = AimdLimiter::new(LimiterConfig {
+        group_tpm: Some(60_000.0),
+        ..Default::default()
+    });
+    assert_eq!(limiter.current_tpm(), Some(60_000.0));
+    limiter.set_group_share(0.5);
+    assert_eq!(limiter.current_tpm(), Some(30_000.0));
+    // 500 tokens/s at 100 tokens a call: 5 calls/s (plus a second's token tolerance).
+    let calls = grants_within(&limiter, 4, Duration::from_secs(4)).await;
+    assert!((20..=27).contains(&calls), "{calls}");
+    let unlimited = AimdLimiter::new(LimiterConfig::default());
+    unlimited.set_group_share(0.5);
+    assert_eq!(unlimited.current_tpm(), None, "no group limit, no pacing");
+}
+
 // --- Simulation: a token-bucket provider (50/s, burst 5, 25/s from 30 s on) ---------------
 //
 // A backlog of 200 callers drives one limiter against a fake provider on paused time; the

@@ -52,7 +52,7 @@ pub use instances::InstanceClaim;
 pub use kafka::close_in_background;
 pub use metrics::EngineMetrics;
 pub use partitions::{crc32, key_partition, murmur2, KeyPartitioner};
-pub use queries::{KeyMetadata, Queries, QueryError};
+pub use queries::{Assignment, KeyMetadata, Queries, QueryError};
 pub use restore::BARRIER_HEADER;
 pub use sluice_state::WindowRange;
 

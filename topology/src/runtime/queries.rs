@@ -9,6 +9,12 @@
 //! come from their claims on the instances topic (see `instances`). Reads go
 //! to RocksDB through the task's [`StoreReader`]: they see the state as of
 //! the task's last commit and never wait for processing.
+//!
+//! It also tells how much of a sub-topology this instance holds
+//! ([`Queries::assignment`]), and when that changes
+//! ([`Queries::assignment_changes`]): an instance sharing something with the
+//! rest of its group (a provider's rate limit, say) in proportion to its
+//! partitions follows it from there.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
@@ -17,6 +23,7 @@ use parking_lot::Mutex;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use sluice_state::{StateError, StoreKind, StoreReader, WindowRange};
+use tokio::sync::watch;
 
 use super::config::StreamsConfig;
 use super::instances::{Directory, InstanceClaim};
@@ -38,6 +45,29 @@ pub struct KeyMetadata {
     pub local: bool,
     /// True when the task is assigned here and still restoring its state.
     pub restoring: bool,
+}
+
+/// How much of a sub-topology this instance holds: its tasks assigned here
+/// (running or restoring) out of all its tasks (its partition count).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Assignment {
+    /// The sub-topology's tasks assigned to this instance.
+    pub assigned: usize,
+    /// The sub-topology's partition count: its tasks in the whole group.
+    pub partitions: usize,
+}
+
+impl Assignment {
+    /// `assigned / partitions`, in 0..=1. The shares of the group's instances
+    /// sum to 1 once its assignment settles, and to less while partitions
+    /// move (a revoked task leaves its old owner before it reaches the new).
+    pub fn share(&self) -> f64 {
+        if self.partitions == 0 {
+            0.0
+        } else {
+            (self.assigned as f64 / self.partitions as f64).min(1.0)
+        }
+    }
 }
 
 /// Why a query could not be answered.
@@ -105,6 +135,8 @@ impl QueryError {
 #[derive(Debug, Default)]
 pub(crate) struct LocalTasks {
     inner: Mutex<LocalInner>,
+    /// Marked changed on every change of the tasks.
+    changes: watch::Sender<()>,
 }
 
 #[derive(Debug, Default)]
@@ -123,27 +155,40 @@ impl LocalTasks {
         assigned: BTreeSet<TaskId>,
         reader_of: impl Fn(TaskId) -> Option<StoreReader>,
     ) {
-        let mut inner = self.inner.lock();
-        if inner.running == running && inner.assigned == assigned {
-            return;
+        {
+            let mut inner = self.inner.lock();
+            if inner.running == running && inner.assigned == assigned {
+                return;
+            }
+            let mut old = std::mem::take(&mut inner.readers);
+            inner.readers = running
+                .iter()
+                .filter_map(|id| {
+                    old.remove(id)
+                        .filter(StoreReader::is_open)
+                        .or_else(|| reader_of(*id))
+                        .map(|r| (*id, r))
+                })
+                .collect();
+            inner.running = running;
+            inner.assigned = assigned;
         }
-        let mut old = std::mem::take(&mut inner.readers);
-        inner.readers = running
-            .iter()
-            .filter_map(|id| {
-                old.remove(id)
-                    .filter(StoreReader::is_open)
-                    .or_else(|| reader_of(*id))
-                    .map(|r| (*id, r))
-            })
-            .collect();
-        inner.running = running;
-        inner.assigned = assigned;
+        self.changes.send_replace(());
     }
 
     /// The tasks assigned here (running or restoring).
     pub(crate) fn assigned(&self) -> BTreeSet<TaskId> {
         self.inner.lock().assigned.clone()
+    }
+
+    /// How many tasks of sub-topology `subtopology` are assigned here.
+    fn assigned_in(&self, subtopology: usize) -> usize {
+        self.inner
+            .lock()
+            .assigned
+            .iter()
+            .filter(|id| id.subtopology as usize == subtopology)
+            .count()
     }
 
     /// Whether `id` runs here and whether it is assigned here.
@@ -295,6 +340,24 @@ impl Queries {
             local: running,
             restoring: assigned && !running,
         })
+    }
+
+    /// How much of the sub-topology holding `store` is assigned to this
+    /// instance (see [`Assignment::share`]). Before the first assignment, and
+    /// between a revocation and the assignment that follows, nothing is.
+    pub fn assignment(&self, store: &str) -> Result<Assignment, QueryError> {
+        let sub = self.store(store)?.subtopology;
+        Ok(Assignment {
+            assigned: self.inner.local.assigned_in(sub),
+            partitions: usize::try_from(self.inner.subs[sub].partitions).unwrap_or(0),
+        })
+    }
+
+    /// A receiver marked changed whenever this instance's tasks change
+    /// (assigned, revoked, restored): wait on it
+    /// (`changed().await`) and read [`Queries::assignment`] again.
+    pub fn assignment_changes(&self) -> watch::Receiver<()> {
+        self.inner.local.changes.subscribe()
     }
 
     /// The instances known to hold partitions (their fresh claims), this one
@@ -537,6 +600,44 @@ mod tests {
         assert_eq!(q.metadata_for_key("counts", key).unwrap().host, None);
         assert!(matches!(
             q.metadata_for_key("nope", key),
+            Err(QueryError::UnknownStore(_))
+        ));
+    }
+
+    #[test]
+    fn assignment_counts_the_stores_subtopology_tasks_held_here_and_signals_changes() {
+        let local = Arc::new(LocalTasks::default());
+        let q = queries(KeyPartitioner::Murmur2, local.clone(), Default::default());
+        let mut changes = q.assignment_changes();
+        let held = |q: &Queries| q.assignment("counts").unwrap();
+        assert_eq!(
+            held(&q),
+            Assignment {
+                assigned: 0,
+                partitions: 4
+            }
+        );
+        assert_eq!(held(&q).share(), 0.0);
+        assert!(!changes.has_changed().unwrap());
+        // One task running, one restoring: both are held here.
+        local.publish([task(1)].into(), [task(1), task(3)].into(), |_| None);
+        assert!(changes.has_changed().unwrap());
+        changes.borrow_and_update();
+        assert_eq!(held(&q).assigned, 2);
+        assert_eq!(held(&q).share(), 0.5);
+        // The same tasks published again change nothing.
+        local.publish([task(1)].into(), [task(1), task(3)].into(), |_| None);
+        assert!(!changes.has_changed().unwrap());
+        // Tasks of another sub-topology do not count.
+        let other = TaskId {
+            subtopology: 1,
+            partition: 0,
+        };
+        local.publish(BTreeSet::new(), [task(0), other].into(), |_| None);
+        assert!(changes.has_changed().unwrap());
+        assert_eq!(held(&q).share(), 0.25);
+        assert!(matches!(
+            q.assignment("nope"),
             Err(QueryError::UnknownStore(_))
         ));
     }
