@@ -1040,10 +1040,12 @@ mod tests {
     }
 
     /// A counter kept decoded in the write cache: its bytes are the count,
-    /// little-endian; `loads` counts how often it was made from bytes.
-    struct Counter(u64);
+    /// little-endian. `TAG` makes types that differ only in name.
+    struct Num<const TAG: u8>(u64);
 
-    impl CachedValue for Counter {
+    type Counter = Num<0>;
+
+    impl<const TAG: u8> CachedValue for Num<TAG> {
         fn encode(&self) -> Vec<u8> {
             self.0.to_le_bytes().to_vec()
         }
@@ -1055,9 +1057,10 @@ mod tests {
         }
     }
 
+    /// Makes a counter from stored bytes, counting the loads.
     fn count_from(stored: Option<StoredValue>, loads: &mut u32) -> Result<Counter, String> {
         *loads += 1;
-        Ok(Counter(stored.map_or(0, |s| {
+        Ok(Num::<0>(stored.map_or(0, |s| {
             u64::from_le_bytes(s.value.try_into().expect("8 bytes"))
         })))
     }
@@ -1113,23 +1116,11 @@ mod tests {
 
     #[test]
     fn a_decoded_value_of_another_type_is_reloaded_from_its_bytes() {
-        struct Other(u64);
-        impl CachedValue for Other {
-            fn encode(&self) -> Vec<u8> {
-                self.0.to_le_bytes().to_vec()
-            }
-            fn as_any(&self) -> &dyn Any {
-                self
-            }
-            fn as_any_mut(&mut self) -> &mut dyn Any {
-                self
-            }
-        }
         let dir = tempfile::tempdir().unwrap();
         let env = RocksEnv::new(Default::default());
         let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
         let win = st.store_id("win").unwrap();
-        st.window_update(win, b"k", 0, pos(1), |_| Ok(Other(7)))
+        st.window_update(win, b"k", 0, pos(1), |_| Ok(Num::<1>(7)))
             .unwrap();
         let mut loads = 0;
         let c = st
