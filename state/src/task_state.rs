@@ -11,7 +11,7 @@
 //! knows the newest window start it holds in RocksDB: a read of a newer window
 //! (the first record of a window) or of a cached key skips RocksDB.
 
-use std::any::{Any, TypeId};
+use std::any::Any;
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::ops::{Bound, RangeBounds};
@@ -545,8 +545,8 @@ impl TaskState {
     /// is stamped with `position` (as a write is), and returned for the
     /// caller to change in place. When the cache holds no decoded value of
     /// type `T` for it yet, `load` makes one from the stored value (`None`
-    /// when there is none), or says why it cannot. A decoded value is read by every other read as
-    /// if it had been written encoded.
+    /// when there is none), or says why it cannot. Every other read sees a
+    /// decoded value as if it had been written encoded.
     pub fn window_update<T: CachedValue>(
         &mut self,
         id: StoreId,
@@ -556,13 +556,7 @@ impl TaskState {
         load: impl FnOnce(Option<StoredValue>) -> Result<T, String>,
     ) -> Result<&mut T, StateError> {
         let floor = self.stamp(position);
-        let typed = with_window_key(start_ms, key, |k| {
-            matches!(
-                self.stores[id.0].dirty.get(k),
-                Some(Dirty::Decoded { value, .. }) if value.as_any().type_id() == TypeId::of::<T>()
-            )
-        });
-        if !typed {
+        if self.window_decoded::<T>(id, key, start_ms).is_none() {
             let key = encode_window_key(start_ms, key);
             let in_db = start_ms <= self.stores[id.0].newest_window;
             let value =

@@ -326,22 +326,13 @@ impl<K: Serialize + DeserializeOwned, V: Serialize + DeserializeOwned> WindowSto
     where
         V: Send + 'static,
     {
-        let key = to_bincode(key);
-        if let Some(v) = self
-            .state
-            .window_decoded::<Bincoded<V>>(self.id, &key, window_start)
+        if let Some(v) =
+            self.state
+                .window_decoded::<Bincoded<V>>(self.id, &to_bincode(key), window_start)
         {
             return Ok(f(Some(&v.0)));
         }
-        let stored = self
-            .state
-            .window_get(self.id, &key, window_start)?
-            .map(|s| {
-                from_bincode::<V>(&s.value)
-                    .map_err(|e| ProcessError::Fatal(format!("corrupt window value: {e}")))
-            })
-            .transpose()?;
-        Ok(f(stored.as_ref()))
+        Ok(f(self.get(key, window_start)?.as_ref()))
     }
 
     /// The windows of `key` that start in `[from, to)`, oldest first.
