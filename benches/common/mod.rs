@@ -32,6 +32,12 @@ pub fn raw_read(bootstrap: &str, topic: &str, n: usize, split: bool) -> f64 {
         tpl.add_partition_offset(topic, p, Offset::Beginning)
             .unwrap();
     }
+    // Connected, with the topic's metadata, before the clock starts: an
+    // engine's consumer is too when its clock starts (at its assignment, after
+    // joining the group), so neither side counts connection set-up.
+    consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .expect("metadata");
     let consumer = std::sync::Arc::new(consumer);
     consumer.assign(&tpl).unwrap();
     let queues: Vec<_> = if split {
