@@ -124,6 +124,37 @@ mod submitted_at {
     }
 }
 
+/// `completedAt`: RFC 3339 read by chrono's strict parser first (the form
+/// Sluice writes; several times faster than the relaxed one, which matters
+/// where results are read back in bulk, as accounting does), then by the
+/// relaxed parser `DateTime`'s own `Deserialize` uses, so every timestamp it
+/// accepts still is.
+mod completed_at {
+    use chrono::{DateTime, FixedOffset, Utc};
+    use serde::de::{self, Deserializer, Visitor};
+
+    struct Rfc3339;
+
+    impl Visitor<'_> for Rfc3339 {
+        type Value = DateTime<Utc>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("an RFC 3339 timestamp")
+        }
+
+        fn visit_str<E: de::Error>(self, s: &str) -> Result<Self::Value, E> {
+            DateTime::parse_from_rfc3339(s)
+                .or_else(|_| s.parse::<DateTime<FixedOffset>>())
+                .map(|t| t.with_timezone(&Utc))
+                .map_err(E::custom)
+        }
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<DateTime<Utc>, D::Error> {
+        d.deserialize_str(Rfc3339)
+    }
+}
+
 impl TaskEnvelope {
     /// The tenant the task is accounted to: `tenantId`, else `requesterId`; `None` when both
     /// are empty.
@@ -185,6 +216,7 @@ pub struct TaskResult {
     /// Whether `output` holds an answer.
     pub success: bool,
     /// When processing finished.
+    #[serde(deserialize_with = "completed_at::deserialize")]
     pub completed_at: DateTime<Utc>,
     /// Wall time spent processing, in milliseconds.
     pub processing_ms: u64,
@@ -311,6 +343,49 @@ mod tests {
         assert_eq!(v["errorCode"], "exhausted");
         let back: TaskResult = serde_json::from_value(v).unwrap();
         assert_eq!(back, r);
+    }
+
+    #[test]
+    fn result_completed_at_reads_every_form_the_relaxed_parser_accepts() {
+        let at = |s: &str| {
+            let mut v = serde_json::to_value(result_fixture()).unwrap();
+            v["completedAt"] = s.into();
+            serde_json::from_value::<TaskResult>(v).map(|r| r.completed_at)
+        };
+        let want: DateTime<Utc> = "2024-05-01T10:00:00.250Z".parse().unwrap();
+        for form in [
+            "2024-05-01T10:00:00.250Z",
+            "2024-05-01T12:00:00.250+02:00",
+            "2024-05-01 10:00:00.250Z",
+            "2024-05-01t10:00:00.250z",
+        ] {
+            assert_eq!(at(form).unwrap(), want, "{form}");
+        }
+        assert!(at("2024-05-01").is_err());
+        assert!(at("yesterday").is_err());
+    }
+
+    fn result_fixture() -> TaskResult {
+        TaskResult {
+            task_id: "t1".into(),
+            task_type: "classify".into(),
+            tenant_id: "acme".into(),
+            success: true,
+            completed_at: "2024-05-01T10:00:00.250Z".parse().unwrap(),
+            processing_ms: 12,
+            model: "small".into(),
+            route: Route::default(),
+            input_tokens: 10,
+            output_tokens: 2,
+            cached_tokens: 0,
+            cost_micros: 3,
+            attempts: 1,
+            batch_id: None,
+            output: serde_json::json!({ "label": "news" }),
+            error_code: None,
+            error_message: None,
+            metadata: BTreeMap::new(),
+        }
     }
 
     #[test]

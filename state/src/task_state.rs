@@ -19,8 +19,9 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use hashbrown::hash_map::EntryRef;
 use rocksdb::{ColumnFamilyDescriptor, Direction, IteratorMode, WriteBatch, DB};
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxBuildHasher, FxHashMap};
 
 use crate::value::encode_parts;
 use crate::window::{
@@ -157,8 +158,9 @@ struct Store {
     spec: StoreSpec,
     /// Dirty entries since the last local commit: encoded value or deletion,
     /// or a value kept decoded until the commit. Hashed: every record reads
-    /// and writes it; the few range reads filter it.
-    dirty: FxHashMap<Vec<u8>, Dirty>,
+    /// and writes it; the few range reads filter it. (hashbrown's map for
+    /// `entry_ref`: an update finds or makes its entry in one lookup.)
+    dirty: hashbrown::HashMap<Vec<u8>, Dirty, FxBuildHasher>,
     /// Committed entries kept in memory, equal to what RocksDB holds for them.
     clean: FxHashMap<Vec<u8>, Vec<u8>>,
     /// Bytes charged for `clean`.
@@ -195,7 +197,7 @@ impl Store {
     fn new(spec: StoreSpec) -> Store {
         Store {
             spec,
-            dirty: FxHashMap::default(),
+            dirty: hashbrown::HashMap::default(),
             clean: FxHashMap::default(),
             clean_bytes: 0,
             newest_window: i64::MAX,
@@ -556,37 +558,79 @@ impl TaskState {
         load: impl FnOnce(Option<StoredValue>) -> Result<T, String>,
     ) -> Result<&mut T, StateError> {
         let floor = self.stamp(position);
-        if self.window_decoded::<T>(id, key, start_ms).is_none() {
-            let key = encode_window_key(start_ms, key);
-            let in_db = start_ms <= self.stores[id.0].newest_window;
-            let value =
-                load(self.read(id, &key, in_db)?).map_err(|reason| StateError::Corrupt {
-                    store: self.stores[id.0].spec.name.clone(),
-                    reason,
-                })?;
-            let value = Box::new(value);
-            let entry = Dirty::Decoded {
-                value,
-                position,
-                floor,
+        let (db, dir) = (&self.db, &self.dir);
+        let store = &mut self.stores[id.0];
+        let in_db = start_ms <= store.newest_window;
+        // One lookup finds the entry or the place for it; the slow paths
+        // (first update since the commit) read what is stored by hand, as
+        // `read` does, since the entry holds the write cache borrowed.
+        with_window_key(start_ms, key, move |k| {
+            let expired = store.is_expired(k);
+            let name = &store.spec.name;
+            let corrupt = |reason| StateError::Corrupt {
+                store: name.clone(),
+                reason,
             };
-            self.stores[id.0].dirty.insert(key, entry);
-        }
-        let dirty = &mut self.stores[id.0].dirty;
-        match with_window_key(start_ms, key, move |k| dirty.get_mut(k)) {
-            Some(Dirty::Decoded {
-                value,
-                position: p,
-                floor: f,
-            }) => {
-                (*p, *f) = (position, floor);
-                Ok(value
-                    .as_any_mut()
-                    .downcast_mut::<T>()
-                    .expect("decoded entry of the type checked"))
+            let entry = match store.dirty.entry_ref(k) {
+                EntryRef::Occupied(o) => {
+                    let entry = o.into_mut();
+                    let decoded =
+                        matches!(entry, Dirty::Decoded { value, .. } if value.as_any().is::<T>());
+                    if !decoded {
+                        let stored = if expired { None } else { entry.stored(name)? };
+                        let value = Box::new(load(stored).map_err(corrupt)?);
+                        *entry = Dirty::Decoded {
+                            value,
+                            position,
+                            floor,
+                        };
+                    }
+                    entry
+                }
+                EntryRef::Vacant(v) => {
+                    let stored = match store.clean.get(k) {
+                        _ if expired => None,
+                        Some(bytes) => Some(StoredValue::decode(name, bytes)?),
+                        None if in_db => {
+                            let cf = db
+                                .cf_handle(name)
+                                .expect("column family opened with the database");
+                            let pinned =
+                                db.get_pinned_cf(cf, k)
+                                    .map_err(|source| StateError::Rocks {
+                                        path: dir.clone(),
+                                        source,
+                                    })?;
+                            pinned
+                                .as_deref()
+                                .map(|bytes| StoredValue::decode(name, bytes))
+                                .transpose()?
+                        }
+                        None => None,
+                    };
+                    let value = Box::new(load(stored).map_err(corrupt)?);
+                    v.insert(Dirty::Decoded {
+                        value,
+                        position,
+                        floor,
+                    })
+                }
+            };
+            match entry {
+                Dirty::Decoded {
+                    value,
+                    position: p,
+                    floor: f,
+                } => {
+                    (*p, *f) = (position, floor);
+                    Ok(value
+                        .as_any_mut()
+                        .downcast_mut::<T>()
+                        .expect("decoded entry of the type checked"))
+                }
+                Dirty::Encoded(_) => unreachable!("decoded above"),
             }
-            _ => unreachable!("decoded entry set above"),
-        }
+        })
     }
 
     /// The decoded value of type `T` the write cache holds for one window of
@@ -1131,6 +1175,36 @@ mod tests {
             err.to_string().contains("win") && err.to_string().contains("bad bytes"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn an_update_loads_what_is_written_encoded_stored_or_expired() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = RocksEnv::new(Default::default());
+        let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
+        let win = st.store_id("win").unwrap();
+        let mut loads = 0;
+        let mut bump = |st: &mut TaskState, start, offset| {
+            let c = st
+                .window_update(win, b"k", start, pos(offset), |s| count_from(s, &mut loads))
+                .unwrap();
+            c.0 += 1;
+            c.0
+        };
+        // Written encoded in this commit: the update starts from those bytes.
+        st.window_put(win, b"k", 0, &40u64.to_le_bytes(), pos(1));
+        assert_eq!(bump(&mut st, 0, 2), 41);
+        st.flush_changelog();
+        st.commit_local(&HashMap::from([(win, 2)])).unwrap();
+        drop(st);
+        // Only in RocksDB (reopened: no cache holds it).
+        let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
+        assert_eq!(bump(&mut st, 0, 3), 42);
+        assert_eq!(bump(&mut st, 60_000, 4), 1, "a new window starts empty");
+        // Expired: read as absent even though RocksDB still holds it.
+        st.expire_windows(win, 60_000).unwrap();
+        assert_eq!(bump(&mut st, 0, 5), 1);
+        assert_eq!(loads, 4);
     }
 
     #[test]

@@ -80,6 +80,16 @@ pub fn to_bincode<T: Serialize>(value: &T) -> Vec<u8> {
         .expect("bincode encoding of an in-memory value does not fail")
 }
 
+/// Calls `f` with the bincode bytes of `value`, encoded on the stack when
+/// they are short (store keys, on every read and write of a record).
+pub(crate) fn with_bincode<T: Serialize, R>(value: &T, f: impl FnOnce(&[u8]) -> R) -> R {
+    let mut buf = [0u8; 128];
+    match bincode::serde::encode_into_slice(value, &mut buf, bincode::config::standard()) {
+        Ok(n) => f(&buf[..n]),
+        Err(_) => f(&to_bincode(value)),
+    }
+}
+
 /// Decodes bytes written by [`to_bincode`].
 pub fn from_bincode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
     bincode::serde::decode_from_slice(bytes, bincode::config::standard())

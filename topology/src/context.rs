@@ -8,6 +8,7 @@ use std::future::Future;
 use std::sync::Arc;
 
 use crossbeam_channel::Sender;
+use rustc_hash::FxHashMap;
 use sluice_state::{Position, StoreId, TaskState};
 
 use crate::offsets::RecordToken;
@@ -119,7 +120,7 @@ pub struct TaskCounters {
 pub struct TaskCtx {
     pub(crate) task: TaskId,
     pub(crate) state: Option<TaskState>,
-    pub(crate) stores: HashMap<String, StoreId>,
+    pub(crate) stores: FxHashMap<String, StoreId>,
     pub(crate) out: Vec<OutputRecord>,
     pub(crate) current: Option<Arc<RecordToken>>,
     pub(crate) stream_time: i64,

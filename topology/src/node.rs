@@ -1,7 +1,7 @@
 //! Operator nodes as instantiated inside a task, and the factories the DSL
 //! records to instantiate them once per task.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -45,7 +45,7 @@ pub(crate) trait CompletionTarget: Send {
 
 /// Builds node instances for one task.
 pub(crate) struct Instantiator<'a> {
-    pub(crate) stores: &'a HashMap<String, StoreId>,
+    pub(crate) stores: &'a FxHashMap<String, StoreId>,
     pub(crate) targets: Vec<Arc<Mutex<dyn CompletionTarget>>>,
     pub(crate) app_id: &'a str,
 }

@@ -19,7 +19,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use sluice_state::{Position, StoreId, TaskState};
 
-use crate::codec::{from_bincode, to_bincode};
+use crate::codec::{from_bincode, to_bincode, with_bincode};
 use crate::context::TaskCtx;
 use crate::node::{CompletionTarget, Data, Forward, Node, Punctuation};
 use crate::offsets::InFlight;
@@ -298,19 +298,17 @@ impl<K: Serialize + DeserializeOwned, V: Serialize + DeserializeOwned> WindowSto
     where
         V: Default + Send + 'static,
     {
-        let value = self.state.window_update(
-            self.id,
-            &to_bincode(key),
-            window_start,
-            self.position,
-            |stored| {
-                let v = match stored {
-                    Some(s) => from_bincode(&s.value).map_err(|e| e.to_string())?,
-                    None => V::default(),
-                };
-                Ok(Bincoded(v))
-            },
-        )?;
+        let (id, position) = (self.id, self.position);
+        let value = with_bincode(key, |key| {
+            self.state
+                .window_update(id, key, window_start, position, |stored| {
+                    let v = match stored {
+                        Some(s) => from_bincode(&s.value).map_err(|e| e.to_string())?,
+                        None => V::default(),
+                    };
+                    Ok(Bincoded(v))
+                })
+        })?;
         Ok(f(&mut value.0))
     }
 
@@ -326,10 +324,11 @@ impl<K: Serialize + DeserializeOwned, V: Serialize + DeserializeOwned> WindowSto
     where
         V: Send + 'static,
     {
-        if let Some(v) =
+        let decoded = with_bincode(key, |key| {
             self.state
-                .window_decoded::<Bincoded<V>>(self.id, &to_bincode(key), window_start)
-        {
+                .window_decoded::<Bincoded<V>>(self.id, key, window_start)
+        });
+        if let Some(v) = decoded {
             return Ok(f(Some(&v.0)));
         }
         Ok(f(self.get(key, window_start)?.as_ref()))

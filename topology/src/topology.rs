@@ -1,7 +1,7 @@
 //! A built topology: sub-topologies (connected groups of operators that share
 //! tasks), their sources, stores and internal topics.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use std::fmt::Write as _;
 use std::sync::Arc;
 
@@ -105,7 +105,7 @@ impl SubTopology {
     pub(crate) fn instantiate(
         &self,
         app_id: &str,
-        stores: &HashMap<String, StoreId>,
+        stores: &FxHashMap<String, StoreId>,
     ) -> Result<Instance, TopologyError> {
         let mut inst = Instantiator {
             stores,
