@@ -311,27 +311,19 @@ mod tests {
     #[test]
     fn result_serializes_camel_case_and_skips_absent_batch() {
         let r = TaskResult {
-            task_id: "t1".into(),
             task_type: "summarize".into(),
-            tenant_id: "acme".into(),
             success: false,
             completed_at: "2024-05-01T10:00:00Z".parse().unwrap(),
-            processing_ms: 12,
-            model: "small".into(),
             route: Route {
                 tier: "small".into(),
                 reason: "complexity:0.10".into(),
             },
-            input_tokens: 10,
             output_tokens: 0,
-            cached_tokens: 0,
-            cost_micros: 3,
             attempts: 2,
-            batch_id: None,
             output: serde_json::Value::Null,
             error_code: Some("exhausted".into()),
-            error_message: None,
             metadata: BTreeMap::from([("correlationId".into(), "c-7".into())]),
+            ..result_fixture()
         };
         let v = serde_json::to_value(&r).unwrap();
         assert_eq!(v["metadata"]["correlationId"], "c-7");
