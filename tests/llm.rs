@@ -488,11 +488,10 @@ fn twenty_second_calls_cause_no_rebalance_and_no_duplicate_call() {
     .unwrap();
     let p = Pipeline::new(sim, UNBATCHED);
     // max.poll.interval at 10 s (session timeout must stay below it).
-    let text = std::fs::read_to_string(&p.config).unwrap().replace(
+    p.edit_config(&[(
         "session_timeout_ms = 6000",
         "session_timeout_ms = 6000\nmax_poll_interval_ms = 10000",
-    );
-    std::fs::write(&p.config, text).unwrap();
+    )]);
     let mut app = p.start("slow");
     let tasks: Vec<Task> = (0..4)
         .map(|i| Task::new(i, "classify", "acme", "normal"))
@@ -512,10 +511,11 @@ fn twenty_second_calls_cause_no_rebalance_and_no_duplicate_call() {
 fn high_priority_tasks_finish_first_when_the_limiter_is_the_bottleneck() {
     let sim = SimConfig::from_json_value(serde_json::json!({ "rps": 8.0, "burst": 2 })).unwrap();
     let p = Pipeline::new(sim, UNBATCHED);
-    let text = std::fs::read_to_string(&p.config)
-        .unwrap()
-        .replace("initial_rps = 400", "initial_rps = 8");
-    std::fs::write(&p.config, text).unwrap();
+    // Both models.
+    p.edit_config(&[
+        ("initial_rps = 400", "initial_rps = 8"),
+        ("initial_rps = 400", "initial_rps = 8"),
+    ]);
     let mut app = p.start("prio");
     let tasks: Vec<Task> = (0..90)
         .map(|i| Task::new(i, "classify", "acme", ["batch", "normal", "high"][i % 3]))
@@ -1336,21 +1336,18 @@ fn a_provider_behind_a_proxy_with_its_own_key_header_headers_query_and_token_fie
     }))
     .unwrap();
     let p = Pipeline::new(sim, "");
-    let text = std::fs::read_to_string(&p.config)
-        .unwrap()
-        .replacen(
+    p.edit_config(&[
+        (
             "name = \"sim\"\n",
             "name = \"sim\"\napi_key_env = \"SIM_AZURE_KEY\"\napi_key_header = \"api-key\"\n\
              headers = { \"OpenAI-Organization\" = \"org-7\" }\n\
              query = { \"api-version\" = \"2024-10-21\" }\n",
-            1,
-        )
-        .replacen(
+        ),
+        (
             "name = \"small\"\nprovider = \"sim\"\n",
             "name = \"small\"\nprovider = \"sim\"\nmax_tokens_field = \"max_completion_tokens\"\n",
-            1,
-        );
-    std::fs::write(&p.config, text).unwrap();
+        ),
+    ]);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -1400,12 +1397,7 @@ fn a_one_slot_server_that_queues_answers_every_task_without_timeouts() {
     }))
     .unwrap();
     let p = Pipeline::new(sim, UNBATCHED);
-    let text = std::fs::read_to_string(&p.config).unwrap().replacen(
-        "timeout_ms = 30000",
-        "timeout_ms = 4000",
-        1,
-    );
-    std::fs::write(&p.config, text).unwrap();
+    p.edit_config(&[("timeout_ms = 30000", "timeout_ms = 4000")]);
     let mut app = p.start("one-slot");
     let tasks: Vec<Task> = (0..60)
         .map(|i| Task::new(i, "classify", "acme", "normal"))
@@ -1523,18 +1515,16 @@ fn a_group_rate_limit_is_divided_among_the_instances_by_their_partitions() {
     }))
     .unwrap();
     let p = Pipeline::with_partitions(sim, "exactly_once", UNBATCHED, 4, &[]);
-    let text = std::fs::read_to_string(&p.config)
-        .unwrap()
-        .replacen(
+    p.edit_config(&[
+        (
             "limiter = { initial_rps = 400 }",
             "limiter = { initial_rps = 400, group_rps = 20.0 }",
-            1,
-        )
-        .replace(
+        ),
+        (
             "max_in_flight_per_partition = 2000",
             "max_in_flight_per_partition = 8",
-        );
-    std::fs::write(&p.config, text).unwrap();
+        ),
+    ]);
     let share = "sluice_limiter_group_share{model=\"small\"}";
     let mut a = p.start("group-a");
     eventually(Duration::from_secs(30), "A holds every partition", || {

@@ -226,6 +226,18 @@ listen = "127.0.0.1:0"
         self.start_with(name, &self.config, env, env.is_empty())
     }
 
+    /// Changes the generated config before an instance starts: each
+    /// `(from, to)` replaces the first `from`, which must be there (an edit
+    /// that matched nothing would leave the test not testing what it says).
+    pub fn edit_config(&self, edits: &[(&str, &str)]) {
+        let mut text = std::fs::read_to_string(&self.config).unwrap();
+        for (from, to) in edits {
+            assert!(text.contains(from), "the config has no {from:?}:\n{text}");
+            text = text.replacen(from, to, 1);
+        }
+        std::fs::write(&self.config, text).unwrap();
+    }
+
     /// Starts a second instance with its own state directory and `extra`
     /// appended to its config; waits until it listens.
     pub fn start_other(&self, name: &str, extra: &str) -> (App, tempfile::TempDir) {
