@@ -135,6 +135,15 @@ impl LastError {
             .or_else(|| seen.last())
             .cloned()
     }
+
+    fn remember(&self, reason: &str) {
+        if let Ok(mut seen) = self.0.lock() {
+            if seen.len() >= 16 {
+                seen.remove(0);
+            }
+            seen.push(reason.to_string());
+        }
+    }
 }
 
 /// The cluster's metadata; when no broker answers, the error says why (from
@@ -152,17 +161,6 @@ fn metadata(
             },
             None => e.into(),
         })
-}
-
-impl LastError {
-    fn remember(&self, reason: &str) {
-        if let Ok(mut seen) = self.0.lock() {
-            if seen.len() >= 16 {
-                seen.remove(0);
-            }
-            seen.push(reason.to_string());
-        }
-    }
 }
 
 impl ClientContext for LastError {
