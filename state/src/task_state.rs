@@ -188,6 +188,37 @@ fn with_window_key<R>(start_ms: i64, key: &[u8], f: impl FnOnce(&[u8]) -> R) -> 
     f(&buf[..8 + key.len()])
 }
 
+/// What a store holds for `key` besides its write cache: the record cache
+/// (`clean`), else RocksDB when `in_db` says it may hold it.
+fn read_committed(
+    db: &DB,
+    dir: &Path,
+    store: &str,
+    clean: &FxHashMap<Vec<u8>, Vec<u8>>,
+    key: &[u8],
+    in_db: bool,
+) -> Result<Option<StoredValue>, StateError> {
+    if let Some(bytes) = clean.get(key) {
+        return StoredValue::decode(store, bytes).map(Some);
+    }
+    if !in_db {
+        return Ok(None);
+    }
+    let cf = db
+        .cf_handle(store)
+        .expect("column family opened with the database");
+    let pinned = db
+        .get_pinned_cf(cf, key)
+        .map_err(|source| StateError::Rocks {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+    pinned
+        .as_deref()
+        .map(|bytes| StoredValue::decode(store, bytes))
+        .transpose()
+}
+
 /// What one cached entry is charged: its bytes and the map's overhead.
 fn cache_charge(key: &[u8], value: &[u8]) -> usize {
     key.len() + value.len() + 64
@@ -466,20 +497,7 @@ impl TaskState {
         if let Some(entry) = store.dirty.get(key) {
             return entry.stored(name);
         }
-        if let Some(bytes) = store.clean.get(key) {
-            return StoredValue::decode(name, bytes).map(Some);
-        }
-        if !in_db {
-            return Ok(None);
-        }
-        let pinned = self
-            .db
-            .get_pinned_cf(self.cf(id), key)
-            .map_err(|e| self.rocks_err(e))?;
-        pinned
-            .as_deref()
-            .map(|bytes| StoredValue::decode(name, bytes))
-            .transpose()
+        read_committed(&self.db, &self.dir, name, &store.clean, key, in_db)
     }
 
     /// Writes a value reflecting the input at `position`.
@@ -562,8 +580,8 @@ impl TaskState {
         let store = &mut self.stores[id.0];
         let in_db = start_ms <= store.newest_window;
         // One lookup finds the entry or the place for it; the slow paths
-        // (first update since the commit) read what is stored by hand, as
-        // `read` does, since the entry holds the write cache borrowed.
+        // (first update since the commit) read what is stored as `read` does,
+        // field by field, since the entry holds the write cache borrowed.
         with_window_key(start_ms, key, move |k| {
             let expired = store.is_expired(k);
             let name = &store.spec.name;
@@ -588,25 +606,10 @@ impl TaskState {
                     entry
                 }
                 EntryRef::Vacant(v) => {
-                    let stored = match store.clean.get(k) {
-                        _ if expired => None,
-                        Some(bytes) => Some(StoredValue::decode(name, bytes)?),
-                        None if in_db => {
-                            let cf = db
-                                .cf_handle(name)
-                                .expect("column family opened with the database");
-                            let pinned =
-                                db.get_pinned_cf(cf, k)
-                                    .map_err(|source| StateError::Rocks {
-                                        path: dir.clone(),
-                                        source,
-                                    })?;
-                            pinned
-                                .as_deref()
-                                .map(|bytes| StoredValue::decode(name, bytes))
-                                .transpose()?
-                        }
-                        None => None,
+                    let stored = if expired {
+                        None
+                    } else {
+                        read_committed(db, dir, name, &store.clean, k, in_db)?
                     };
                     let value = Box::new(load(stored).map_err(corrupt)?);
                     v.insert(Dirty::Decoded {
