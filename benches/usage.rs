@@ -6,9 +6,12 @@
 //! One dataset of task results (10,000 tenants, two models, cached tokens,
 //! completion times over the last ten minutes, keyed by tenant over 4
 //! partitions) is produced once. Three rounds, interleaved: a plain rdkafka
-//! consumer reads it, then the `account` operator (the default windows: 1
-//! minute, 1 hour, 1 day, 30 days) counts it under exactly-once with fresh
-//! state, writing every window update to a usage topic. Medians are compared.
+//! consumer reads it; the engine decodes it under exactly-once and does
+//! nothing else (`decode`: the ceiling of any topology over this input on
+//! this machine, since every result must be decoded and its offset
+//! committed); then the `account` operator (the default windows: 1 minute,
+//! 1 hour, 1 day, 30 days) counts it under exactly-once with fresh state,
+//! writing every window update to a usage topic. Medians are compared.
 //! Then a child process (this binary again) accounts 100,000 tenants' results
 //! and reports its peak resident set (`VmHWM`).
 
@@ -80,9 +83,19 @@ fn produce_results(bootstrap: &str, topic: &str, n: usize, tenants: usize) {
     );
 }
 
-/// Accounts `n` results of `topic` under exactly-once into a fresh state
-/// directory: results per second, from the assignment to the last one in.
-fn account(bootstrap: &str, topic: &str, n: usize, state: &std::path::Path) -> f64 {
+/// What an engine round does with the results.
+#[derive(Clone, Copy, PartialEq)]
+enum Round {
+    /// Counts them into the windows, writing usage records and changelogs.
+    Account,
+    /// Decodes them and commits their offsets, nothing more: the engine's
+    /// own ceiling for this input under exactly-once, with no accounting.
+    DecodeOnly,
+}
+
+/// Runs `n` results of `topic` through the engine under exactly-once with
+/// fresh state: results per second, from the assignment to the last one in.
+fn account(bootstrap: &str, topic: &str, n: usize, state: &std::path::Path, round: Round) -> f64 {
     let app_id = unique("usage");
     let usage_topic = format!("{app_id}-usage");
     let alerts_topic = format!("{app_id}-alerts");
@@ -106,13 +119,21 @@ fn account(bootstrap: &str, topic: &str, n: usize, state: &std::path::Path) -> f
         downgrade_at: None,
     });
     let b = StreamBuilder::new();
-    b.stream_with(
+    let results = b.stream_with(
         &[topic],
         StringCodec,
         JsonCodec::<TaskResult>::default(),
         SourceOptions::default(),
-    )
-    .account(&accounting);
+    );
+    match round {
+        Round::Account => {
+            results.account(&accounting);
+        }
+        Round::DecodeOnly => {
+            // Every result decoded and looked at, none counted or written.
+            results.filter(|r| r.value.tenant_id.is_empty());
+        }
+    }
     let topology = b.build().expect("topology");
     let mut cfg = StreamsConfig::new(&app_id, bootstrap, state);
     cfg.guarantee = Guarantee::ExactlyOnce;
@@ -140,9 +161,15 @@ fn account(bootstrap: &str, topic: &str, n: usize, state: &std::path::Path) -> f
     let cpu = cpu_secs() - cpu_start;
     app.shutdown();
     app.join().expect("clean stop");
+    let what = match round {
+        Round::Account => format!(
+            "accounted {n} results ({} window updates)",
+            n * default_windows().len()
+        ),
+        Round::DecodeOnly => format!("decoded {n} results (nothing accounted)"),
+    };
     eprintln!(
-        "accounted {n} results ({} window updates) in {secs:.2}s (first after {:.2}s; {} task commits taking {:.2}s; {cpu:.2} CPU-seconds)",
-        n * default_windows().len(),
+        "{what} in {secs:.2}s (first after {:.2}s; {} task commits taking {:.2}s; {cpu:.2} CPU-seconds)",
         first.unwrap_or(secs),
         metrics.commit_count(),
         metrics.commit_seconds_sum()
@@ -174,7 +201,7 @@ fn peak_rss_mib() -> f64 {
 /// The child's part: account every result of a topic, print the peak RSS.
 fn rss_child(bootstrap: &str, topic: &str, n: usize) {
     let dir = tempfile::tempdir().unwrap();
-    account(bootstrap, topic, n, dir.path());
+    account(bootstrap, topic, n, dir.path(), Round::Account);
     println!("RSS_MIB={:.0}", peak_rss_mib());
 }
 
@@ -196,17 +223,26 @@ fn main() {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    let (mut raws, mut usages) = (Vec::new(), Vec::new());
-    for round in 0..3 {
+    let (mut raws, mut decodes, mut usages) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..3 {
+        let state = |what: &str| dir.path().join(format!("{what}-{i}"));
         raws.push(raw_read(&bootstrap, &topic, n, false));
+        decodes.push(account(
+            &bootstrap,
+            &topic,
+            n,
+            &state("decode"),
+            Round::DecodeOnly,
+        ));
         usages.push(account(
             &bootstrap,
             &topic,
             n,
-            &dir.path().join(format!("round-{round}")),
+            &state("usage"),
+            Round::Account,
         ));
     }
-    let (raw, usage) = (median(raws), median(usages));
+    let (raw, decode, usage) = (median(raws), median(decodes), median(usages));
 
     // 100,000 tenants, one result each, in a child process of its own.
     let big = env_usize("SLUICE_BENCH_RSS_TENANTS", 100_000);
@@ -230,7 +266,8 @@ fn main() {
         default_windows().len()
     );
     println!(
-        "RESULT raw_rps={raw:.0} usage_rps={usage:.0} usage_ratio={:.2} rss_mib={rss:.0}",
+        "RESULT raw_rps={raw:.0} decode_rps={decode:.0} usage_rps={usage:.0} decode_ratio={:.2} usage_ratio={:.2} rss_mib={rss:.0}",
+        decode / raw,
         usage / raw
     );
 }
