@@ -332,24 +332,7 @@ fn survivor_takes_over_a_killed_instance_and_keeps_aggregates_exact() {
             .map(|p| consumer.fetch_watermarks(&ex.input, p, Duration::from_secs(10)))
             .collect();
         eprintln!("input watermarks: {ends:?}; A: {}", a.stop());
-        // The killed instance's transaction left open on the output or a
-        // changelog (ARCHITECTURE.md, broker quirks) holds back every `read_committed` reader and
-        // the survivor's transactions behind it: shown by a barrier this
-        // test commits there and cannot read back committed.
-        let mut held = vec![
-            ex.output.clone(),
-            format!("{}-counts-changelog", ex.app),
-            format!("{}-sluice-progress-0-changelog", ex.app),
-        ];
-        for t in &held {
-            commit_barrier(t, 4);
-        }
-        held = barriers_out_of_reach(&held)
-            .into_iter()
-            .map(|(t, p, o)| format!("{t}/{p}@{o}"))
-            .collect();
-        if !held.is_empty() {
-            eprintln!("the killed instance's transaction was never resolved: committed barriers out of reach at {held:?} (a broker fault)");
+        if held_back_by_unresolved_transaction(&ex, "the killed instance") {
             return;
         }
         got = check_behind_stuck_transaction(&ex, &expected, records.len());
@@ -402,6 +385,15 @@ fn a_frozen_instance_is_fenced_drops_its_tasks_dirty_and_rejoins() {
         assert_every_count_within(&msgs, &expected);
     } else {
         eprintln!("{}", partition_views(&ex.output));
+        if held_back_by_unresolved_transaction(&ex, "an instance") {
+            assert!(
+                b.child.try_wait().unwrap().is_none(),
+                "the woken instance keeps running"
+            );
+            b.stop();
+            a.stop();
+            return;
+        }
         got = check_behind_stuck_transaction(&ex, &expected, records.len());
     }
     assert!(
@@ -475,6 +467,31 @@ fn a_task_fenced_at_its_commit_reads_its_partition_again_when_it_comes_back() {
 /// covered and writes after it, so its answers are the latest ones; a
 /// changelog record of the killed transaction restored into its state would
 /// make them too high.
+/// True when a transaction left open on the output or a changelog
+/// (ARCHITECTURE.md, broker quirks) holds back every `read_committed` reader
+/// and the transactions behind it, restores included: shown by a barrier
+/// committed there that cannot be read back committed. Apache Kafka aborts
+/// such a transaction; nothing more can be checked on this broker.
+fn held_back_by_unresolved_transaction(ex: &Example, whose: &str) -> bool {
+    let topics = vec![
+        ex.output.clone(),
+        format!("{}-counts-changelog", ex.app),
+        format!("{}-sluice-progress-0-changelog", ex.app),
+    ];
+    for t in &topics {
+        commit_barrier(t, 4);
+    }
+    let held: Vec<String> = barriers_out_of_reach(&topics)
+        .into_iter()
+        .map(|(t, p, o)| format!("{t}/{p}@{o}"))
+        .collect();
+    if held.is_empty() {
+        return false;
+    }
+    eprintln!("{whose}'s transaction was never resolved: committed barriers out of reach at {held:?} (a broker fault)");
+    true
+}
+
 /// Waits until `a` owns all four tasks. False when it cannot because the
 /// test broker left the other instance's open transaction unresolved after
 /// `a`'s `init_transactions` (ARCHITECTURE.md, broker quirks): `read_committed` readers, `a`'s
