@@ -204,19 +204,27 @@ fn read_committed(
     if !in_db {
         return Ok(None);
     }
-    let cf = db
-        .cf_handle(store)
-        .expect("column family opened with the database");
     let pinned = db
-        .get_pinned_cf(cf, key)
-        .map_err(|source| StateError::Rocks {
-            path: dir.to_path_buf(),
-            source,
-        })?;
+        .get_pinned_cf(column_family(db, store), key)
+        .map_err(|source| rocks_error(dir, source))?;
     pinned
         .as_deref()
         .map(|bytes| StoredValue::decode(store, bytes))
         .transpose()
+}
+
+/// A store's column family.
+fn column_family<'a>(db: &'a DB, store: &str) -> &'a rocksdb::ColumnFamily {
+    db.cf_handle(store)
+        .expect("column family opened with the database")
+}
+
+/// A RocksDB error of the state in `dir`.
+fn rocks_error(dir: &Path, source: rocksdb::Error) -> StateError {
+    StateError::Rocks {
+        path: dir.to_path_buf(),
+        source,
+    }
 }
 
 /// What one cached entry is charged: its bytes and the map's overhead.
@@ -358,12 +366,8 @@ impl TaskState {
         let cfs = specs
             .iter()
             .map(|s| ColumnFamilyDescriptor::new(&s.name, env.cf_options()));
-        let db = DB::open_cf_descriptors(&env.db_options(), dir, cfs).map_err(|source| {
-            StateError::Rocks {
-                path: dir.to_path_buf(),
-                source,
-            }
-        })?;
+        let db = DB::open_cf_descriptors(&env.db_options(), dir, cfs)
+            .map_err(|source| rocks_error(dir, source))?;
         let loaded = Checkpoint::load(dir);
         let checkpoint = match &loaded {
             LoadedCheckpoint::Found(cp) => cp.clone(),
@@ -465,16 +469,11 @@ impl TaskState {
     }
 
     fn rocks_err(&self, source: rocksdb::Error) -> StateError {
-        StateError::Rocks {
-            path: self.dir.clone(),
-            source,
-        }
+        rocks_error(&self.dir, source)
     }
 
     fn cf(&self, id: StoreId) -> &rocksdb::ColumnFamily {
-        self.db
-            .cf_handle(&self.stores[id.0].spec.name)
-            .expect("column family opened with the database")
+        column_family(&self.db, &self.stores[id.0].spec.name)
     }
 
     /// Reads a value (decoded straight from the caches or RocksDB's buffer).
@@ -842,10 +841,7 @@ impl TaskState {
     ) -> Result<(), StateError> {
         let mut batch = WriteBatch::default();
         for store in &mut self.stores {
-            let cf = self
-                .db
-                .cf_handle(&store.spec.name)
-                .expect("column family opened with the database");
+            let cf = column_family(&self.db, &store.spec.name);
             if store.expire_before > store.expired_in_db {
                 batch.delete_range_cf(
                     cf,
