@@ -453,20 +453,6 @@ fn a_task_fenced_at_its_commit_reads_its_partition_again_when_it_comes_back() {
     );
 }
 
-/// The test broker sometimes never resolves a transaction its producer was
-/// killed in, even after the survivor's `init_transactions` with the same
-/// transactional id (seen in 2 of about 33 runs): `read_committed` readers then
-/// stop at that transaction on every partition it touched, which for a
-/// windowed count is every output partition, although the survivor's own
-/// transactions after it committed. Apache Kafka aborts such a transaction
-/// on the new `init_transactions`. When that happens the outcome is checked
-/// without the broker's last stable offset: the survivor's transactions must
-/// have committed the whole input (their offsets are part of them), and the
-/// latest count of every window, read uncommitted, must be exact. The
-/// survivor re-processes everything the killed instance's open transaction
-/// covered and writes after it, so its answers are the latest ones; a
-/// changelog record of the killed transaction restored into its state would
-/// make them too high.
 /// True when a transaction left open on the output or a changelog
 /// (ARCHITECTURE.md, broker quirks) holds back every `read_committed` reader
 /// and the transactions behind it, restores included: shown by a barrier
@@ -522,6 +508,20 @@ fn takes_over_every_task(a: &Proc, ex: &Example, other: &str) -> bool {
     false
 }
 
+/// The test broker sometimes never resolves a transaction its producer was
+/// killed in, even after the survivor's `init_transactions` with the same
+/// transactional id (seen in 2 of about 33 runs): `read_committed` readers then
+/// stop at that transaction on every partition it touched, which for a
+/// windowed count is every output partition, although the survivor's own
+/// transactions after it committed. Apache Kafka aborts such a transaction
+/// on the new `init_transactions`. When that happens the outcome is checked
+/// without the broker's last stable offset: the survivor's transactions must
+/// have committed the whole input (their offsets are part of them), and the
+/// latest count of every window, read uncommitted, must be exact. The
+/// survivor re-processes everything the killed instance's open transaction
+/// covered and writes after it, so its answers are the latest ones; a
+/// changelog record of the killed transaction restored into its state would
+/// make them too high.
 fn check_behind_stuck_transaction(
     ex: &Example,
     expected: &BTreeMap<(i64, String), u64>,
