@@ -95,7 +95,13 @@ enum Round {
 
 /// Runs `n` results of `topic` through the engine under exactly-once with
 /// fresh state: results per second, from the assignment to the last one in.
-fn account(bootstrap: &str, topic: &str, n: usize, state: &std::path::Path, round: Round) -> f64 {
+fn engine_round(
+    bootstrap: &str,
+    topic: &str,
+    n: usize,
+    state: &std::path::Path,
+    round: Round,
+) -> f64 {
     let app_id = unique("usage");
     let usage_topic = format!("{app_id}-usage");
     let alerts_topic = format!("{app_id}-alerts");
@@ -201,7 +207,7 @@ fn peak_rss_mib() -> f64 {
 /// The child's part: account every result of a topic, print the peak RSS.
 fn rss_child(bootstrap: &str, topic: &str, n: usize) {
     let dir = tempfile::tempdir().unwrap();
-    account(bootstrap, topic, n, dir.path(), Round::Account);
+    engine_round(bootstrap, topic, n, dir.path(), Round::Account);
     println!("RSS_MIB={:.0}", peak_rss_mib());
 }
 
@@ -227,14 +233,14 @@ fn main() {
     for i in 0..3 {
         let state = |what: &str| dir.path().join(format!("{what}-{i}"));
         raws.push(raw_read(&bootstrap, &topic, n, false));
-        decodes.push(account(
+        decodes.push(engine_round(
             &bootstrap,
             &topic,
             n,
             &state("decode"),
             Round::DecodeOnly,
         ));
-        usages.push(account(
+        usages.push(engine_round(
             &bootstrap,
             &topic,
             n,
