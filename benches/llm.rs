@@ -181,15 +181,9 @@ fn cpu_secs(pid: u32) -> Option<f64> {
     Some(ticks as f64 / 100.0)
 }
 
-/// The broker's pid (the process named `tansu` listening on `bootstrap`'s port).
-fn broker_pid(bootstrap: &str) -> Option<u32> {
-    let port = bootstrap.rsplit(':').next()?;
-    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
-        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
-        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-        let cmd = String::from_utf8_lossy(&cmd);
-        (cmd.contains("tansu") && cmd.contains(&format!("127.0.0.1:{port}"))).then_some(pid)
-    })
+/// The broker's pid, as `make bench-llm` passes it (`SLUICE_BENCH_BROKER_PID`).
+fn broker_pid() -> Option<u32> {
+    std::env::var("SLUICE_BENCH_BROKER_PID").ok()?.parse().ok()
 }
 
 /// Samples the CPU time of some processes every 10 ms, with the wall clock
@@ -323,7 +317,7 @@ listen = "127.0.0.1:0"
     let cpu = CpuTrace::start(vec![
         child.id(),
         std::process::id(),
-        broker_pid(bootstrap).unwrap_or(0),
+        broker_pid().unwrap_or(0),
     ]);
     // Wait for the operator's committed offsets to reach the end of the input
     // (a cheap request every 100 ms), then read the results: a reader running

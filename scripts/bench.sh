@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make bench-<area>`: builds in release mode, starts a fresh local broker, runs
+# `make bench-<area>`: builds in release mode, starts a fresh local Apache Kafka broker, runs
 # the benchmark (one process run, ratios measured side by side), stops the broker.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -12,5 +12,7 @@ name="bench-$$"
 bootstrap="$("$root/scripts/broker.sh" start "$name")"
 trap '"$root/scripts/broker.sh" stop "$name"' EXIT
 export SLUICE_BENCH_BOOTSTRAP="$bootstrap"
-echo "bench: broker at $bootstrap; machine: $(nproc) cores, $(free -g | awk '/Mem:/{print $2}') GiB"
+SLUICE_BENCH_BROKER_PID="$(cat "$root/.tools/run/$name/pid")"
+export SLUICE_BENCH_BROKER_PID
+echo "bench: broker (Apache Kafka $(sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$root/scripts/kafka/pom.xml")) at $bootstrap; machine: $(nproc) cores, $(free -g | awk '/Mem:/{print $2}') GiB"
 cargo bench --bench "$area" 2>&1

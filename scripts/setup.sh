@@ -3,15 +3,16 @@
 # loudly when something cannot be installed. Safe to run repeatedly.
 #   - system packages for the -sys crates (libclang for RocksDB's bindgen,
 #     OpenSSL headers and a C/C++ toolchain for librdkafka)
-#   - stunnel4 and openssl, for the TLS test (the broker behind a TLS proxy)
-#   - the local Kafka-protocol broker (tansu), see scripts/install-tansu.sh
+#   - a Java 17+ runtime and Maven, for the local Apache Kafka broker
+#   - openssl, for the TLS test's certificates
+#   - the local broker (Apache Kafka, resolved with Maven), see scripts/install-kafka.sh
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 die() { echo "setup: $*" >&2; exit 1; }
 
 command -v cargo >/dev/null || die "cargo not found: install a Rust toolchain (https://rustup.rs)"
-command -v python3 >/dev/null || die "python3 not found (needed to fetch the broker wheel)"
+command -v python3 >/dev/null || die "python3 not found (the broker script uses it)"
 
 # The library bindgen loads is libclang.so or libclang-<version>.so; libclang-cpp
 # (often present without it) is a different library and does not count.
@@ -31,8 +32,16 @@ dpkg -s libssl-dev >/dev/null 2>&1 || missing+=(libssl-dev)
 command -v pkg-config >/dev/null || missing+=(pkg-config)
 command -v g++ >/dev/null || missing+=(g++)
 command -v make >/dev/null || missing+=(make)
-# The TLS test runs the broker behind stunnel, with certificates made by openssl.
-command -v stunnel4 >/dev/null || command -v stunnel >/dev/null || missing+=(stunnel4)
+# The broker runs on Java 17 or newer and is resolved with Maven; the TLS
+# test's certificates are made by openssl.
+java_major() {
+  java -XshowSettings:properties -version 2>&1 \
+    | sed -n 's/^ *java.specification.version = \([0-9]*\).*/\1/p'
+}
+if ! command -v java >/dev/null || [ "$(java_major)" -lt 17 ] 2>/dev/null; then
+  missing+=(openjdk-17-jre-headless)
+fi
+command -v mvn >/dev/null || missing+=(maven)
 command -v openssl >/dev/null || missing+=(openssl)
 
 if [ "${#missing[@]}" -gt 0 ]; then
@@ -44,6 +53,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
   $sudo apt-get update -qq || die "apt-get update failed"
   $sudo apt-get install -y -qq "${missing[@]}" >/dev/null || die "apt-get install ${missing[*]} failed"
   have_libclang || die "libclang still missing after installing libclang-dev"
+  [ "$(java_major)" -ge 17 ] 2>/dev/null || die "Java 17 or newer still missing after installing it"
 fi
 
-"$here/install-tansu.sh"
+"$here/install-kafka.sh"

@@ -1,63 +1,71 @@
-//! Sluice against a cluster reachable only over TLS (the test broker behind
-//! stunnel, started by `make test`): every client it creates (the topic
-//! creation, the start-up checks, the engine's) speaks TLS with the
-//! configured CA; with a CA that did not sign the broker's certificate it
-//! stops at start-up saying so, and loses nothing.
+//! Sluice against the broker's own TLS listeners (`make test` starts the
+//! broker with an `SSL` and a `SASL_SSL` listener, SCRAM-SHA-512): every
+//! client it creates (the topic creation, the start-up checks, the engine's)
+//! speaks TLS with the configured CA and authenticates with the configured
+//! credentials; with a CA that did not sign the broker's certificate, or a
+//! wrong password, it stops at start-up saying so, and loses nothing.
 
 mod common;
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::pipeline::*;
 use sluice::kafka::Cluster;
 use sluice::sim::SimConfig;
 
-/// The TLS broker `make test` started: bootstrap, its CA, another CA.
-fn tls() -> (String, String, String) {
-    let v = std::env::var("SLUICE_TEST_TLS").unwrap_or_else(|_| {
-        panic!("SLUICE_TEST_TLS is not set: run the tests with `make test`, which starts the TLS broker")
-    });
-    let mut parts = v.split_whitespace().map(str::to_string);
-    let mut next = || {
-        parts
-            .next()
-            .expect("SLUICE_TEST_TLS: BOOTSTRAP CA OTHER_CA")
-    };
-    (next(), next(), next())
+/// The TLS listeners of the broker `make test` started.
+struct Listeners {
+    ssl: String,
+    sasl_ssl: String,
+    ca: String,
+    other_ca: String,
+    user: String,
+    password: String,
 }
 
-fn over_tls(bootstrap: &str, ca: &str) -> Cluster {
-    Cluster {
-        bootstrap: bootstrap.to_string(),
-        client: BTreeMap::from([
-            ("security.protocol".to_string(), "ssl".to_string()),
-            ("ssl.ca.location".to_string(), ca.to_string()),
-        ]),
+fn listeners() -> Listeners {
+    let v = std::env::var("SLUICE_TEST_TLS").unwrap_or_else(|_| {
+        panic!("SLUICE_TEST_TLS is not set: run the tests with `make test`, which starts the broker")
+    });
+    let parts: Vec<String> = v.split_whitespace().map(str::to_string).collect();
+    let [ssl, sasl_ssl, ca, other_ca, user, password] = <[String; 6]>::try_from(parts)
+        .expect("SLUICE_TEST_TLS: SSL_BOOTSTRAP SASL_SSL_BOOTSTRAP CA OTHER_CA USER PASSWORD");
+    Listeners {
+        ssl,
+        sasl_ssl,
+        ca,
+        other_ca,
+        user,
+        password,
     }
 }
 
-#[test]
-fn tasks_flow_over_tls_and_a_wrong_ca_stops_start_up_losing_nothing() {
-    let (bootstrap, ca, other_ca) = tls();
-    let sim = SimConfig::from_json_value(serde_json::json!({
+fn cluster(bootstrap: &str, props: &[(&str, &str)]) -> Cluster {
+    Cluster {
+        bootstrap: bootstrap.to_string(),
+        client: props
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect::<BTreeMap<_, _>>(),
+    }
+}
+
+fn sim() -> SimConfig {
+    SimConfig::from_json_value(serde_json::json!({
         "latency": { "kind": "uniform", "min_ms": 5, "max_ms": 20 },
     }))
-    .unwrap();
-    // `sluice topics create` runs over TLS here.
-    let p = Pipeline::over(over_tls(&bootstrap, &ca), sim, UNBATCHED);
-    let tasks = classify_tasks(40);
-    p.produce(&tasks);
+    .unwrap()
+}
 
-    // The wrong CA: start-up fails, naming the failed verification.
-    let text = std::fs::read_to_string(&p.config).unwrap();
-    assert!(text.contains(&ca));
-    let wrong = p.config.with_file_name("wrong-ca.toml");
-    std::fs::write(&wrong, text.replace(&ca, &other_ca)).unwrap();
+/// `sluice run` and `sluice topics create` with `config` stop at start-up,
+/// and what they print names the broker and contains `cause`.
+fn stops_at_start(config: &Path, bootstrap: &str, cause: &str) {
     for command in [&["run"][..], &["topics", "create"]] {
         let mut child = std::process::Command::new(common::sluice_bin())
             .args(command)
-            .args(["--config", &wrong.display().to_string()])
+            .args(["--config", &config.display().to_string()])
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())
             .spawn()
@@ -69,7 +77,7 @@ fn tasks_flow_over_tls_and_a_wrong_ca_stops_start_up_losing_nothing() {
             }
             if started.elapsed() > Duration::from_secs(90) {
                 child.kill().unwrap();
-                panic!("{command:?} with the wrong CA did not stop");
+                panic!("{command:?} with {} did not stop", config.display());
             }
             std::thread::sleep(Duration::from_millis(100));
         };
@@ -77,15 +85,66 @@ fn tasks_flow_over_tls_and_a_wrong_ca_stops_start_up_losing_nothing() {
         std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
         assert!(!status.success(), "{command:?}: {err}");
         assert!(
-            err.contains("certificate verify failed") && err.contains(&bootstrap),
-            "{command:?}: the error says why: {err}"
+            err.contains(cause) && err.contains(bootstrap),
+            "{command:?}: the error says why ({cause}) and where: {err}"
         );
     }
+}
 
-    // The right CA: every task is answered, exactly once.
-    let mut app = p.start("tls");
+/// Writes a copy of the pipeline's config with `from` replaced by `to`.
+fn config_with(p: &Pipeline, name: &str, from: &str, to: &str) -> std::path::PathBuf {
+    let text = std::fs::read_to_string(&p.config).unwrap();
+    assert!(text.contains(from), "the config holds {from}");
+    let path = p.config.with_file_name(name);
+    std::fs::write(&path, text.replace(from, to)).unwrap();
+    path
+}
+
+/// Tasks produced before the failed starts are all answered, once each,
+/// by an instance with the right settings.
+fn every_task_answered_once(p: &Pipeline, tasks: &[Task], name: &str) {
+    let mut app = p.start(name);
     let results = p.results(tasks.len(), Duration::from_secs(120));
-    assert_each_answered_once(&tasks, &results);
+    assert_each_answered_once(tasks, &results);
     assert!(results.iter().all(|(r, _)| r.success), "all completed");
     app.proc.stop();
+}
+
+#[test]
+fn tasks_flow_over_tls_and_a_wrong_ca_stops_start_up_losing_nothing() {
+    let l = listeners();
+    let tls = cluster(
+        &l.ssl,
+        &[("security.protocol", "ssl"), ("ssl.ca.location", &l.ca)],
+    );
+    // `sluice topics create` runs over TLS here.
+    let p = Pipeline::over(tls, sim(), UNBATCHED);
+    let tasks = classify_tasks(40);
+    p.produce(&tasks);
+
+    let wrong = config_with(&p, "wrong-ca.toml", &l.ca, &l.other_ca);
+    stops_at_start(&wrong, &l.ssl, "certificate verify failed");
+    every_task_answered_once(&p, &tasks, "tls");
+}
+
+#[test]
+fn tasks_flow_over_sasl_scram_and_a_wrong_password_stops_start_up_losing_nothing() {
+    let l = listeners();
+    let sasl = cluster(
+        &l.sasl_ssl,
+        &[
+            ("security.protocol", "sasl_ssl"),
+            ("ssl.ca.location", &l.ca),
+            ("sasl.mechanism", "SCRAM-SHA-512"),
+            ("sasl.username", &l.user),
+            ("sasl.password", &l.password),
+        ],
+    );
+    let p = Pipeline::over(sasl, sim(), UNBATCHED);
+    let tasks = classify_tasks(40);
+    p.produce(&tasks);
+
+    let wrong = config_with(&p, "wrong-password.toml", &l.password, "not-the-password");
+    stops_at_start(&wrong, &l.sasl_ssl, "Authentication failed");
+    every_task_answered_once(&p, &tasks, "sasl");
 }
