@@ -23,4 +23,4 @@ export SLUICE_TEST_BOOTSTRAP="$bootstrap"
 SLUICE_TEST_TLS="$("$root/scripts/broker.sh" tls "$name")"
 export SLUICE_TEST_TLS
 export RUST_BACKTRACE=1
-cargo test --release --workspace --lib --bins --tests -- --test-threads="${SLUICE_TEST_THREADS:-3}" "$@"
+cargo test --release --no-fail-fast --workspace --lib --bins --tests -- --test-threads="${SLUICE_TEST_THREADS:-3}" "$@"

@@ -12,12 +12,11 @@ use crate::accounting::{Accounting, AccountingSettings};
 use crate::config::{Config, ConfigError, Repartition};
 use crate::http::{bind, serve, HttpState};
 use crate::llm::{LlmClient, PromptBuilder};
-use crate::operator::{Health, LlmSettings, LlmStep, OperatorMetrics, Recovery};
+use crate::operator::{Health, LlmSettings, LlmStep, OperatorMetrics};
 use crate::pipeline::{default_topology, BatchMetrics, Batching, ResultsSink, Steps, TaskSource};
 use crate::route::RouteStep;
 use crate::trace::Tracer;
 use crate::usage::UsageQueries;
-use sluice_topology::runtime::Guarantee;
 use sluice_topology::{Topology, TopologyError};
 
 /// How `sluice run` ended badly.
@@ -205,19 +204,6 @@ pub fn steps(
     if let Some(partitions) = by_tenant {
         source = source.by_tenant(&config.app.id, partitions);
     }
-    let recovery = (config.app.guarantee == Guarantee::ExactlyOnce).then(|| {
-        let mut kafka = config.kafka.client.clone();
-        kafka.insert(
-            "bootstrap.servers".into(),
-            config.kafka.bootstrap_servers.clone(),
-        );
-        Recovery {
-            client: kafka,
-            group_id: config.app.id.clone(),
-            topics: results.topics(),
-            task_topics: source.task_stream_topics(),
-        }
-    });
     let mut settings = LlmSettings {
         name: "llm".into(),
         max_attempts: config.tasks.max_attempts,
@@ -227,7 +213,6 @@ pub fn steps(
         bad_request_wait_ms: config.tasks.bad_request_wait_ms,
         fallbacks: config.routing.fallbacks.clone(),
         prices: config.prices.clone(),
-        recovery,
         accounting: None,
     };
     let models: Vec<String> = client.models().map(str::to_string).collect();

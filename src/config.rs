@@ -92,11 +92,6 @@ pub struct AppSection {
     pub drain_timeout_ms: u64,
     /// Threads that process tasks side by side (default: the number of cores).
     pub processing_threads: Option<usize>,
-    /// Overlap all tasks' transactions (exactly-once). Safe here because every
-    /// write of a task goes to its own partition number (results, dead
-    /// letters, re-published tasks, changelogs), so no two tasks'
-    /// transactions touch the same partition.
-    pub parallel_commits: bool,
     /// RocksDB block cache shared by all tasks, MiB.
     pub rocksdb_block_cache_mb: usize,
     /// RocksDB memtable budget shared by all tasks, MiB.
@@ -116,7 +111,6 @@ impl Default for AppSection {
             max_in_flight_per_partition: 1000,
             drain_timeout_ms: 30_000,
             processing_threads: None,
-            parallel_commits: true,
             rocksdb_block_cache_mb: 64,
             rocksdb_write_buffer_mb: 32,
             record_cache_mb: 16,
@@ -226,7 +220,8 @@ pub struct TopicsSection {
     /// Partitions of the topics `sluice topics create` makes. Task topics must
     /// share one partition count; results topics need at least as many.
     pub partitions: i32,
-    /// Replication factor of created topics.
+    /// Replication factor of created topics and of the engine's internal
+    /// topics; -1 (the default) for the cluster's `default.replication.factor`.
     pub replication_factor: i32,
     /// Retention of results topics, ms (30 days).
     pub results_retention_ms: i64,
@@ -244,7 +239,7 @@ impl Default for TopicsSection {
             usage: "ai.usage.tenant".into(),
             alerts: "ai.alerts.cost".into(),
             partitions: 6,
-            replication_factor: 1,
+            replication_factor: -1,
             results_retention_ms: 30 * 24 * 3600 * 1000,
             dlq_retention_ms: 30 * 24 * 3600 * 1000,
         }
@@ -547,10 +542,17 @@ impl Config {
                 "must be at least 1",
             ));
         }
-        if self.app.max_in_flight_per_partition == 0 {
+        let max = sluice_topology::runtime::MAX_IN_FLIGHT_PER_PARTITION;
+        if !(1..=max).contains(&self.app.max_in_flight_per_partition) {
             return Err(ConfigError::new(
                 "app.max_in_flight_per_partition",
-                "must be at least 1",
+                format!("must be between 1 and {max}"),
+            ));
+        }
+        if self.topics.replication_factor < 1 && self.topics.replication_factor != -1 {
+            return Err(ConfigError::new(
+                "topics.replication_factor",
+                "must be at least 1, or -1 for the cluster's default",
             ));
         }
         if self.kafka.session_timeout_ms >= self.kafka.max_poll_interval_ms {
@@ -667,7 +669,6 @@ impl Config {
         if let Some(n) = self.app.processing_threads {
             s.processing_threads = n;
         }
-        s.parallel_commits = self.app.parallel_commits;
         s.session_timeout = Duration::from_millis(self.kafka.session_timeout_ms);
         s.max_poll_interval = Duration::from_millis(self.kafka.max_poll_interval_ms);
         s.transaction_timeout = Duration::from_millis(self.kafka.transaction_timeout_ms);

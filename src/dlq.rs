@@ -33,7 +33,6 @@ use crate::config::{Config, ConfigError};
 use crate::envelope::DlqCategory;
 use crate::kafka::{Flow, KafkaError, OutRecord, Publisher, Start};
 pub use crate::operator::HEADER_REPLAY_OF;
-use crate::operator::{HEADER_OFFSET, HEADER_SOURCE};
 
 /// `sluice dlq`.
 #[derive(clap::Args, Debug)]
@@ -384,19 +383,13 @@ impl DeadLetter {
     }
 
     /// The task to re-publish: the original key, value with `attemptNumber`
-    /// 1, and headers without the `dlq.*` ones, the input position of a
-    /// record that re-published it (a replay is not such a re-publish) and
-    /// an earlier replay's mark; marked as a replay of this dead letter.
+    /// 1, and headers without the `dlq.*` ones and an earlier replay's mark;
+    /// marked as a replay of this dead letter.
     pub fn replay_record(&self, partition: Option<i32>) -> OutRecord {
         let mut headers: Headers = self
             .headers
             .iter()
-            .filter(|(k, _)| {
-                !k.starts_with("dlq.")
-                    && k != HEADER_SOURCE
-                    && k != HEADER_OFFSET
-                    && k != HEADER_REPLAY_OF
-            })
+            .filter(|(k, _)| !k.starts_with("dlq.") && k != HEADER_REPLAY_OF)
             .cloned()
             .collect();
         headers.push((HEADER_REPLAY_OF.into(), self.coordinates().into_bytes()));
@@ -514,31 +507,19 @@ fn scan(
     filter: &Filter,
     mut f: impl FnMut(DeadLetter, &Target) -> Flow,
 ) -> Result<u64, DlqError> {
-    let started = Utc::now().timestamp_millis();
     let by_topic: HashMap<&str, &Target> =
         targets.iter().map(|t| (t.dlq_topic.as_str(), t)).collect();
     let topics: Vec<String> = targets.iter().map(|t| t.dlq_topic.clone()).collect();
     // Dead letters are stamped with the time they were sent, so a look-up
     // by time finds where `--since` starts.
     let start = filter.since_ms.map_or(Start::Beginning, Start::Time);
-    let read = crate::kafka::read_existing(
-        config.kafka.cluster(),
-        &topics,
-        start,
-        true,
-        |m, past_end| {
-            let d = DeadLetter::from_message(m);
-            // Past the end the broker reported at the start, only what was
-            // dead-lettered before the start belongs.
-            if past_end && d.sent_at_ms().is_none_or(|t| t > started) {
-                return Flow::Past;
-            }
-            match by_topic.get(d.topic.as_str()) {
-                Some(target) => f(d, target),
-                None => Flow::Next,
-            }
-        },
-    )?;
+    let read = crate::kafka::read_existing(config.kafka.cluster(), &topics, start, true, |m| {
+        let d = DeadLetter::from_message(m);
+        match by_topic.get(d.topic.as_str()) {
+            Some(target) => f(d, target),
+            None => Flow::Next,
+        }
+    })?;
     Ok(read)
 }
 
@@ -937,8 +918,6 @@ mod tests {
             br#"{"taskId":"t1","attemptNumber":5,"payload":{"content":"x"},"metadata":{"a":"b"}}"#,
             &[
                 ("traceparent", "00-abc-01"),
-                ("sluice.source", "12"),
-                ("sluice.offset", "34"),
                 ("sluice.replay.of", "old/0/1"),
                 ("dlq.reason", "exhausted"),
                 ("dlq.category", "exhausted"),

@@ -29,6 +29,12 @@ pub enum ExampleKind {
     /// [min-delay-ms, max-delay-ms] (completions out of order), then counted
     /// per key in the same sub-topology.
     AsyncCount,
+    /// Counted per key, every update passed on after an async delay (the
+    /// count's results are derived records in flight across commits).
+    CountAsync,
+    /// Counted per key with cached results (the latest per key at each
+    /// commit), each passed on after an async delay.
+    CachedCountAsync,
 }
 
 /// Arguments of `sluice example`.
@@ -260,6 +266,27 @@ fn async_count(input: &[&str], output: &str, min: u64, max: u64) -> Topology {
     b.build().expect("the async-count topology is valid")
 }
 
+/// A per-key count (every update, or cached: the latest per key at each
+/// commit) whose results go on through an async pass-through completing out
+/// of order; counts go out keyed by the record key.
+fn count_async(input: &[&str], output: &str, cached: bool, min: u64, max: u64) -> Topology {
+    let b = StreamBuilder::new();
+    let grouped = b
+        .stream(input, StringCodec, sluice_topology::BytesCodec)
+        .group_by_key();
+    let grouped = if cached {
+        grouped
+    } else {
+        grouped.emit_on_update()
+    };
+    grouped
+        .count("counts")
+        .to_stream()
+        .process("delay", &[], move || AsyncDelay { min, max })
+        .to(output, StringCodec, JsonCodec::<u64>::default());
+    b.build().expect("the count-async topology is valid")
+}
+
 fn async_echo(input: &[&str], output: &str, min: u64, max: u64) -> Topology {
     let b = StreamBuilder::new();
     b.stream(input, StringCodec, StringCodec)
@@ -308,6 +335,12 @@ pub fn example_topology(a: &ExampleArgs) -> Topology {
         ExampleKind::AsyncEcho => async_echo(&inputs, &a.output, a.min_delay_ms, a.max_delay_ms),
         ExampleKind::MergedCount => merged_count(&inputs, &a.output),
         ExampleKind::AsyncCount => async_count(&inputs, &a.output, a.min_delay_ms, a.max_delay_ms),
+        ExampleKind::CountAsync => {
+            count_async(&inputs, &a.output, false, a.min_delay_ms, a.max_delay_ms)
+        }
+        ExampleKind::CachedCountAsync => {
+            count_async(&inputs, &a.output, true, a.min_delay_ms, a.max_delay_ms)
+        }
     }
 }
 

@@ -222,6 +222,17 @@ pub fn create_topics_rf(
             }
         }
     }
+    // The controller answers before every broker's metadata has the new
+    // topics: wait until they are there, so what runs next finds them.
+    let names: Vec<String> = topics.iter().map(|(name, _, _)| name.to_string()).collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while partition_counts(&cluster, &names)?.len() < names.len() {
+        if std::time::Instant::now() > deadline {
+            tracing::warn!(topics = ?names, "created topics are not in the cluster's metadata yet");
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
     Ok(())
 }
 
@@ -414,9 +425,6 @@ pub enum Start {
 pub enum Flow {
     /// Taken; go on.
     Next,
-    /// The record was written after the read started: not taken, and its
-    /// partition is read no further.
-    Past,
     /// Stop reading.
     Stop,
 }
@@ -429,21 +437,18 @@ const READ_IDLE: Duration = Duration::from_secs(1);
 const READ_FIRST_IDLE: Duration = Duration::from_secs(10);
 
 /// Reads every partition of `topics` from `start` up to its end as the
-/// broker reports it when the read starts, without joining a group or
-/// committing anything, handing each record to `f` with whether it lies at
-/// or past that end. Past the reported end only what the same fetch brought
-/// is handed over (a broker may report the end of a partition's last batch
-/// too low; `f` answers [`Flow::Past`] for records written after the read
-/// started). Every record up to the end is handed over, however long `f`
-/// takes; a partition whose end is not reached is taken as read when
-/// nothing more comes for a second. `read_committed` hides aborted and open
-/// transactions. Returns how many records `f` took.
+/// broker reports it when the read starts (records written after the read
+/// started are not handed over), without joining a group or committing
+/// anything, handing each record to `f`. Every record up to the end is
+/// handed over, however long `f` takes; a partition whose end is not reached
+/// is taken as read when nothing more comes for a second. `read_committed`
+/// hides aborted and open transactions. Returns how many records `f` took.
 pub fn read_existing(
     cluster: impl Into<Cluster>,
     topics: &[String],
     start: Start,
     read_committed: bool,
-    mut f: impl FnMut(&BorrowedMessage<'_>, bool) -> Flow,
+    mut f: impl FnMut(&BorrowedMessage<'_>) -> Flow,
 ) -> Result<u64, KafkaError> {
     let cluster = cluster.into();
     let consumer: BaseConsumer<LastError> = base(&cluster)
@@ -517,7 +522,6 @@ pub fn read_existing(
     }
     consumer.assign(&tpl)?;
     let mut reached: std::collections::HashSet<(String, i32)> = Default::default();
-    let mut stopped: std::collections::HashSet<(String, i32)> = Default::default();
     let mut idle_since = Instant::now();
     let mut received = 0u64;
     let mut handed = 0u64;
@@ -534,9 +538,7 @@ pub fn read_existing(
                     }
                 }
             }
-            let all_reached = open
-                .keys()
-                .all(|k| reached.contains(k) || stopped.contains(k));
+            let all_reached = open.keys().all(|k| reached.contains(k));
             // Nothing more comes: every record there is to get was handed
             // over (the first fetch may take longer).
             let idle = match received {
@@ -555,17 +557,17 @@ pub fn read_existing(
         let Some(end) = open.get(&key).copied() else {
             continue;
         };
-        if stopped.contains(&key) {
-            continue;
-        }
-        match f(&msg, msg.offset() >= end) {
-            Flow::Next => handed += 1,
-            Flow::Past => {
-                stopped.insert(key.clone());
+        if msg.offset() >= end {
+            // Written after the read started: the partition is done.
+            if reached.insert(key.clone()) {
                 let mut tp = TopicPartitionList::new();
                 tp.add_partition(&key.0, key.1);
                 let _ = consumer.pause(&tp);
             }
+            continue;
+        }
+        match f(&msg) {
+            Flow::Next => handed += 1,
             Flow::Stop => return Ok(handed),
         }
         if msg.offset() + 1 >= end {

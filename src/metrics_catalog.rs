@@ -96,7 +96,6 @@ fn named_families() -> Vec<&'static str> {
         operator::ID_CONFLICTS,
         operator::BATCH_CALLS_SAVED,
         operator::BATCH_FALLBACKS,
-        operator::RECOVERED,
         operator::QUOTA_REJECTIONS,
         operator::RESERVATIONS,
         // route.

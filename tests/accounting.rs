@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::pipeline::*;
@@ -12,8 +12,7 @@ use common::{bootstrap, eventually};
 use rdkafka::message::OwnedMessage;
 use rdkafka::Message;
 use sluice::accounting::{
-    AlertRecord, ModelUsage, Seq, TenantUsage, UsageRecord, UsageUpdates, WindowSpec, WindowUsage,
-    HEADER_SEQ,
+    AlertRecord, ModelUsage, TenantUsage, UsageRecord, UsageUpdates, WindowSpec, WindowUsage,
 };
 use sluice::envelope::TaskResult;
 use sluice::kafka::{produce, read_topics, OutRecord};
@@ -30,37 +29,26 @@ fn read_all(topic: &str) -> Vec<OwnedMessage> {
 }
 
 /// The usage records of a window, read committed, in order.
-type WindowRecords = Vec<(WindowUsage, Option<Seq>)>;
+type WindowRecords = Vec<WindowUsage>;
 
-/// Usage records read committed, per window (with the sequence number of
-/// the last result each counted). A tenant's updates are in one partition,
-/// in order: the last holds its window's totals.
+/// Usage records read committed, per window. A tenant's updates are in one
+/// partition, in order: the last holds its window's totals.
 fn usage_records(p: &Pipeline) -> BTreeMap<WindowKey, WindowRecords> {
     let mut windows: BTreeMap<WindowKey, WindowRecords> = BTreeMap::new();
     for m in read_all(&format!("{}.usage", p.prefix)) {
         let u: UsageRecord = serde_json::from_slice(m.payload().unwrap()).unwrap();
         assert_eq!(m.key(), Some(u.tenant_id.as_bytes()));
         let key = (u.tenant_id, u.usage.window.clone(), u.usage.window_start);
-        let seq = header(&m, HEADER_SEQ).and_then(|v| Seq::decode(v.as_bytes()));
-        windows.entry(key).or_default().push((u.usage, seq));
+        windows.entry(key).or_default().push(u.usage);
     }
     windows
 }
 
-/// For every tenant and window, the last usage record equals the sum over
-/// the tenant's completed results (tokens, cost, per model). Without a
-/// crash, each record of a window is a new state (more requests than the
-/// one before), and with `on_update` there is one record per completed
-/// result and window. After a crash, a window may differ only where the
-/// broker showed a changelog state counting a result that no visible record
-/// shows (see [`windows_counting_invisible_results`]).
-fn assert_usage_equals_results(
-    p: &Pipeline,
+/// The sums of the completed results per tenant window.
+fn sums(
     results: &[(TaskResult, OwnedMessage)],
     windows: &[WindowSpec],
-    crashed: bool,
-    updates: UsageUpdates,
-) {
+) -> BTreeMap<WindowKey, TenantUsage> {
     let mut want: BTreeMap<WindowKey, TenantUsage> = BTreeMap::new();
     for (r, _) in results.iter().filter(|(r, _)| r.success) {
         let at = r.completed_at.timestamp_millis();
@@ -71,14 +59,25 @@ fn assert_usage_equals_results(
                 .add(r);
         }
     }
+    want
+}
+
+/// Judged by every usage record read committed, crashes or not: for every
+/// tenant and window, the last record equals the sum over the tenant's
+/// completed results (tokens, cost, per model), each record is a new state
+/// of its window (more requests than the one before: no result counted
+/// twice, no update repeated), and with `on_update` there is one record per
+/// completed result and window.
+fn assert_usage_equals_results(
+    p: &Pipeline,
+    results: &[(TaskResult, OwnedMessage)],
+    windows: &[WindowSpec],
+    updates: UsageUpdates,
+) {
+    let want = sums(results, windows);
     let records = usage_records(p);
-    let got: BTreeMap<WindowKey, (WindowUsage, Option<Seq>)> = records
-        .iter()
-        .map(|(k, rs)| (k.clone(), rs.last().cloned().expect("a record")))
-        .collect();
-    let completed = results.iter().filter(|(r, _)| r.success).count();
     let mut differ: BTreeMap<WindowKey, String> = BTreeMap::new();
-    for key in want.keys().chain(got.keys()) {
+    for key in want.keys().chain(records.keys()) {
         let sums = want.get(key).cloned().unwrap_or_default();
         let by_model: BTreeMap<String, ModelUsage> = sums.by_model.into();
         let expected = (
@@ -88,7 +87,7 @@ fn assert_usage_equals_results(
             sums.total.cached_tokens,
             sums.total.cost_micros,
         );
-        let last = got.get(key).map(|(u, _)| {
+        let last = records.get(key).and_then(|rs| rs.last()).map(|u| {
             (
                 (
                     u.requests,
@@ -105,34 +104,19 @@ fn assert_usage_equals_results(
             differ.insert(key.clone(), format!("{last:?} against {expected:?}"));
         }
     }
-    assert_only_exempt_differ(&differ, || {
-        if !crashed {
-            return BTreeSet::new();
-        }
-        // The last update of a window may come from a transaction the broker
-        // showed only part of: an update whose result is not visible.
-        let visible = visible_seqs(results);
-        let mut exempt = windows_counting_invisible_results(p, results, windows);
-        exempt.extend(
-            got.iter().filter_map(|(k, (_, seq))| {
-                seq.filter(|s| !visible.contains(s)).map(|_| k.clone())
-            }),
-        );
-        exempt
-    });
-    // A crash may leave some updates of an interrupted transaction visible
-    // (the test broker exposes them); without one, every record is a new
-    // state of its window, and `on_update` writes one per result.
-    if crashed {
-        return;
-    }
+    assert!(
+        differ.is_empty(),
+        "{} windows differ from the sums of their results: {differ:?}",
+        differ.len()
+    );
     for (key, rs) in &records {
-        let requests: Vec<u64> = rs.iter().map(|(u, _)| u.requests).collect();
+        let requests: Vec<u64> = rs.iter().map(|u| u.requests).collect();
         assert!(
             requests.windows(2).all(|w| w[0] < w[1]),
             "{key:?}: each update a new state, got requests {requests:?}"
         );
     }
+    let completed = results.iter().filter(|(r, _)| r.success).count();
     let n: usize = records.values().map(Vec::len).sum();
     match updates {
         UsageUpdates::OnUpdate => assert_eq!(
@@ -147,88 +131,14 @@ fn assert_usage_equals_results(
     }
 }
 
-/// Fails unless every window in `differ` (window → what differs) is one of
-/// the windows `exempt` gives (asked only when some differ); says what the
-/// exempt ones are.
-fn assert_only_exempt_differ(
-    differ: &BTreeMap<WindowKey, String>,
-    exempt: impl FnOnce() -> BTreeSet<WindowKey>,
-) {
-    if differ.is_empty() {
-        return;
-    }
-    let exempt = exempt();
-    let unexplained: Vec<_> = differ
-        .iter()
-        .filter(|(k, _)| !exempt.contains(*k))
-        .collect();
-    assert!(
-        unexplained.is_empty(),
-        "windows differ from the sums of their results: {unexplained:?}"
-    );
-    eprintln!(
-        "{} windows differ from their results, each from a changelog state or an update \
-         that counted a result no visible record shows (the test broker showed part of an \
-         interrupted transaction, ARCHITECTURE.md, broker quirks): {differ:?}",
-        differ.len()
-    );
-}
-
-/// The sequence numbers of the visible results.
-fn visible_seqs(results: &[(TaskResult, OwnedMessage)]) -> BTreeSet<Seq> {
-    results
-        .iter()
-        .filter_map(|(_, m)| header(m, HEADER_SEQ))
-        .filter_map(|v| Seq::decode(v.as_bytes()))
-        .collect()
-}
-
-/// The windows whose changelog (read committed) holds a state that counted a
-/// result no visible result shows: the state's last counted sequence number
-/// is on no result. A correct broker never shows one, since a window's
-/// changelog record and the results it counted are written in one
-/// transaction; the test broker, taking over a killed instance's transaction,
-/// can show part of it. Such a window, restored, counts those results, and
-/// their replayed tasks' results once more.
-fn windows_counting_invisible_results(
-    p: &Pipeline,
-    results: &[(TaskResult, OwnedMessage)],
-    windows: &[WindowSpec],
-) -> BTreeSet<WindowKey> {
-    let visible = visible_seqs(results);
-    let mut out = BTreeSet::new();
-    for w in windows {
-        let changelog = format!("{}-app-usage-{}-changelog", p.prefix, w.name);
-        for m in read_all(&changelog) {
-            let barrier = header(&m, sluice_topology::runtime::BARRIER_HEADER).is_some();
-            let (Some(k), Some(v), false) = (m.key(), m.payload(), barrier) else {
-                continue;
-            };
-            let (start, key) = sluice_state::decode_window_key(k).expect("a window key");
-            let tenant: String = sluice_topology::from_bincode(key).expect("a tenant");
-            let stored = sluice_state::StoredValue::decode(&changelog, v).expect("a stored value");
-            let usage: TenantUsage =
-                sluice_topology::from_bincode(&stored.value).expect("a window's usage");
-            if usage.last_seq != Seq::default() && !visible.contains(&usage.last_seq) {
-                out.insert((tenant, w.name.clone(), start));
-            }
-        }
-    }
-    out
-}
-
 /// Every tenant's current windows as `GET /v1/tenants/{id}/usage` on `app`
 /// reads them from the window stores (locally or on the owner) equal the
-/// sums over the tenant's completed results in those windows. After a
-/// crash, a window may differ only where its changelog shows a state that
-/// counted a result no visible record shows.
+/// sums over the tenant's completed results in those windows.
 fn assert_stores_equal_results(
     p: &Pipeline,
     app: &App,
     results: &[(TaskResult, OwnedMessage)],
     tenants: &[String],
-    windows: &[WindowSpec],
-    crashed: bool,
 ) {
     let mut differ = BTreeMap::new();
     for tenant in tenants {
@@ -261,13 +171,11 @@ fn assert_stores_equal_results(
             }
         }
     }
-    assert_only_exempt_differ(&differ, || {
-        if crashed {
-            windows_counting_invisible_results(p, results, windows)
-        } else {
-            BTreeSet::new()
-        }
-    });
+    assert!(
+        differ.is_empty(),
+        "{} windows differ from the sums of their results: {differ:?}",
+        differ.len()
+    );
 }
 
 /// 1,200 mixed tasks; the usage records written `updates`.
@@ -285,7 +193,7 @@ fn usage_windows_equal_the_sum_of_their_results(updates: UsageUpdates) {
     let results = p.results(tasks.len(), Duration::from_secs(180));
     assert_each_answered_once(&tasks, &results);
     let windows = sluice::accounting::default_windows();
-    assert_usage_equals_results(&p, &results, &windows, false, updates);
+    assert_usage_equals_results(&p, &results, &windows, updates);
     app.proc.stop();
 }
 
@@ -354,9 +262,9 @@ fn usage_survives_two_sigkills(extra: &str, two_instances: bool) {
     assert_each_answered_once(&tasks, &results);
     assert_results_bill_what_the_provider_billed_at_least(&p, &results);
     let windows = sluice::accounting::default_windows();
-    assert_usage_equals_results(&p, &results, &windows, true, UsageUpdates::OnCommit);
+    assert_usage_equals_results(&p, &results, &windows, UsageUpdates::OnCommit);
     let tenants: Vec<String> = (0..50).map(|i| format!("tenant-{i}")).collect();
-    assert_stores_equal_results(&p, &restarted, &results, &tenants, &windows, true);
+    assert_stores_equal_results(&p, &restarted, &results, &tenants);
     let mut restarted = restarted;
     restarted.proc.stop();
     if let Some((mut b, _)) = b {
@@ -391,9 +299,8 @@ fn usage_is_exact_across_two_sigkills_with_micro_batching_and_two_instances() {
 }
 
 /// A crash inside a commit, after the outputs and the changelogs reached
-/// the broker: the test broker exposes that interrupted transaction to
-/// `read_committed` readers, so its results and usage updates count, and the
-/// windows must count them exactly once.
+/// the broker: the transaction is aborted when the task is taken over, and
+/// the windows count every result exactly once.
 #[test]
 fn usage_is_exact_after_a_crash_once_changelogs_were_written() {
     let sim = SimConfig::from_json_value(serde_json::json!({
@@ -411,7 +318,6 @@ fn usage_is_exact_after_a_crash_once_changelogs_were_written() {
         &p,
         &results,
         &sluice::accounting::default_windows(),
-        true,
         UsageUpdates::OnCommit,
     );
     app.proc.stop();
@@ -634,10 +540,10 @@ tokens = {quota}
     for (tenant, parts) in &partitions {
         assert_eq!(parts.len(), 1, "{tenant}'s usage came from tasks {parts:?}");
     }
-    assert_usage_equals_results(&p, &results, &windows, false, UsageUpdates::OnCommit);
+    assert_usage_equals_results(&p, &results, &windows, UsageUpdates::OnCommit);
     let tenants: Vec<String> = partitions.keys().cloned().collect();
-    assert_stores_equal_results(&p, &a, &results, &tenants, &windows, false);
-    assert_stores_equal_results(&p, &b, &results, &tenants, &windows, false);
+    assert_stores_equal_results(&p, &a, &results, &tenants);
+    assert_stores_equal_results(&p, &b, &results, &tenants);
 
     // The quota held over both task types.
     assert_quota_held(&results, "capped", quota, 10);
@@ -698,7 +604,7 @@ fn spent(p: &Pipeline, tenant: &str, window: &str) -> i64 {
     usage_records(p)
         .into_iter()
         .filter(|((t, w, _), _)| t == tenant && w == window)
-        .filter_map(|(_, rs)| rs.last().map(|(u, _)| u.cost_micros))
+        .filter_map(|(_, rs)| rs.last().map(|u| u.cost_micros))
         .max()
         .unwrap_or(0)
 }

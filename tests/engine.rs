@@ -133,15 +133,13 @@ fn wait_outputs(
     .unwrap()
 }
 
-/// Checks every count read, not only the latest: no window's count ever
-/// went above its final count (a record applied twice pushes it above for
-/// good), and the latest is the final one. Returns how many counts were
-/// read again with the same value (outputs of a transaction the test broker
-/// exposed after a kill instead of aborting it, ARCHITECTURE.md, broker quirks).
-fn assert_every_count_within(
+/// Checks every count read, not only the latest: per window, each count
+/// appears once and they strictly increase (a record applied twice, or an
+/// update emitted twice, breaks it), and the latest is the final one.
+fn assert_each_window_count_once(
     msgs: &[rdkafka::message::OwnedMessage],
     expected: &BTreeMap<(i64, String), u64>,
-) -> usize {
+) {
     let mut seen: BTreeMap<(i64, String), Vec<u64>> = BTreeMap::new();
     for m in msgs {
         let one = latest_counts(std::slice::from_ref(m)).unwrap();
@@ -149,20 +147,15 @@ fn assert_every_count_within(
             seen.entry(k).or_default().push(v);
         }
     }
-    let mut repeated = 0;
     for (window, want) in expected {
         let counts = seen.get(window).map(Vec::as_slice).unwrap_or_default();
-        let over: Vec<u64> = counts.iter().copied().filter(|c| c > want).collect();
         assert!(
-            over.is_empty(),
-            "{window:?}: final count {want}, yet read {over:?} (all: {counts:?})"
+            counts.windows(2).all(|w| w[0] < w[1]),
+            "{window:?}: counts not strictly increasing: {counts:?}"
         );
         assert_eq!(counts.last(), Some(want), "{window:?}: {counts:?}");
-        let distinct: HashSet<u64> = counts.iter().copied().collect();
-        repeated += counts.len() - distinct.len();
     }
     assert_eq!(seen.len(), expected.len(), "windows nobody wrote to");
-    repeated
 }
 
 fn assert_counts_equal(
@@ -219,35 +212,28 @@ fn exactly_once_windowed_count_survives_three_sigkills() {
     let msgs = wait_outputs(&ex.output, &expected, Duration::from_secs(240));
     let stats = p.stop();
     assert_counts_equal(&latest_counts(&msgs).unwrap(), &expected);
-    let repeated = assert_every_count_within(&msgs, &expected);
-    eprintln!(
-        "{} counts read; {repeated} read again with the same value",
-        msgs.len()
-    );
+    assert_each_window_count_once(&msgs, &expected);
     assert_eq!(stats["ok"], true, "{stats}");
 }
 
 #[test]
 fn a_crash_after_changelog_writes_leaks_nothing_into_state() {
     // The process aborts inside its 2nd transaction, after its changelog and
-    // output records were acknowledged but before the commit. A correct broker
-    // aborts that transaction when the restarted task fences it; the test
-    // broker exposes its records instead (ARCHITECTURE.md, broker quirks). Either way the restarted
-    // instance must neither re-apply nor re-emit what those records reflect.
+    // output records were acknowledged but before the commit. The restarted
+    // task fences its transactional id, so the broker aborts that
+    // transaction: neither its outputs nor its changelog records are read,
+    // and every count is read once.
     let ex = Example::windowed_count("eos-leak", "exactly-once", 2);
     let (records, expected) = keyed_records(40_000, 200, 4, base_time());
     produce(&bootstrap(), &ex.input, records).unwrap();
     let dir = temp_dir();
     abort_at(&ex, &dir, "leak-1", "eos_after_changelog_flush:2");
     let mut p = ex.spawn("leak-2", dir.path());
-    let got = wait_counts(&ex.output, &expected, Duration::from_secs(180));
+    let msgs = wait_outputs(&ex.output, &expected, Duration::from_secs(180));
     let stats = p.stop();
-    assert_counts_equal(&got, &expected);
+    assert_counts_equal(&latest_counts(&msgs).unwrap(), &expected);
+    assert_each_window_count_once(&msgs, &expected);
     assert_eq!(stats["ok"], true, "{stats}");
-    // On the test broker the interrupted transaction became visible: its
-    // changelog records were restored (and the input they reflect, when read
-    // again, skipped: `replay_skipped`), yet every count is exact.
-    assert!(stats["restored_records"].as_u64().unwrap() > 0, "{stats}");
 }
 
 /// Starts instances A and B of an example and waits until they share its
@@ -314,31 +300,11 @@ fn survivor_takes_over_a_killed_instance_and_keeps_aggregates_exact() {
     for c in rest {
         produce(&bootstrap(), &ex.input, c.clone()).unwrap();
     }
-    if !takes_over_every_task(&a, &ex, "the killed instance") {
-        a.stop();
-        return;
-    }
+    takes_over_every_task(&a);
     let msgs = wait_outputs(&ex.output, &expected, Duration::from_secs(90));
-    let mut got = latest_counts(&msgs).unwrap();
-    if got == expected {
-        assert_every_count_within(&msgs, &expected);
-    } else {
-        eprintln!("{}", partition_views(&ex.output));
-        let consumer: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", bootstrap())
-            .create()
-            .unwrap();
-        let ends: Vec<_> = (0..4)
-            .map(|p| consumer.fetch_watermarks(&ex.input, p, Duration::from_secs(10)))
-            .collect();
-        eprintln!("input watermarks: {ends:?}; A: {}", a.stop());
-        if held_back_by_unresolved_transaction(&ex, "the killed instance") {
-            return;
-        }
-        got = check_behind_stuck_transaction(&ex, &expected, records.len());
-    }
     let stats = a.stop();
-    assert_counts_equal(&got, &expected);
+    assert_counts_equal(&latest_counts(&msgs).unwrap(), &expected);
+    assert_each_window_count_once(&msgs, &expected);
     assert!(stats["rebalances"].as_u64().unwrap_or(0) >= 1, "{stats}");
 }
 
@@ -369,33 +335,14 @@ fn a_frozen_instance_is_fenced_drops_its_tasks_dirty_and_rejoins() {
     for c in &rest[..3] {
         produce(&bootstrap(), &ex.input, c.clone()).unwrap();
     }
-    if !takes_over_every_task(&a, &ex, "the frozen instance") {
-        signal("-CONT");
-        b.stop();
-        a.stop();
-        return;
-    }
+    takes_over_every_task(&a);
     signal("-CONT");
     for c in &rest[3..] {
         produce(&bootstrap(), &ex.input, c.clone()).unwrap();
     }
     let msgs = wait_outputs(&ex.output, &expected, Duration::from_secs(150));
-    let mut got = latest_counts(&msgs).unwrap();
-    if got == expected {
-        assert_every_count_within(&msgs, &expected);
-    } else {
-        eprintln!("{}", partition_views(&ex.output));
-        if held_back_by_unresolved_transaction(&ex, "an instance") {
-            assert!(
-                b.child.try_wait().unwrap().is_none(),
-                "the woken instance keeps running"
-            );
-            b.stop();
-            a.stop();
-            return;
-        }
-        got = check_behind_stuck_transaction(&ex, &expected, records.len());
-    }
+    let got = latest_counts(&msgs).unwrap();
+    assert_each_window_count_once(&msgs, &expected);
     assert!(
         b.child.try_wait().unwrap().is_none(),
         "the woken instance keeps running"
@@ -444,7 +391,7 @@ fn a_task_fenced_at_its_commit_reads_its_partition_again_when_it_comes_back() {
         .expect("the usurper takes task 0_1's transactional id");
     produce(&bootstrap(), &ex.input, second.to_vec()).unwrap();
     let msgs = wait_outputs(&ex.output, &expected, Duration::from_secs(90));
-    assert_every_count_within(&msgs, &expected);
+    assert_each_window_count_once(&msgs, &expected);
     let stats = a.stop();
     assert_eq!(stats["ok"], true, "{stats}");
     assert!(
@@ -453,181 +400,13 @@ fn a_task_fenced_at_its_commit_reads_its_partition_again_when_it_comes_back() {
     );
 }
 
-/// True when a transaction left open on the output or a changelog
-/// (ARCHITECTURE.md, broker quirks) holds back every `read_committed` reader
-/// and the transactions behind it, restores included: shown by a barrier
-/// committed there that cannot be read back committed. Apache Kafka aborts
-/// such a transaction; nothing more can be checked on this broker.
-fn held_back_by_unresolved_transaction(ex: &Example, whose: &str) -> bool {
-    let topics = vec![
-        ex.output.clone(),
-        format!("{}-counts-changelog", ex.app),
-        format!("{}-sluice-progress-0-changelog", ex.app),
-    ];
-    for t in &topics {
-        commit_barrier(t, 4);
-    }
-    let held: Vec<String> = barriers_out_of_reach(&topics)
-        .into_iter()
-        .map(|(t, p, o)| format!("{t}/{p}@{o}"))
-        .collect();
-    if held.is_empty() {
-        return false;
-    }
-    eprintln!("{whose}'s transaction was never resolved: committed barriers out of reach at {held:?} (a broker fault)");
-    true
-}
-
-/// Waits until `a` owns all four tasks. False when it cannot because the
-/// test broker left the other instance's open transaction unresolved after
-/// `a`'s `init_transactions` (ARCHITECTURE.md, broker quirks): `read_committed` readers, `a`'s
-/// restore among them, then never get past it. That case is shown by a
-/// committed restore barrier a `read_committed` reader cannot reach, and
-/// anything else fails the test. Apache Kafka aborts such a transaction;
-/// nothing more can be checked on this broker.
-fn takes_over_every_task(a: &Proc, ex: &Example, other: &str) -> bool {
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    while a.tasks().len() < 4 && std::time::Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    if a.tasks().len() == 4 {
-        return true;
-    }
-    let changelogs = [
-        format!("{}-counts-changelog", ex.app),
-        format!("{}-sluice-progress-0-changelog", ex.app),
-    ];
-    let stuck = barriers_out_of_reach(&changelogs);
-    assert!(
-        !stuck.is_empty(),
-        "A never owned every task, and no changelog is held back by an open transaction"
-    );
-    eprintln!(
-        "A cannot restore behind {other}'s unresolved transaction on {stuck:?} (a broker fault)"
-    );
-    false
-}
-
-/// The test broker sometimes never resolves a transaction its producer was
-/// killed in, even after the survivor's `init_transactions` with the same
-/// transactional id (seen in 2 of about 33 runs): `read_committed` readers then
-/// stop at that transaction on every partition it touched, which for a
-/// windowed count is every output partition, although the survivor's own
-/// transactions after it committed. Apache Kafka aborts such a transaction
-/// on the new `init_transactions`. When that happens the outcome is checked
-/// without the broker's last stable offset: the survivor's transactions must
-/// have committed the whole input (their offsets are part of them), and the
-/// latest count of every window, read uncommitted, must be exact. The
-/// survivor re-processes everything the killed instance's open transaction
-/// covered and writes after it, so its answers are the latest ones; a
-/// changelog record of the killed transaction restored into its state would
-/// make them too high.
-fn check_behind_stuck_transaction(
-    ex: &Example,
-    expected: &BTreeMap<(i64, String), u64>,
-    inputs: usize,
-) -> BTreeMap<(i64, String), u64> {
-    let per_partition = committed(&ex.app, &ex.input, 4);
-    let offsets: i64 = per_partition.values().sum();
-    assert_eq!(
-        offsets, inputs as i64,
-        "the survivor's transactions did not commit the whole input: {per_partition:?}"
-    );
-    let msgs = read_topics(
-        &bootstrap(),
-        &[&ex.output],
-        false,
-        Duration::from_secs(60),
-        |m| latest_counts(m).is_ok_and(|got| &got == expected),
-    )
-    .unwrap();
-    eprintln!(
-        "read_committed stopped at the killed instance's transaction (a broker fault); \
-         checked the latest counts read uncommitted instead"
-    );
-    latest_counts(&msgs).unwrap()
-}
-
-/// Commits a barrier record to every partition of `topic` in a transaction
-/// of its own.
-fn commit_barrier(topic: &str, partitions: i32) {
-    use rdkafka::producer::{BaseRecord, Producer, ThreadedProducer};
-    let producer: ThreadedProducer<rdkafka::producer::DefaultProducerContext> = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap())
-        .set("transactional.id", unique("barrier"))
-        .create()
-        .unwrap();
-    let t = Duration::from_secs(30);
-    producer.init_transactions(t).unwrap();
-    producer.begin_transaction().unwrap();
-    for p in 0..partitions {
-        let headers = rdkafka::message::OwnedHeaders::new().insert(rdkafka::message::Header {
-            key: sluice_topology::runtime::BARRIER_HEADER,
-            value: Some("test"),
-        });
-        producer
-            .send(
-                BaseRecord::<[u8], [u8]>::to(topic)
-                    .partition(p)
-                    .key(b"\0barrier")
-                    .payload(b"")
-                    .headers(headers),
-            )
-            .map_err(|(e, _)| e)
-            .unwrap();
-    }
-    producer.commit_transaction(t).unwrap();
-}
-
-/// Restore barriers (always written in committed transactions) that a
-/// `read_uncommitted` reader sees and a `read_committed` one cannot reach:
-/// (topic, partition, offset) of each.
-fn barriers_out_of_reach(topics: &[String]) -> Vec<(String, i32, i64)> {
-    let barriers = |committed: bool| -> HashSet<(String, i32, i64)> {
-        let t: Vec<&str> = topics.iter().map(String::as_str).collect();
-        read_topics(&bootstrap(), &t, committed, Duration::from_secs(10), |_| {
-            false
-        })
-        .unwrap_or_default()
-        .iter()
-        .filter(|m| {
-            m.headers().is_some_and(|h| {
-                h.iter()
-                    .any(|h| h.key == sluice_topology::runtime::BARRIER_HEADER)
-            })
-        })
-        .map(|m| (m.topic().to_string(), m.partition(), m.offset()))
-        .collect()
-    };
-    let reachable = barriers(true);
-    let mut stuck: Vec<_> = barriers(false).difference(&reachable).cloned().collect();
-    stuck.sort();
-    stuck
-}
-
-/// Records per partition of `topic` seen by a `read_committed` and by a
-/// `read_uncommitted` reader (a failure's diagnostics).
-fn partition_views(topic: &str) -> String {
-    let per_partition = |committed: bool| {
-        let msgs = read_topics(
-            &bootstrap(),
-            &[topic],
-            committed,
-            Duration::from_secs(10),
-            |_| false,
-        )
-        .unwrap_or_default();
-        let mut n = BTreeMap::new();
-        for m in &msgs {
-            *n.entry(m.partition()).or_insert(0usize) += 1;
-        }
-        n
-    };
-    format!(
-        "records per partition of {topic}: read_committed {:?}, read_uncommitted {:?}",
-        per_partition(true),
-        per_partition(false)
-    )
+/// Waits until `a` owns all four tasks (it took over the other instance's:
+/// fenced them, the broker aborted what they left open, and it restored
+/// them).
+fn takes_over_every_task(a: &Proc) {
+    eventually(Duration::from_secs(120), "A owns every task", || {
+        (a.tasks().len() == 4 && a.ready()).then_some(())
+    });
 }
 
 /// Committed offsets of a group for a topic's partitions.
@@ -923,18 +702,13 @@ fn assert_each_count_once(seqs: &BTreeMap<String, Vec<u64>>) {
 }
 
 #[test]
-fn exactly_once_async_operator_into_a_count_loses_nothing_across_sigkills() {
-    // Without the commit's progress record, a count stamped by a later record
-    // hid an earlier record still in flight at the commit: replayed after the
-    // kill, it was skipped and never counted.
-    // Exact on a correct broker (and in the in-process crash tests). A kill
-    // can land while a transaction's changelog records are on their way; the
-    // test broker then exposes part of that transaction (ARCHITECTURE.md, broker quirks), and a
-    // key's restored value may reflect records the replay applies again (its
-    // floor covers only those finished before the writer). So here: nothing
-    // lost.
-    let (seqs, expected) = async_count_run("exactly-once", Interrupt::Kills(3), false);
-    assert_no_count_lost(&seqs, &expected);
+fn exactly_once_async_operator_into_a_count_is_exact_across_sigkills() {
+    // Records finish out of order; the commit's progress record says which
+    // above the committed offset it covers, and a restarted task skips
+    // exactly those: every count appears once.
+    let (seqs, expected) = async_count_run("exactly-once", Interrupt::Kills(3), true);
+    assert_each_count_once(&seqs);
+    assert_final_counts(&seqs, &expected);
 }
 
 #[test]
@@ -946,8 +720,8 @@ fn at_least_once_async_operator_into_a_count_loses_nothing_across_sigkills() {
 #[test]
 fn exactly_once_async_count_crash_after_changelog_flush_emits_each_count_once() {
     // The transaction's outputs, changelog and progress records were all
-    // acknowledged when the process died. A correct broker aborts it; the test
-    // broker exposes it whole (ARCHITECTURE.md, broker quirks). Either way, every count appears once.
+    // acknowledged when the process died; the broker aborts it when the
+    // restarted task fences it. Every count appears once.
     let (seqs, expected) = async_count_run(
         "exactly-once",
         Interrupt::Failpoint("eos_after_changelog_flush:4"),
@@ -1021,29 +795,22 @@ fn a_15_second_operator_call_causes_no_rebalance_and_no_duplicate() {
 }
 
 /// Records of the windowed count's changelogs (its store and the engine's
-/// progress store), barriers left out.
+/// progress store).
 fn changelog_records(app: &str) -> usize {
     let counts = format!("{app}-counts-changelog");
     let progress = sluice_topology::Topology::changelog_topic(
         app,
         &sluice_topology::Topology::progress_store(0),
     );
-    let msgs = read_topics(
+    read_topics(
         &bootstrap(),
         &[&counts, &progress],
         true,
         Duration::from_secs(4),
         |_| false,
     )
-    .unwrap();
-    msgs.iter()
-        .filter(|m| {
-            !m.headers().is_some_and(|h| {
-                h.iter()
-                    .any(|h| h.key == sluice_topology::runtime::BARRIER_HEADER)
-            })
-        })
-        .count()
+    .unwrap()
+    .len()
 }
 
 #[test]
@@ -1186,10 +953,9 @@ fn non_co_partitioned_merge_inputs_fail_at_start() {
 
 #[test]
 fn keyed_outputs_are_placed_where_the_producers_partitioner_puts_them() {
-    // Exactly-once commits place keyed outputs on their partitions before
-    // sending them, to know which transactions share a partition: the
-    // placement must be the one the producers' own partitioner (murmur2, as
-    // the Java clients) gives, or records would move.
+    // Interactive queries find a key's task with `key_partition`: it must
+    // place keys where the producers' own partitioner (murmur2, as the Java
+    // clients and the engine's producers) puts them.
     let topic = unique("placement");
     create_topics(&bootstrap(), &[(&topic, 7, &[])]).unwrap();
     let keys: Vec<String> = (0..500).map(|i| format!("tenant-{i}")).collect();
@@ -1222,66 +988,263 @@ fn keyed_outputs_are_placed_where_the_producers_partitioner_puts_them() {
     assert_eq!(used.len(), 7, "every partition got keys");
 }
 
-#[test]
-fn async_count_is_exact_at_the_exactly_once_commit_and_output_crash_points() {
-    // Committed but RocksDB not written: the restart restores the tail and
-    // every count appears once.
-    let (seqs, expected) = async_count_run(
-        "exactly-once",
-        Interrupt::Failpoint("eos_after_commit_before_local:4"),
-        true,
-    );
-    assert_each_count_once(&seqs);
-    assert_final_counts(&seqs, &expected);
-    // Outputs acknowledged, no changelog record sent: a correct broker aborts
-    // the transaction; the test broker exposes its outputs instead (design
-    // §8), so counts already read can be read again once the restart
-    // recounts from the committed state. State never counts a record twice:
-    // no count ever goes above its key's final count.
-    let (seqs, expected) = async_count_run(
-        "exactly-once",
-        Interrupt::Failpoint("eos_after_output_flush:4"),
-        true,
-    );
-    assert_final_counts(&seqs, &expected);
-    for (k, v) in &seqs {
-        assert!(v.iter().all(|c| c <= &expected[k]), "{k}: {v:?}");
+/// The topologies the crash-point tests run: (a) a windowed count, (b) an
+/// async step into a count, (c) a count forwarding every update into an
+/// async step, (d) merged inputs into a count, (e) a cached count into an
+/// async step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Shape {
+    WindowedCount,
+    AsyncCount,
+    CountAsync,
+    MergedCount,
+    CachedCountAsync,
+}
+
+impl Shape {
+    /// The example running the shape, with its topics created.
+    fn example(self, guarantee: &str) -> Example {
+        let (kind, inputs) = match self {
+            Shape::WindowedCount => ("windowed-count", 1),
+            Shape::AsyncCount => ("async-count", 1),
+            Shape::CountAsync => ("count-async", 1),
+            Shape::MergedCount => ("merged-count", 2),
+            Shape::CachedCountAsync => ("cached-count-async", 1),
+        };
+        let inputs: Vec<String> = (0..inputs).map(|_| unique("in")).collect();
+        // Short commit intervals: many commits, so the crash points are
+        // reached early in a run.
+        let mut extra: Vec<String> = ["--guarantee", guarantee, "--commit-interval-ms", "50"]
+            .map(String::from)
+            .to_vec();
+        match self {
+            Shape::WindowedCount => extra.extend(["--grace-ms", "3600000"].map(String::from)),
+            Shape::MergedCount => {}
+            _ => extra.extend(
+                [
+                    "--min-delay-ms",
+                    "0",
+                    "--max-delay-ms",
+                    "80",
+                    "--max-in-flight",
+                    "50",
+                ]
+                .map(String::from),
+            ),
+        }
+        let ex = Example {
+            kind,
+            app: unique("points"),
+            input: inputs.join(","),
+            output: unique("out"),
+            extra,
+        };
+        let mut topics: Vec<sluice::kafka::TopicDef<'_>> =
+            inputs.iter().map(|t| (t.as_str(), 2, &[][..])).collect();
+        topics.push((&ex.output, 2, &[]));
+        create_topics(&bootstrap(), &topics).unwrap();
+        ex
+    }
+
+    /// Whether counts finish out of order behind an async step (so they are
+    /// judged as a set per key, not as a sequence).
+    fn behind_async(self) -> bool {
+        matches!(self, Shape::CountAsync | Shape::CachedCountAsync)
     }
 }
 
-#[test]
-fn async_count_loses_nothing_at_the_at_least_once_changelog_crash_point() {
-    // Changelog acknowledged, no progress record yet: at-least-once may count
-    // again what finished above the committed offset (documented), never lose.
-    let (seqs, expected) = async_count_run(
-        "at-least-once",
-        Interrupt::Failpoint("alos_after_changelog_flush:4"),
-        false,
-    );
-    assert_no_count_lost(&seqs, &expected);
+/// Produces records `from..to` of a crash-point run: keys `k0..k49` spread
+/// over the example's inputs, all in one minute; adds them to the count per
+/// (window, key).
+fn produce_points_records(
+    ex: &Example,
+    (from, to): (usize, usize),
+    base: i64,
+    expected: &mut BTreeMap<(i64, String), u64>,
+) {
+    let inputs: Vec<&str> = ex.input.split(',').collect();
+    let mut per_input: Vec<Vec<OutRecord>> = vec![Vec::new(); inputs.len()];
+    for i in from..to {
+        let key = format!("k{}", (i * 7919) % 50);
+        let window = if ex.kind == "windowed-count" { base } else { 0 };
+        *expected.entry((window, key.clone())).or_insert(0u64) += 1;
+        per_input[i % inputs.len()].push(OutRecord {
+            key: Some(key.into_bytes()),
+            value: Some(format!("{i}").into_bytes()),
+            timestamp: Some(base),
+            ..Default::default()
+        });
+    }
+    for (topic, records) in inputs.iter().zip(per_input) {
+        produce(&bootstrap(), topic, records).unwrap();
+    }
 }
 
-#[test]
-fn windowed_count_is_exact_at_the_other_crash_points() {
-    // The windowed count at the steps the leak and expiry tests do not
-    // cover: exactly-once after the output flush; at-least-once after the
-    // changelog flush and before the offset commit (position stamps keep
-    // replayed records from being applied twice).
-    for (guarantee, point) in [
-        ("exactly-once", "eos_after_output_flush:2"),
-        ("at-least-once", "alos_after_changelog_flush:1"),
-        ("at-least-once", "alos_before_offset_commit:1"),
-    ] {
-        let ex = Example::windowed_count("points", guarantee, 2);
-        let (records, expected) = keyed_records(40_000, 200, 4, base_time());
-        produce(&bootstrap(), &ex.input, records).unwrap();
+/// Every count of a run's output, per (window, key), in the order written
+/// (window 0 for the counts without windows).
+fn output_counts(msgs: &[rdkafka::message::OwnedMessage]) -> BTreeMap<(i64, String), Vec<u64>> {
+    let mut seqs: BTreeMap<(i64, String), Vec<u64>> = BTreeMap::new();
+    for m in msgs {
+        let raw_key = m.key().unwrap_or_default();
+        let key = match serde_json::from_slice::<sluice_topology::Windowed<String>>(raw_key) {
+            Ok(w) => (w.window.start, w.key),
+            Err(_) => (0, String::from_utf8_lossy(raw_key).into_owned()),
+        };
+        let n: u64 = serde_json::from_slice(m.payload().unwrap_or_default()).unwrap();
+        seqs.entry(key).or_default().push(n);
+    }
+    seqs
+}
+
+/// What a crash point promises.
+#[derive(Clone, Copy, Debug)]
+enum Promise {
+    /// Exactly once: every count read once (behind an async step: each
+    /// update answered once), the last the input count.
+    Exact,
+    /// At-least-once with the progress record written: no record applied
+    /// twice (no count above the input count), none lost; outputs may
+    /// repeat.
+    AppliedOnce,
+    /// At-least-once before the progress record: nothing lost.
+    NothingLost,
+}
+
+fn check_points_run(
+    shape: Shape,
+    promise: Promise,
+    seqs: &BTreeMap<(i64, String), Vec<u64>>,
+    expected: &BTreeMap<(i64, String), u64>,
+    what: &str,
+) {
+    assert_eq!(
+        seqs.keys().collect::<Vec<_>>(),
+        expected.keys().collect::<Vec<_>>(),
+        "{what}: keys"
+    );
+    for (key, counts) in seqs {
+        let want = expected[key];
+        let mut sorted = counts.clone();
+        sorted.sort_unstable();
+        let max = sorted.last().copied().unwrap_or(0);
+        match promise {
+            Promise::Exact => {
+                let mut unique = sorted.clone();
+                unique.dedup();
+                assert_eq!(sorted, unique, "{what}: {key:?} read twice: {counts:?}");
+                if !shape.behind_async() {
+                    assert_eq!(&sorted, counts, "{what}: {key:?} out of order: {counts:?}");
+                }
+                assert_eq!(max, want, "{what}: {key:?} {counts:?}");
+            }
+            Promise::AppliedOnce => {
+                assert_eq!(
+                    max, want,
+                    "{what}: {key:?} counted twice or lost: {counts:?}"
+                );
+                if !shape.behind_async() {
+                    assert_eq!(counts.last(), Some(&want), "{what}: {key:?} {counts:?}");
+                }
+            }
+            Promise::NothingLost => assert!(max >= want, "{what}: {key:?} lost: {counts:?}"),
+        }
+        if shape == Shape::CountAsync && !matches!(promise, Promise::NothingLost) {
+            for n in 1..=want {
+                assert!(
+                    sorted.binary_search(&n).is_ok(),
+                    "{what}: {key:?} update {n} lost"
+                );
+            }
+        }
+    }
+}
+
+/// Runs `shape` under `guarantee` with a crash armed at each of `points`
+/// in turn: the first run dies at the point in its first commit with work;
+/// more records come, and the restarted run dies there too (a crash soon
+/// after a restart, in the middle of what the first left); more records
+/// come, and a third run goes to the end. Judged by every output record
+/// read `read_committed`.
+fn crash_points(shape: Shape, guarantee: &str, points: &[(&str, Promise)]) {
+    let n = match shape {
+        Shape::WindowedCount | Shape::MergedCount => 80_000,
+        _ => 8_000,
+    };
+    for (point, promise) in points {
+        let ex = shape.example(guarantee);
+        let (base, mut expected) = (base_time(), BTreeMap::new());
+        produce_points_records(&ex, (0, n / 3), base, &mut expected);
         let dir = temp_dir();
-        abort_at(&ex, &dir, "points-1", point);
-        let mut p = ex.spawn("points-2", dir.path());
-        let msgs = wait_outputs(&ex.output, &expected, Duration::from_secs(180));
+        abort_at(&ex, &dir, "points-1", &format!("{point}:1"));
+        produce_points_records(&ex, (n / 3, 2 * n / 3), base, &mut expected);
+        abort_at(&ex, &dir, "points-2", &format!("{point}:1"));
+        produce_points_records(&ex, (2 * n / 3, n), base, &mut expected);
+        let mut p = ex.spawn("points-3", dir.path());
+        read_topics(
+            &bootstrap(),
+            &[&ex.output],
+            true,
+            Duration::from_secs(180),
+            |m| {
+                let seqs = output_counts(m);
+                expected
+                    .iter()
+                    .all(|(k, n)| seqs.get(k).is_some_and(|c| c.iter().any(|got| got >= n)))
+            },
+        )
+        .unwrap();
         let stats = p.stop();
-        assert_counts_equal(&latest_counts(&msgs).unwrap(), &expected);
-        assert_every_count_within(&msgs, &expected);
         assert_eq!(stats["ok"], true, "{point}: {stats}");
+        let msgs = read_topics(
+            &bootstrap(),
+            &[&ex.output],
+            true,
+            Duration::from_secs(3),
+            |_| false,
+        )
+        .unwrap();
+        let what = format!("{shape:?} {guarantee} {point}");
+        check_points_run(shape, *promise, &output_counts(&msgs), &expected, &what);
     }
+}
+
+const EOS_POINTS: [(&str, Promise); 3] = [
+    ("eos_after_output_flush", Promise::Exact),
+    ("eos_after_changelog_flush", Promise::Exact),
+    ("eos_after_commit_before_local", Promise::Exact),
+];
+
+const ALOS_POINTS: [(&str, Promise); 2] = [
+    ("alos_after_changelog_flush", Promise::NothingLost),
+    ("alos_before_offset_commit", Promise::AppliedOnce),
+];
+
+#[test]
+fn a_windowed_count_keeps_its_promise_at_every_commit_step_killed_twice() {
+    crash_points(Shape::WindowedCount, "exactly-once", &EOS_POINTS);
+    crash_points(Shape::WindowedCount, "at-least-once", &ALOS_POINTS);
+}
+
+#[test]
+fn an_async_step_into_a_count_keeps_its_promise_at_every_commit_step_killed_twice() {
+    crash_points(Shape::AsyncCount, "exactly-once", &EOS_POINTS);
+    crash_points(Shape::AsyncCount, "at-least-once", &ALOS_POINTS);
+}
+
+#[test]
+fn a_count_before_an_async_step_keeps_its_promise_at_every_commit_step_killed_twice() {
+    crash_points(Shape::CountAsync, "exactly-once", &EOS_POINTS);
+    crash_points(Shape::CountAsync, "at-least-once", &ALOS_POINTS);
+}
+
+#[test]
+fn merged_inputs_keep_their_promise_at_every_commit_step_killed_twice() {
+    crash_points(Shape::MergedCount, "exactly-once", &EOS_POINTS);
+    crash_points(Shape::MergedCount, "at-least-once", &ALOS_POINTS);
+}
+
+#[test]
+fn a_cached_count_before_an_async_step_keeps_its_promise_at_every_commit_step_killed_twice() {
+    crash_points(Shape::CachedCountAsync, "exactly-once", &EOS_POINTS);
+    crash_points(Shape::CachedCountAsync, "at-least-once", &ALOS_POINTS);
 }

@@ -746,11 +746,12 @@ fn sigkill_under_load_loses_nothing_and_never_answers_twice() {
 }
 
 /// A crash inside a commit, after the results (or also the idempotency
-/// records) reached the broker: the test broker exposes that interrupted
-/// transaction to `read_committed` readers. Provider errors past the in-call
-/// retry make tasks re-published, so some records finished above the
-/// committed offset with only a re-publish. The restarted instance must
-/// neither lose a task nor answer one twice, nor re-publish an attempt twice.
+/// records) reached the broker: the restarted instance fences the task's
+/// transactional id and the broker aborts that transaction. Provider errors
+/// past the in-call retry make tasks re-published, so some records finished
+/// above the committed offset with only a re-publish. The restarted instance
+/// must neither lose a task nor answer one twice, nor re-publish an attempt
+/// twice.
 fn crash_inside_a_commit(failpoint: &str) -> (Pipeline, App) {
     let sim = SimConfig::from_json_value(serde_json::json!({
         "latency": { "kind": "uniform", "min_ms": 5, "max_ms": 50 },
@@ -794,10 +795,7 @@ fn crash_inside_a_commit(failpoint: &str) -> (Pipeline, App) {
 
 #[test]
 fn a_crash_after_results_were_written_answers_no_task_twice() {
-    let (p, mut app) = crash_inside_a_commit("eos_after_output_flush:3");
-    // The results of the interrupted transaction were visible: the new owner
-    // found them, and used them instead of answering those tasks again.
-    assert!(p.metric(&app, "sluice_results_recovered_total") >= 1.0);
+    let (_p, mut app) = crash_inside_a_commit("eos_after_output_flush:3");
     app.proc.stop();
 }
 

@@ -27,7 +27,9 @@ struct Listeners {
 
 fn listeners() -> Listeners {
     let v = std::env::var("SLUICE_TEST_TLS").unwrap_or_else(|_| {
-        panic!("SLUICE_TEST_TLS is not set: run the tests with `make test`, which starts the broker")
+        panic!(
+            "SLUICE_TEST_TLS is not set: run the tests with `make test`, which starts the broker"
+        )
     });
     let parts: Vec<String> = v.split_whitespace().map(str::to_string).collect();
     let [ssl, sasl_ssl, ca, other_ca, user, password] = <[String; 6]>::try_from(parts)

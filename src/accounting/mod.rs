@@ -20,14 +20,10 @@
 //!
 //! Under exactly-once the window updates, the usage records and the results
 //! commit in one transaction, so the accounts always equal the sum of the
-//! results a `read_committed` reader sees. `invoke_llm` emits each input's
-//! result once across crashes (its idempotency store is stamped with the
-//! input position, in the same transaction), and results re-emitted to a
-//! redelivered task carry `sluice.duplicate` and are not counted again. A
-//! broker that exposes an interrupted transaction instead of aborting it
-//! (the test broker does) leaves results visible that the restored windows
-//! may not hold: `invoke_llm`'s takeover recovery adds those to the windows
-//! ([`Accounting::add_result`]).
+//! results a `read_committed` reader sees: a crash aborts the transaction,
+//! and the restarted task counts again exactly what it emits again. Results
+//! re-emitted to a redelivered task carry `sluice.duplicate` and are not
+//! counted again.
 
 pub mod quota;
 
@@ -85,44 +81,6 @@ pub fn default_windows() -> Vec<WindowSpec> {
         w("1d", DAY_MS, 35 * DAY_MS),
         w("30d", 30 * DAY_MS, 90 * DAY_MS),
     ]
-}
-
-/// Header set by `account` on each result it counts, and on the usage and
-/// alert records that result caused: the result's place in the order its
-/// task counted results (see [`Seq`]). A consumer of `ai.usage.tenant` can
-/// tell updates apart by it.
-pub const HEADER_SEQ: &str = "sluice.usage.seq";
-
-/// The order in which a task counted results: the time the task's
-/// accountant started (ms) and a counter. Each window keeps the last it
-/// counted, so a result recovered on takeover is added to exactly the
-/// windows that do not hold it yet, however much of an interrupted
-/// transaction a broker left visible.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct Seq {
-    /// When the counting accountant started, ms since the epoch.
-    pub incarnation: i64,
-    /// Results it counted before this one.
-    pub n: u64,
-}
-
-impl Seq {
-    /// As a header value: `<incarnation>.<n>`.
-    pub fn encode(&self) -> Vec<u8> {
-        use std::io::Write;
-        let mut out = Vec::with_capacity(24);
-        write!(out, "{}.{}", self.incarnation, self.n).expect("writing to a Vec");
-        out
-    }
-
-    /// From a header value.
-    pub fn decode(bytes: &[u8]) -> Option<Seq> {
-        let (i, n) = std::str::from_utf8(bytes).ok()?.split_once('.')?;
-        Some(Seq {
-            incarnation: i.parse().ok()?,
-            n: n.parse().ok()?,
-        })
-    }
 }
 
 /// One model's share of a window.
@@ -263,8 +221,8 @@ pub struct TenantUsage {
     pub alerted: u8,
     /// Whether the tenant's soft quota for this window was alerted.
     pub quota_alerted: bool,
-    /// The last result counted.
-    pub last_seq: Seq,
+    // (Windows written by earlier versions carry one more field after this
+    // one, the last result counted; it is ignored when read.)
 }
 
 impl TenantUsage {
@@ -604,10 +562,6 @@ impl AccountStreamExt for KStream<String, TaskResult> {
         self.process(&accounting.settings().name, &refs, move || Accountant {
             accounting: a.clone(),
             last_expiry_ms: 0,
-            next: Seq {
-                incarnation: chrono::Utc::now().timestamp_millis(),
-                n: 0,
-            },
             held: Held::default(),
         })
     }
@@ -617,8 +571,6 @@ impl AccountStreamExt for KStream<String, TaskResult> {
 struct Accountant {
     accounting: Accounting,
     last_expiry_ms: i64,
-    /// The next result's place in this task's counting order.
-    next: Seq,
     /// [`UsageUpdates::OnCommit`]: the windows updated since the last
     /// commit, with their latest state.
     held: Held,
@@ -731,33 +683,31 @@ impl Accountant {
     }
 }
 
-/// The usage record of a tenant's window as its store holds it now (JSON),
-/// and the sequence number of the last result counted into it.
+/// The usage record of a tenant's window as its store holds it now (JSON).
 fn usage_record(
     ctx: &mut Ctx<'_>,
     store: &str,
     tenant: &String,
     w: &WindowSpec,
     start: i64,
-) -> Result<(Vec<u8>, Seq), ProcessError> {
+) -> Result<Vec<u8>, ProcessError> {
     ctx.window::<String, TenantUsage>(store)?
         .peek(tenant, start, |usage| {
             let empty = TenantUsage::default();
             let usage = usage.unwrap_or(&empty);
-            let json = serde_json::to_vec(&UsageOut::new(tenant, w, start, usage));
-            json.map(|json| (json, usage.last_seq))
+            serde_json::to_vec(&UsageOut::new(tenant, w, start, usage))
         })?
         .map_err(|e| ProcessError::Fatal(format!("usage record encoding: {e}")))
 }
 
 /// Emits a JSON record keyed by tenant in the task's own partition (as its
-/// results), carrying the sequence number of the result that caused it.
+/// results).
 fn emit_json(
     ctx: &mut Ctx<'_>,
     topic: &str,
     tenant: &str,
     at: i64,
-    (json, seq): (Vec<u8>, Seq),
+    json: Vec<u8>,
 ) -> Result<(), ProcessError> {
     ctx.emit(OutputRecord {
         topic: topic.to_string(),
@@ -765,8 +715,8 @@ fn emit_json(
         key: Some(tenant.as_bytes().to_vec()),
         value: Some(json),
         timestamp: at,
-        headers: vec![(HEADER_SEQ.into(), seq.encode())],
-    });
+        headers: Vec::new(),
+    })?;
     Ok(())
 }
 
@@ -774,43 +724,24 @@ fn emit_json(
 impl Accounting {
     /// Adds a completed result to its tenant's window of every size and
     /// returns what to emit for it (alerts crossed, then the usage update,
-    /// per window). Every result given is counted: `invoke_llm` emits an
-    /// input's result once (see the module docs), and a replayed input may
-    /// rightly bring a result its first run did not (a failure that comes
-    /// back is a new attempt), so no input position can say a window
-    /// already holds it.
-    ///
-    /// `recovered`: the result was read back from the results topic on
-    /// takeover; it is added only to the windows whose last counted result
-    /// came before it (nothing is emitted: what it crossed was out with it).
+    /// per window). Every result given is counted: each is emitted once
+    /// (see the module docs).
     pub fn add_result<K: Data, V: Data, O: Send + 'static>(
         &self,
         ctx: &mut ProcessorContext<'_, K, V, O>,
         r: &TaskResult,
-        seq: Seq,
-        recovered: bool,
     ) -> Result<Vec<Update>, ProcessError> {
         let at = r.completed_at.timestamp_millis();
         let mut out = Vec::new();
         for (i, (w, store)) in self.windows().iter().zip(self.stores()).enumerate() {
             let start = at - at.rem_euclid(w.size_ms);
             let mut windows = ctx.window::<String, TenantUsage>(store)?;
-            if recovered
-                && windows.peek(&r.tenant_id, start, |u| {
-                    u.is_some_and(|u| u.last_seq >= seq)
-                })?
-            {
-                continue;
-            }
             let alerts = windows.update(&r.tenant_id, start, |usage| {
                 usage.add(r);
-                usage.last_seq = usage.last_seq.max(seq);
                 self.crossed(&r.tenant_id, w, start, usage)
             })?;
             out.extend(alerts.into_iter().map(Update::Alert));
-            if !recovered {
-                out.push(Update::Usage { window: i, start });
-            }
+            out.push(Update::Usage { window: i, start });
         }
         Ok(out)
     }
@@ -913,7 +844,7 @@ impl Processor<String, TaskResult> for Accountant {
 
     fn process(
         &mut self,
-        mut record: Record<String, TaskResult>,
+        record: Record<String, TaskResult>,
         ctx: &mut Ctx<'_>,
     ) -> Result<(), ProcessError> {
         let r = &record.value;
@@ -923,9 +854,7 @@ impl Processor<String, TaskResult> for Accountant {
         if r.success && !duplicate {
             let at = r.completed_at.timestamp_millis();
             let settings = self.accounting.settings();
-            let seq = self.next;
-            self.next.n += 1;
-            let updates = self.accounting.add_result(ctx, r, seq, false)?;
+            let updates = self.accounting.add_result(ctx, r)?;
             for update in updates {
                 match update {
                     Update::Alert(alert) => {
@@ -935,20 +864,19 @@ impl Processor<String, TaskResult> for Accountant {
                         let json = serde_json::to_vec(&alert).map_err(|e| {
                             ProcessError::Fatal(format!("alert record encoding: {e}"))
                         })?;
-                        emit_json(ctx, &settings.alerts_topic, &r.tenant_id, at, (json, seq))?;
+                        emit_json(ctx, &settings.alerts_topic, &r.tenant_id, at, json)?;
                     }
                     Update::Usage { window, start } => match settings.usage_updates {
                         UsageUpdates::OnUpdate => {
                             let w = &self.accounting.windows()[window];
                             let store = &self.accounting.stores()[window];
-                            let (json, _) = usage_record(ctx, store, &r.tenant_id, w, start)?;
-                            emit_json(ctx, &settings.usage_topic, &r.tenant_id, at, (json, seq))?
+                            let json = usage_record(ctx, store, &r.tenant_id, w, start)?;
+                            emit_json(ctx, &settings.usage_topic, &r.tenant_id, at, json)?
                         }
                         UsageUpdates::OnCommit => self.held.hold(&r.tenant_id, window, start, at),
                     },
                 }
             }
-            record.headers.push((HEADER_SEQ.into(), seq.encode()));
             if self.held.windows >= MAX_HELD_WINDOWS {
                 self.emit_held(ctx)?;
             }

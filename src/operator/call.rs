@@ -2,12 +2,11 @@
 //! routing around open breakers, holding jobs while the provider cannot
 //! answer, and turning outcomes into results.
 
-use sluice_topology::{Headers, OutputRecord, ProcessError};
+use sluice_topology::{OutputRecord, ProcessError};
 
 use super::trap::{self, Verdict};
 use super::{
-    idempotency_key, in_flight_key, now_ms, output_value, position_headers, Ctx, Failure, Item,
-    LlmProcessor, HEADER_OFFSET, HEADER_SOURCE,
+    idempotency_key, in_flight_key, now_ms, output_value, Ctx, Failure, Item, LlmProcessor,
 };
 use crate::accounting::Amount;
 use crate::envelope::DlqCategory;
@@ -576,23 +575,16 @@ impl LlmProcessor {
         envelope.attempt_number += 1;
         let value = serde_json::to_vec(&envelope)
             .map_err(|e| ProcessError::Fatal(format!("task encoding: {e}")))?;
-        // The position of the record that re-publishes it, so a task taking
-        // over the partition can tell this attempt is out (see `recover`).
-        let mut headers: Headers = item
-            .headers
-            .iter()
-            .filter(|(k, _)| k != HEADER_SOURCE && k != HEADER_OFFSET)
-            .cloned()
-            .collect();
-        headers.extend(position_headers(ctx.position()));
+        // To its own partition: the task stays with the task that owns its
+        // tenant, whatever partitioner its producer used.
         ctx.emit(OutputRecord {
             topic: task.topic.clone(),
             partition: Some(ctx.task_id().partition),
             key: task.key.clone(),
             value: Some(value),
             timestamp: now_ms(),
-            headers,
-        });
+            headers: item.headers.clone(),
+        })?;
         self.metrics().republished.inc();
         // Redeliveries that waited on this attempt finish without a result of
         // their own: the re-published task produces the task's one result.

@@ -26,8 +26,6 @@ pub mod names {
     pub const BATCH_CALLS_SAVED: &str = "sluice_batch_calls_saved_total";
     /// Micro-batches answered by a call per task instead (answer unusable, refused).
     pub const BATCH_FALLBACKS: &str = "sluice_batch_fallbacks_total";
-    /// Results found in the results topics when a task was taken over.
-    pub const RECOVERED: &str = "sluice_results_recovered_total";
     /// Tasks refused by a hard quota (`quota_exceeded`).
     pub const QUOTA_REJECTIONS: &str = "sluice_quota_rejections_total";
     /// Hard-quota reservations of calls under way.
@@ -48,7 +46,6 @@ pub struct OperatorMetrics {
     pub(crate) id_conflicts: IntCounter,
     pub(crate) batch_calls_saved: IntCounter,
     pub(crate) batch_fallbacks: IntCounter,
-    pub(crate) recovered: IntCounter,
     pub(crate) quota_rejections: IntCounter,
     pub(crate) reservations: IntGauge,
 }
@@ -96,10 +93,6 @@ impl OperatorMetrics {
                 names::BATCH_FALLBACKS,
                 "Micro-batches answered by a call per task instead",
             )?,
-            recovered: IntCounter::new(
-                names::RECOVERED,
-                "Results recovered from the results topics on takeover",
-            )?,
             quota_rejections: IntCounter::new(
                 names::QUOTA_REJECTIONS,
                 "Tasks refused by a hard quota (quota_exceeded)",
@@ -118,7 +111,6 @@ impl OperatorMetrics {
         registry.register(Box::new(m.id_conflicts.clone()))?;
         registry.register(Box::new(m.batch_calls_saved.clone()))?;
         registry.register(Box::new(m.batch_fallbacks.clone()))?;
-        registry.register(Box::new(m.recovered.clone()))?;
         registry.register(Box::new(m.quota_rejections.clone()))?;
         registry.register(Box::new(m.reservations.clone()))?;
         Ok(m)

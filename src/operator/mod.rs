@@ -21,16 +21,14 @@
 //! task (the failed call's usage is billed to them), so one bad task fails
 //! alone.
 //!
-//! Exactly-once on any broker: results carry the input position in headers,
-//! and `to_results` writes them to the partition matching the task's input
-//! partition, so a task that takes over a partition can read the results its
-//! previous owner left in an interrupted transaction (see [`recover`]) and
-//! never answer the same input twice.
+//! Exactly-once: a task's results, dead letters, re-published attempts and
+//! idempotency entries commit in one transaction with the offsets of the
+//! inputs they answer, so after a crash the input is answered again exactly
+//! when its answer did not commit.
 
 mod call;
 pub mod health;
 pub mod metrics;
-mod recover;
 mod trap;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -39,8 +37,7 @@ use std::sync::Arc;
 use chrono::Utc;
 use serde::{Deserialize, Serialize};
 use sluice_topology::{
-    Data, Headers, InFlight, Position, ProcessError, Processor, ProcessorContext, Punctuation,
-    Record,
+    Data, Headers, InFlight, ProcessError, Processor, ProcessorContext, Punctuation, Record,
 };
 
 use crate::accounting::{Accounting, Amount, QuotaGate, Reservations};
@@ -53,10 +50,6 @@ pub use call::CallDone;
 pub use health::Health;
 pub use metrics::OperatorMetrics;
 
-/// Result header: id of the source topic of the task's input.
-pub const HEADER_SOURCE: &str = "sluice.source";
-/// Result header: offset of the task's input record.
-pub const HEADER_OFFSET: &str = "sluice.offset";
 /// Result header on a result given again to a redelivered task: the task's
 /// one call was answered (and accounted) before.
 pub const HEADER_DUPLICATE: &str = "sluice.duplicate";
@@ -91,7 +84,7 @@ pub(crate) fn in_flight_key(tenant: &str, key: &str) -> String {
 /// The `invoke_llm` operator's own settings.
 #[derive(Clone, Debug)]
 pub struct LlmSettings {
-    /// The operator's name; its stores are `<name>-completed` and `<name>-meta`.
+    /// The operator's name; its store is `<name>-completed`.
     pub name: String,
     /// Deliveries of a task before it is dead-lettered as `exhausted`.
     pub max_attempts: u32,
@@ -109,30 +102,10 @@ pub struct LlmSettings {
     pub fallbacks: BTreeMap<String, String>,
     /// Prices per model (a result's `costMicros`).
     pub prices: BTreeMap<String, Price>,
-    /// Under exactly-once: where the results are written, to recover what an
-    /// interrupted transaction left visible when a task is taken over.
-    pub recovery: Option<Recovery>,
     /// The per-tenant accounts `account` keeps after this step: hard quotas
     /// are enforced against them before each call (see
-    /// [`crate::accounting::quota`]), and results recovered on takeover are
-    /// added to them.
+    /// [`crate::accounting::quota`]).
     pub accounting: Option<Accounting>,
-}
-
-/// Where `invoke_llm`'s results end up (written by `to_results`), read back
-/// when a task is taken over under exactly-once.
-#[derive(Clone, Debug)]
-pub struct Recovery {
-    /// librdkafka properties of the reading consumer (`bootstrap.servers`
-    /// and security settings).
-    pub client: BTreeMap<String, String>,
-    /// The application's group id (its committed offsets say where replay
-    /// starts; the reading consumer never joins it and commits nothing).
-    pub group_id: String,
-    /// The results topics.
-    pub topics: Vec<String>,
-    /// The task topics (tasks are re-published to them).
-    pub task_topics: Vec<String>,
 }
 
 /// The `invoke_llm` operator's settings and the parts its instances share
@@ -194,9 +167,9 @@ impl LlmStep {
         &self.0.settings.name
     }
 
-    /// Its own stores: completed tasks (idempotency), bookkeeping.
-    pub fn store_names(&self) -> [String; 2] {
-        [self.completed_store(), self.meta_store()]
+    /// Its own stores: completed tasks (idempotency).
+    pub fn store_names(&self) -> [String; 1] {
+        [self.completed_store()]
     }
 
     /// The hard-quota gate, if any.
@@ -212,10 +185,6 @@ impl LlmStep {
     /// The idempotency store: `<task type>/<task id>` → stored result.
     pub fn completed_store(&self) -> String {
         format!("{}-completed", self.name())
-    }
-
-    fn meta_store(&self) -> String {
-        format!("{}-meta", self.name())
     }
 
     fn settings(&self) -> &LlmSettings {
@@ -274,14 +243,6 @@ mod byte_string {
     }
 }
 
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-struct Meta {
-    /// Next offset after this task's committed results, per results topic.
-    results_end: BTreeMap<String, i64>,
-}
-
-const META_KEY: &str = "meta";
-
 /// A task admitted for a call.
 struct Item {
     routed: Routed,
@@ -305,7 +266,6 @@ type Ctx<'a> = ProcessorContext<'a, String, TaskResult, CallDone>;
 pub struct LlmProcessor {
     step: LlmStep,
     completed_store: String,
-    meta_store: String,
     /// Tasks with a call under way (by tenant and idempotency key) →
     /// redeliveries of them waiting for its result.
     in_flight: HashMap<String, Vec<(InFlight, Headers)>>,
@@ -321,8 +281,6 @@ pub struct LlmProcessor {
     probe_not_before_ms: i64,
     /// The task this processor runs in (known from `init`).
     task: Option<sluice_topology::TaskId>,
-    meta: Meta,
-    meta_dirty: bool,
     /// Token and cost series per model, resolved on first use.
     counters: HashMap<String, metrics::ModelCounters>,
     /// Where the expiry sweep of the completed store goes on from.
@@ -343,7 +301,6 @@ impl LlmProcessor {
     pub fn new(step: LlmStep) -> Self {
         LlmProcessor {
             completed_store: step.completed_store(),
-            meta_store: step.meta_store(),
             step,
             in_flight: Default::default(),
             parked: Vec::new(),
@@ -353,8 +310,6 @@ impl LlmProcessor {
             last_probe_ms: 0,
             probe_not_before_ms: 0,
             task: None,
-            meta: Meta::default(),
-            meta_dirty: false,
             counters: Default::default(),
             sweep_cursor: None,
             last_sweep_ms: 0,
@@ -372,19 +327,14 @@ impl LlmProcessor {
     fn admit(&mut self, ctx: &mut Ctx<'_>, item: BatchItem) -> Result<Option<Item>, ProcessError> {
         let env = &item.task.task.envelope;
         let key = idempotency_key(&env.task_type, &env.task_id);
-        // The same input replayed emits nothing; a redelivered task that
-        // succeeded gets its stored result again without a call, a replayed
-        // dead letter of it nothing. A stored failure is not final: a task
-        // that failed and comes back (or is replayed) is a new attempt (its
-        // cause may be gone).
-        let current = ctx.position();
-        if let Some((stored, position)) = ctx
+        // A redelivered task that succeeded gets its stored result again
+        // without a call, a replayed dead letter of it nothing. A stored
+        // failure is not final: a task that failed and comes back (or is
+        // replayed) is a new attempt (its cause may be gone).
+        if let Some(stored) = ctx
             .kv::<String, StoredOutcome>(&self.completed_store)?
-            .get_with_position(&key)?
+            .get(&key)?
         {
-            if position.is_some() && position == current {
-                return Ok(None);
-            }
             if stored.success {
                 match serde_json::from_slice::<TaskResult>(&stored.result_json) {
                     Ok(result) if result.tenant_id == item.task.task.tenant() => {
@@ -401,11 +351,6 @@ impl LlmProcessor {
                     Ok(_) => self.metrics().id_conflicts.inc(),
                     Err(_) => {}
                 }
-            }
-            // This attempt (or a later one) was re-published by a transaction
-            // a crash left visible: its outcome is out already.
-            if recover::republished_attempt(&stored).is_some_and(|a| a > env.attempt_number) {
-                return Ok(None);
             }
         }
         let flight = in_flight_key(item.task.task.tenant(), &key);
@@ -591,18 +536,6 @@ impl LlmProcessor {
         self.emit_result(ctx, headers, r)
     }
 
-    fn save_meta(&mut self, ctx: &mut Ctx<'_>) -> Result<(), ProcessError> {
-        if self.meta_dirty {
-            ctx.kv::<String, Meta>(&self.meta_store)?.put_at(
-                &META_KEY.to_string(),
-                &self.meta,
-                None,
-            );
-            self.meta_dirty = false;
-        }
-        Ok(())
-    }
-
     /// Removes idempotency entries whose time is up, a page per tick: an
     /// incremental sweep costs nothing per task and bounds the work per tick.
     fn sweep(&mut self, ctx: &mut Ctx<'_>, now: i64) -> Result<(), ProcessError> {
@@ -647,15 +580,6 @@ impl<K: Data, V: LlmInput> Processor<K, V> for LlmProcessor {
 
     fn init(&mut self, ctx: &mut Ctx<'_>) -> Result<(), ProcessError> {
         self.task = Some(ctx.task_id());
-        if let Some(meta) = ctx
-            .kv::<String, Meta>(&self.meta_store)?
-            .get(&META_KEY.to_string())?
-        {
-            self.meta = meta;
-        }
-        if let Some(recovery) = self.step.settings().recovery.clone() {
-            recover::recover_results(self, ctx, &recovery)?;
-        }
         Ok(())
     }
 
@@ -705,25 +629,12 @@ impl<K: Data, V: LlmInput> Processor<K, V> for LlmProcessor {
             self.start_call(ctx, job);
         }
         self.decide_refused(ctx)?;
-        // Where this task's committed results end (see `recover`).
-        if let Some(recovery) = &self.step.settings().recovery {
-            let partition = ctx.task_id().partition;
-            for topic in &recovery.topics {
-                if let Some(end) = ctx.output_end(topic, partition) {
-                    if self.meta.results_end.get(topic) != Some(&end) {
-                        self.meta.results_end.insert(topic.clone(), end);
-                        self.meta_dirty = true;
-                    }
-                }
-            }
-        }
-        self.sweep(ctx, time.wall_clock_ms)?;
-        self.save_meta(ctx)
+        self.sweep(ctx, time.wall_clock_ms)
     }
 }
 
 /// Forwards a result keyed by task id, with the trace context of
-/// `trace_from` and the current record's input position in headers; a result
+/// `trace_from` in headers; a result
 /// given again to a redelivered task (no call of its own) is marked
 /// [`HEADER_DUPLICATE`], so its tokens are not accounted twice.
 fn forward_result(
@@ -734,7 +645,6 @@ fn forward_result(
     duplicate: bool,
 ) -> Result<(), ProcessError> {
     let mut headers = step.0.tracer.result_headers(trace_from, &result, duplicate);
-    headers.extend(position_headers(ctx.position()));
     if duplicate {
         headers.push((HEADER_DUPLICATE.into(), b"1".to_vec()));
     }
@@ -750,18 +660,6 @@ fn forward_result(
 /// Whether a task's headers mark it as a replayed dead letter.
 fn is_replay(headers: &Headers) -> bool {
     headers.iter().any(|(k, _)| k == HEADER_REPLAY_OF)
-}
-
-/// The headers naming an input position.
-fn position_headers(position: Option<Position>) -> Headers {
-    position
-        .map(|p| {
-            vec![
-                (HEADER_SOURCE.into(), p.source.to_string().into_bytes()),
-                (HEADER_OFFSET.into(), p.offset.to_string().into_bytes()),
-            ]
-        })
-        .unwrap_or_default()
 }
 
 /// Cost in micro-dollars of a call, from prices per million tokens (rounded
@@ -782,20 +680,6 @@ fn output_value(task_type: &str, content: &str) -> serde_json::Value {
         }
     }
     serde_json::Value::String(content.to_string())
-}
-
-/// Position of a result from its headers.
-pub fn result_position(headers: &Headers) -> Option<Position> {
-    let get = |name: &str| {
-        headers
-            .iter()
-            .find(|(k, _)| k == name)
-            .and_then(|(_, v)| std::str::from_utf8(v).ok())
-    };
-    Some(Position {
-        source: get(HEADER_SOURCE)?.parse().ok()?,
-        offset: get(HEADER_OFFSET)?.parse().ok()?,
-    })
 }
 
 #[cfg(test)]
@@ -856,21 +740,5 @@ mod tests {
         assert_eq!(back.result_json, json);
         assert!(back.success);
         assert_eq!(back.bucket, 29_000_000);
-    }
-
-    #[test]
-    fn result_positions_round_trip_through_headers() {
-        let h: Headers = vec![
-            (HEADER_SOURCE.into(), b"12".to_vec()),
-            (HEADER_OFFSET.into(), b"34".to_vec()),
-        ];
-        assert_eq!(
-            result_position(&h),
-            Some(Position {
-                source: 12,
-                offset: 34
-            })
-        );
-        assert_eq!(result_position(&vec![]), None);
     }
 }

@@ -249,10 +249,13 @@ impl MicroBatcher {
 /// A batch is named after its first task's input position, unique per task.
 fn batch_id(ctx: &mut Ctx<'_>, first: &BatchItem) -> String {
     let task = ctx.task_id();
-    let p = first.held.position();
+    let (source, offset) = first
+        .held
+        .position()
+        .map_or((0, -1), |p| (p.source, p.offset));
     format!(
-        "b-{}-{}-{}-{}",
-        task.subtopology, task.partition, p.source, p.offset
+        "b-{}-{}-{source}-{offset}",
+        task.subtopology, task.partition
     )
 }
 

@@ -77,7 +77,7 @@ impl Processor<String, TaskResult> for ResultsWriter {
             value: Some(json),
             timestamp: record.timestamp,
             headers: record.headers,
-        });
+        })?;
         Ok(())
     }
 }

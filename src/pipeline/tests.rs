@@ -299,6 +299,8 @@ fn cached_tokens_are_priced_at_the_cached_rate_to_the_micro_dollar() {
         (2000, 1500, 300)
     );
     assert_eq!(r.cost_micros, 368);
+    // The window updates go out at the commit.
+    s.driver.commit().unwrap();
     let usage: Vec<crate::accounting::UsageRecord> = s
         .driver
         .read_output("ai.usage.tenant")

@@ -16,15 +16,12 @@ use crate::StateError;
 
 const FILE: &str = "checkpoint.json";
 
-/// Changelog offsets (next offset to read) per store name, and the highest
-/// input offset per source reflected in the local state they cover.
+/// Changelog offsets (next offset to read) per store name. (Files of
+/// earlier versions also hold input positions; they are ignored.)
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Checkpoint {
     /// Store name → next changelog offset to restore from.
     pub offsets: BTreeMap<String, i64>,
-    /// Source id → highest input offset reflected in local state.
-    #[serde(default)]
-    pub positions: BTreeMap<u32, i64>,
 }
 
 /// What reading a task directory's checkpoint found.

@@ -8,9 +8,8 @@
 //! changelog lacks, so an unclean shutdown never forces a wipe: restore replays
 //! the changelog tail from the checkpoint, and replaying is idempotent.
 //!
-//! Every stored value carries the input [`Position`] (source and offset) it
-//! reflects, so a task that reprocesses input after a crash can tell whether the
-//! input's effect is already present in the state it restored.
+//! Which input the state reflects is the topology crate's to say: each commit
+//! writes a progress record into the task's own store.
 
 mod checkpoint;
 mod error;

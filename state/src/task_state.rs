@@ -23,13 +23,12 @@ use hashbrown::hash_map::EntryRef;
 use rocksdb::{ColumnFamilyDescriptor, Direction, IteratorMode, WriteBatch, DB};
 use rustc_hash::{FxBuildHasher, FxHashMap};
 
-use crate::value::encode_parts;
+use crate::value::encode_value;
 use crate::window::{
     decode_window_key, encode_window_key, window_key_prefix_len, window_start_bytes,
 };
 use crate::{
-    Checkpoint, LoadedCheckpoint, Position, RocksEnv, StateError, StoreReader, StoredValue,
-    WindowEntry,
+    Checkpoint, LoadedCheckpoint, RocksEnv, StateError, StoreReader, StoredValue, WindowEntry,
 };
 
 /// What kind of store.
@@ -97,12 +96,8 @@ pub trait CachedValue: Any + Send {
 enum Dirty {
     /// Encoded (header and value), or `None` for a deletion.
     Encoded(Option<Vec<u8>>),
-    /// Decoded, with what its header will say once encoded.
-    Decoded {
-        value: Box<dyn CachedValue>,
-        position: Option<Position>,
-        floor: i64,
-    },
+    /// Decoded; encoded at the commit.
+    Decoded(Box<dyn CachedValue>),
 }
 
 impl Dirty {
@@ -110,11 +105,7 @@ impl Dirty {
     fn encoded(&self) -> Option<Cow<'_, [u8]>> {
         match self {
             Dirty::Encoded(v) => v.as_deref().map(Cow::Borrowed),
-            Dirty::Decoded {
-                value,
-                position,
-                floor,
-            } => Some(Cow::Owned(encode_parts(*position, *floor, &value.encode()))),
+            Dirty::Decoded(value) => Some(Cow::Owned(encode_value(&value.encode()))),
         }
     }
 
@@ -125,21 +116,13 @@ impl Dirty {
                 .as_deref()
                 .map(|bytes| StoredValue::decode(store, bytes))
                 .transpose(),
-            Dirty::Decoded {
-                value,
-                position,
-                floor,
-            } => Ok(Some(StoredValue {
-                position: *position,
-                floor: *floor,
-                value: value.encode(),
-            })),
+            Dirty::Decoded(value) => Ok(Some(StoredValue::new(value.encode()))),
         }
     }
 
     /// Encodes a decoded entry in place.
     fn settle(&mut self) {
-        if let Dirty::Decoded { .. } = self {
+        if let Dirty::Decoded(_) = self {
             let bytes = self.encoded().map(Cow::into_owned);
             *self = Dirty::Encoded(bytes);
         }
@@ -149,7 +132,7 @@ impl Dirty {
         self.settle();
         match self {
             Dirty::Encoded(v) => v,
-            Dirty::Decoded { .. } => unreachable!("settled"),
+            Dirty::Decoded(_) => unreachable!("settled"),
         }
     }
 }
@@ -318,14 +301,9 @@ pub struct TaskState {
     reader: StoreReader,
     stores: Vec<Store>,
     checkpoint: Checkpoint,
-    /// Highest input offset reflected in state, per source, from local state
-    /// (as checkpointed) and everything restored since.
-    reflected: FxHashMap<u32, i64>,
     /// The instance's record-cache budget and fill, shared by its tasks.
     cache_budget: usize,
     cache_fill: Arc<AtomicUsize>,
-    /// See [`TaskState::set_write_floor`].
-    write_floor: i64,
     /// Least time between checkpoints, and when the last one was written.
     checkpoint_interval: std::time::Duration,
     last_checkpoint: Option<std::time::Instant>,
@@ -373,7 +351,6 @@ impl TaskState {
             LoadedCheckpoint::Found(cp) => cp.clone(),
             _ => Checkpoint::default(),
         };
-        let reflected = checkpoint.positions.clone();
         let (cache_budget, cache_fill) = env.record_cache();
         let db = Arc::new(db);
         let reader = StoreReader::new(db.clone(), dir.to_path_buf(), specs.to_vec());
@@ -383,10 +360,8 @@ impl TaskState {
             reader,
             stores: specs.iter().cloned().map(Store::new).collect(),
             checkpoint,
-            reflected: reflected.into_iter().collect(),
             cache_budget,
             cache_fill,
-            write_floor: i64::MAX,
             checkpoint_interval: env.checkpoint_interval(),
             last_checkpoint: None,
             checkpoint_behind: false,
@@ -499,34 +474,13 @@ impl TaskState {
         read_committed(&self.db, &self.dir, name, &store.clean, key, in_db)
     }
 
-    /// Writes a value reflecting the input at `position`.
-    pub fn put(&mut self, id: StoreId, key: Vec<u8>, value: &[u8], position: Option<Position>) {
-        self.write(id, Cow::Owned(key), value, position)
+    /// Writes a value.
+    pub fn put(&mut self, id: StoreId, key: Vec<u8>, value: &[u8]) {
+        self.write(id, Cow::Owned(key), value)
     }
 
-    /// Sets what the next writes stamp as their floor: every input record at
-    /// or below `floor` of the writing record's source has finished
-    /// (`i64::MAX` when the writer is the lowest unfinished record, i.e. in
-    /// input order). The runtime sets it before each record and completion.
-    pub fn set_write_floor(&mut self, floor: i64) {
-        self.write_floor = floor;
-    }
-
-    fn write(&mut self, id: StoreId, key: Cow<'_, [u8]>, value: &[u8], position: Option<Position>) {
-        let floor = self.stamp(position);
-        self.stores[id.0].set_dirty(
-            key,
-            Dirty::Encoded(Some(encode_parts(position, floor, value))),
-        );
-    }
-
-    /// Notes a write reflecting the input at `position`; returns its floor.
-    fn stamp(&mut self, position: Option<Position>) -> i64 {
-        if let Some(p) = position {
-            let max = self.reflected.entry(p.source).or_insert(p.offset);
-            *max = (*max).max(p.offset);
-        }
-        position.map_or(-1, |p| self.write_floor.min(p.offset - 1))
+    fn write(&mut self, id: StoreId, key: Cow<'_, [u8]>, value: &[u8]) {
+        self.stores[id.0].set_dirty(key, Dirty::Encoded(Some(encode_value(value))));
     }
 
     /// Deletes a key.
@@ -546,23 +500,13 @@ impl TaskState {
     }
 
     /// Writes one window of a key.
-    pub fn window_put(
-        &mut self,
-        id: StoreId,
-        key: &[u8],
-        start_ms: i64,
-        value: &[u8],
-        position: Option<Position>,
-    ) {
-        with_window_key(start_ms, key, |k| {
-            self.write(id, Cow::Borrowed(k), value, position)
-        })
+    pub fn window_put(&mut self, id: StoreId, key: &[u8], start_ms: i64, value: &[u8]) {
+        with_window_key(start_ms, key, |k| self.write(id, Cow::Borrowed(k), value))
     }
 
     /// The value of one window of a key, kept decoded in the write cache
     /// until the next commit encodes it, for a read-modify-write: the entry
-    /// is stamped with `position` (as a write is), and returned for the
-    /// caller to change in place. When the cache holds no decoded value of
+    /// is returned for the caller to change in place. When the cache holds no decoded value of
     /// type `T` for it yet, `load` makes one from the stored value (`None`
     /// when there is none), or says why it cannot. Every other read sees a
     /// decoded value as if it had been written encoded.
@@ -571,10 +515,8 @@ impl TaskState {
         id: StoreId,
         key: &[u8],
         start_ms: i64,
-        position: Option<Position>,
         load: impl FnOnce(Option<StoredValue>) -> Result<T, String>,
     ) -> Result<&mut T, StateError> {
-        let floor = self.stamp(position);
         let (db, dir) = (&self.db, &self.dir);
         let store = &mut self.stores[id.0];
         let in_db = start_ms <= store.newest_window;
@@ -592,15 +534,10 @@ impl TaskState {
                 EntryRef::Occupied(o) => {
                     let entry = o.into_mut();
                     let decoded =
-                        matches!(entry, Dirty::Decoded { value, .. } if value.as_any().is::<T>());
+                        matches!(entry, Dirty::Decoded(value) if value.as_any().is::<T>());
                     if !decoded {
                         let stored = if expired { None } else { entry.stored(name)? };
-                        let value = Box::new(load(stored).map_err(corrupt)?);
-                        *entry = Dirty::Decoded {
-                            value,
-                            position,
-                            floor,
-                        };
+                        *entry = Dirty::Decoded(Box::new(load(stored).map_err(corrupt)?));
                     }
                     entry
                 }
@@ -610,26 +547,14 @@ impl TaskState {
                     } else {
                         read_committed(db, dir, name, &store.clean, k, in_db)?
                     };
-                    let value = Box::new(load(stored).map_err(corrupt)?);
-                    v.insert(Dirty::Decoded {
-                        value,
-                        position,
-                        floor,
-                    })
+                    v.insert(Dirty::Decoded(Box::new(load(stored).map_err(corrupt)?)))
                 }
             };
             match entry {
-                Dirty::Decoded {
-                    value,
-                    position: p,
-                    floor: f,
-                } => {
-                    (*p, *f) = (position, floor);
-                    Ok(value
-                        .as_any_mut()
-                        .downcast_mut::<T>()
-                        .expect("decoded entry of the type checked"))
-                }
+                Dirty::Decoded(value) => Ok(value
+                    .as_any_mut()
+                    .downcast_mut::<T>()
+                    .expect("decoded entry of the type checked")),
                 Dirty::Encoded(_) => unreachable!("decoded above"),
             }
         })
@@ -644,7 +569,7 @@ impl TaskState {
         start_ms: i64,
     ) -> Option<&T> {
         with_window_key(start_ms, key, |k| match self.stores[id.0].dirty.get(k) {
-            Some(Dirty::Decoded { value, .. }) => value.as_any().downcast_ref::<T>(),
+            Some(Dirty::Decoded(value)) => value.as_any().downcast_ref::<T>(),
             _ => None,
         })
     }
@@ -921,7 +846,6 @@ impl TaskState {
     /// must never claim writes a power loss could still take away.
     fn write_checkpoint(&mut self) -> Result<(), StateError> {
         self.db.flush_wal(true).map_err(|e| self.rocks_err(e))?;
-        self.checkpoint.positions = self.reflected.iter().map(|(s, o)| (*s, *o)).collect();
         self.checkpoint.store(&self.dir)?;
         self.last_checkpoint = Some(std::time::Instant::now());
         self.checkpoint_behind = false;
@@ -956,25 +880,17 @@ impl TaskState {
         store.expire_before = i64::MIN;
         store.expired_in_db = i64::MIN;
         self.checkpoint.offsets.remove(&name);
-        self.reflected.clear();
-        self.checkpoint.positions.clear();
         self.checkpoint.store(&self.dir)
     }
 
     /// Applies restored changelog records (key, encoded value or tombstone)
-    /// straight to RocksDB, noting the input positions they reflect.
+    /// straight to RocksDB.
     pub fn apply_restored(
         &mut self,
         id: StoreId,
         records: &[(Vec<u8>, Option<Vec<u8>>)],
         stats: &mut RestoreStats,
     ) -> Result<(), StateError> {
-        for (_, v) in records {
-            if let Some(p) = v.as_deref().and_then(StoredValue::decode_position) {
-                let max = self.reflected.entry(p.source).or_insert(p.offset);
-                *max = (*max).max(p.offset);
-            }
-        }
         let cf = self.cf(id);
         let mut batch = WriteBatch::default();
         for (k, v) in records {
@@ -995,18 +911,31 @@ impl TaskState {
         Ok(())
     }
 
+    /// Notes a restore in progress: the store holds its changelog up to
+    /// `next_offset`. The checkpoint follows at most every checkpoint
+    /// interval, so a restore that is interrupted (a crash, a revocation)
+    /// starts again near where it stopped instead of from the beginning.
+    pub fn restored_to(&mut self, id: StoreId, next_offset: i64) -> Result<(), StateError> {
+        let name = &self.stores[id.0].spec.name;
+        if self.checkpoint.offsets.get(name) == Some(&next_offset) {
+            return Ok(());
+        }
+        self.checkpoint.offsets.insert(name.clone(), next_offset);
+        self.checkpoint_behind = true;
+        let due = self
+            .last_checkpoint
+            .is_none_or(|t| t.elapsed() >= self.checkpoint_interval);
+        if due {
+            self.write_checkpoint()?;
+        }
+        Ok(())
+    }
+
     /// Marks a store restored up to `next_offset` in its changelog.
     pub fn finish_restore(&mut self, id: StoreId, next_offset: i64) -> Result<(), StateError> {
         let name = self.stores[id.0].spec.name.clone();
         self.checkpoint.offsets.insert(name, next_offset);
         self.write_checkpoint()
-    }
-
-    /// Highest input offset per source reflected anywhere in this task's state.
-    /// Input at or below it may already be reflected, so it is reprocessed in
-    /// replay mode (each stateful operator checks its key's position).
-    pub fn reflected_positions(&self) -> &FxHashMap<u32, i64> {
-        &self.reflected
     }
 }
 
@@ -1040,10 +969,6 @@ mod tests {
         ]
     }
 
-    fn pos(offset: i64) -> Option<Position> {
-        Some(Position { source: 1, offset })
-    }
-
     #[test]
     fn writes_are_cached_until_local_commit_and_survive_reopen() {
         let dir = tempfile::tempdir().unwrap();
@@ -1051,10 +976,10 @@ mod tests {
         let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
         let kv = st.store_id("kv").unwrap();
         let scratch = st.store_id("scratch").unwrap();
-        st.put(kv, b"a".to_vec(), b"1", pos(5));
-        st.put(kv, b"a".to_vec(), b"2", pos(6));
-        st.put(kv, b"b".to_vec(), b"3", pos(7));
-        st.put(scratch, b"x".to_vec(), b"9", None);
+        st.put(kv, b"a".to_vec(), b"1");
+        st.put(kv, b"a".to_vec(), b"2");
+        st.put(kv, b"b".to_vec(), b"3");
+        st.put(scratch, b"x".to_vec(), b"9");
         st.delete(kv, b"b".to_vec());
         assert_eq!(st.get(kv, b"a").unwrap().unwrap().value, b"2");
         assert_eq!(st.get(kv, b"b").unwrap(), None);
@@ -1070,9 +995,7 @@ mod tests {
         let st = TaskState::open(dir.path(), &specs(), &env).unwrap();
         let got = st.get(kv, b"a").unwrap().unwrap();
         assert_eq!(got.value, b"2");
-        assert_eq!(got.position, pos(6));
         assert_eq!(st.restore_offset(kv), 12);
-        assert_eq!(st.reflected_positions().get(&1), Some(&7));
         assert_eq!(st.get(scratch, b"x").unwrap().unwrap().value, b"9");
     }
 
@@ -1109,20 +1032,17 @@ mod tests {
         let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
         let win = st.store_id("win").unwrap();
         let mut loads = 0;
-        for offset in 0..5 {
+        for _ in 0..5 {
             let c = st
-                .window_update(win, b"k", 1_000, pos(offset), |s| count_from(s, &mut loads))
+                .window_update(win, b"k", 1_000, |s| count_from(s, &mut loads))
                 .unwrap();
             c.0 += 1;
         }
         assert_eq!(loads, 1, "decoded once, then changed in place");
         assert_eq!(st.window_decoded::<Counter>(win, b"k", 1_000).unwrap().0, 5);
-        // Every other read sees it as if written encoded, stamped by the last writer.
+        // Every other read sees it as if written encoded.
         let got = st.window_get(win, b"k", 1_000).unwrap().unwrap();
-        assert_eq!(
-            (got.value, got.position),
-            (5u64.to_le_bytes().to_vec(), pos(4))
-        );
+        assert_eq!(got.value, 5u64.to_le_bytes().to_vec());
         let range = st.window_range(win, 0, 2_000).unwrap();
         assert_eq!(range.len(), 1);
         assert_eq!(range[0].value.value, 5u64.to_le_bytes());
@@ -1130,17 +1050,14 @@ mod tests {
         let records = st.flush_changelog();
         assert_eq!(records.len(), 1);
         let sent = StoredValue::decode("win", records[0].value.as_ref().unwrap()).unwrap();
-        assert_eq!(
-            (sent.value, sent.position),
-            (5u64.to_le_bytes().to_vec(), pos(4))
-        );
+        assert_eq!(sent.value, 5u64.to_le_bytes().to_vec());
         st.commit_local(&HashMap::from([(win, 1)])).unwrap();
         assert_eq!(
             st.window_decoded::<Counter>(win, b"k", 1_000).map(|c| c.0),
             None
         );
         // After the commit the next update loads the committed value again.
-        st.window_update(win, b"k", 1_000, pos(5), |s| count_from(s, &mut loads))
+        st.window_update(win, b"k", 1_000, |s| count_from(s, &mut loads))
             .unwrap()
             .0 += 1;
         assert_eq!(loads, 2);
@@ -1157,17 +1074,14 @@ mod tests {
         let env = RocksEnv::new(Default::default());
         let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
         let win = st.store_id("win").unwrap();
-        st.window_update(win, b"k", 0, pos(1), |_| Ok(Num::<1>(7)))
-            .unwrap();
+        st.window_update(win, b"k", 0, |_| Ok(Num::<1>(7))).unwrap();
         let mut loads = 0;
         let c = st
-            .window_update(win, b"k", 0, pos(2), |s| count_from(s, &mut loads))
+            .window_update(win, b"k", 0, |s| count_from(s, &mut loads))
             .unwrap();
         assert_eq!((c.0, loads), (7, 1));
         let err = st
-            .window_update(win, b"j", 0, pos(3), |_| {
-                Err::<Counter, _>("bad bytes".into())
-            })
+            .window_update(win, b"j", 0, |_| Err::<Counter, _>("bad bytes".into()))
             .err()
             .unwrap();
         assert!(
@@ -1183,26 +1097,26 @@ mod tests {
         let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
         let win = st.store_id("win").unwrap();
         let mut loads = 0;
-        let mut bump = |st: &mut TaskState, start, offset| {
+        let mut bump = |st: &mut TaskState, start| {
             let c = st
-                .window_update(win, b"k", start, pos(offset), |s| count_from(s, &mut loads))
+                .window_update(win, b"k", start, |s| count_from(s, &mut loads))
                 .unwrap();
             c.0 += 1;
             c.0
         };
         // Written encoded in this commit: the update starts from those bytes.
-        st.window_put(win, b"k", 0, &40u64.to_le_bytes(), pos(1));
-        assert_eq!(bump(&mut st, 0, 2), 41);
+        st.window_put(win, b"k", 0, &40u64.to_le_bytes());
+        assert_eq!(bump(&mut st, 0), 41);
         st.flush_changelog();
         st.commit_local(&HashMap::from([(win, 2)])).unwrap();
         drop(st);
         // Only in RocksDB (reopened: no cache holds it).
         let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
-        assert_eq!(bump(&mut st, 0, 3), 42);
-        assert_eq!(bump(&mut st, 60_000, 4), 1, "a new window starts empty");
+        assert_eq!(bump(&mut st, 0), 42);
+        assert_eq!(bump(&mut st, 60_000), 1, "a new window starts empty");
         // Expired: read as absent even though RocksDB still holds it.
         st.expire_windows(win, 60_000).unwrap();
-        assert_eq!(bump(&mut st, 0, 5), 1);
+        assert_eq!(bump(&mut st, 0), 1);
         assert_eq!(loads, 4);
     }
 
@@ -1212,7 +1126,7 @@ mod tests {
         let env = RocksEnv::new(Default::default());
         let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
         let kv = st.store_id("kv").unwrap();
-        st.put(kv, b"a".to_vec(), b"1", pos(1));
+        st.put(kv, b"a".to_vec(), b"1");
         st.discard_dirty();
         assert_eq!(st.get(kv, b"a").unwrap(), None);
     }
@@ -1223,11 +1137,11 @@ mod tests {
         let env = RocksEnv::new(Default::default());
         let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
         let w = st.store_id("win").unwrap();
-        st.window_put(w, b"k1", 0, b"a", pos(1));
-        st.window_put(w, b"k2", 1000, b"b", pos(2));
+        st.window_put(w, b"k1", 0, b"a");
+        st.window_put(w, b"k2", 1000, b"b");
         st.commit_local(&HashMap::new()).unwrap();
-        st.window_put(w, b"k1", 1000, b"c", pos(3));
-        st.window_put(w, b"k1", 2000, b"d", pos(4));
+        st.window_put(w, b"k1", 1000, b"c");
+        st.window_put(w, b"k1", 2000, b"d");
         let got: Vec<(i64, Vec<u8>)> = st
             .window_range(w, 0, 2000)
             .unwrap()
@@ -1254,10 +1168,10 @@ mod tests {
         let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
         let w = st.store_id("win").unwrap();
         let kv = st.store_id("kv").unwrap();
-        st.window_put(w, b"k", 0, b"a", pos(1));
-        st.window_put(w, b"k", 60_000, b"b", pos(2));
+        st.window_put(w, b"k", 0, b"a");
+        st.window_put(w, b"k", 60_000, b"b");
         // A key just below every window key (as aggregation metadata uses).
-        st.put(w, b"\0".to_vec(), b"meta", pos(2));
+        st.put(w, b"\0".to_vec(), b"meta");
         st.commit_local(&HashMap::from([(kv, 1), (w, 3)])).unwrap();
         st.expire_windows(w, 60_000).unwrap();
         assert_eq!(
@@ -1290,8 +1204,8 @@ mod tests {
         let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
         let kv = st.store_id("kv").unwrap();
         let scratch = st.store_id("scratch").unwrap();
-        st.put(kv, b"a".to_vec(), b"1", pos(1));
-        st.put(scratch, b"s".to_vec(), b"1", None);
+        st.put(kv, b"a".to_vec(), b"1");
+        st.put(scratch, b"s".to_vec(), b"1");
         st.commit_local(&HashMap::from([(kv, 1)])).unwrap();
         drop(st);
         // An unreadable checkpoint: the changelogged store starts empty (it is
@@ -1304,7 +1218,7 @@ mod tests {
         drop(st);
         // No checkpoint at all, data present: the same.
         let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
-        st.put(kv, b"b".to_vec(), b"2", pos(2));
+        st.put(kv, b"b".to_vec(), b"2");
         st.commit_local(&HashMap::new()).unwrap();
         drop(st);
         std::fs::remove_file(dir.path().join("checkpoint.json")).unwrap();
@@ -1333,12 +1247,12 @@ mod tests {
         });
         let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
         let kv = st.store_id("kv").unwrap();
-        st.put(kv, b"a".to_vec(), b"1", pos(1));
+        st.put(kv, b"a".to_vec(), b"1");
         st.commit_local(&HashMap::from([(kv, 1)])).unwrap();
-        st.put(kv, b"b".to_vec(), b"2", pos(2));
+        st.put(kv, b"b".to_vec(), b"2");
         st.commit_local(&HashMap::from([(kv, 2)])).unwrap();
         // Written after the last checkpoint: may be lost, and is not claimed.
-        st.put(kv, b"c".to_vec(), b"3", pos(3));
+        st.put(kv, b"c".to_vec(), b"3");
         st.commit_local(&HashMap::new()).unwrap();
         // A checkpoint is due only after the interval: the next commit's
         // offsets wait in memory (and are written when the state closes).
@@ -1349,9 +1263,9 @@ mod tests {
             &RocksEnv::new(Default::default()),
         )
         .unwrap();
-        t.put(kv, b"a".to_vec(), b"1", pos(1));
+        t.put(kv, b"a".to_vec(), b"1");
         t.commit_local(&HashMap::from([(kv, 1)])).unwrap();
-        t.put(kv, b"b".to_vec(), b"2", pos(2));
+        t.put(kv, b"b".to_vec(), b"2");
         t.commit_local(&HashMap::from([(kv, 2)])).unwrap();
         assert!(matches!(
             Checkpoint::load(throttled.path()),
@@ -1372,12 +1286,12 @@ mod tests {
     }
 
     #[test]
-    fn restore_applies_records_and_tracks_positions() {
+    fn restore_applies_records() {
         let dir = tempfile::tempdir().unwrap();
         let env = RocksEnv::new(Default::default());
         let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
         let kv = st.store_id("kv").unwrap();
-        let v = |o| Some(encode_parts(pos(o), o - 1, b"v"));
+        let v = |o: u8| Some(encode_value(&[o]));
         let mut stats = RestoreStats::default();
         st.apply_restored(
             kv,
@@ -1392,8 +1306,7 @@ mod tests {
         st.finish_restore(kv, 3).unwrap();
         assert_eq!(stats.records, 3);
         assert_eq!(st.get(kv, b"a").unwrap(), None);
-        assert_eq!(st.get(kv, b"b").unwrap().unwrap().position, pos(9));
-        assert_eq!(st.reflected_positions().get(&1), Some(&9));
+        assert_eq!(st.get(kv, b"b").unwrap().unwrap().value, [9]);
         assert_eq!(st.restore_offset(kv), 3);
         st.wipe_store(kv).unwrap();
         assert_eq!(st.get(kv, b"b").unwrap(), None);
@@ -1411,11 +1324,11 @@ mod tests {
         let kv = st.store_id("kv").unwrap();
         // A store without caching keeps nothing after its commit.
         let scratch = st.store_id("scratch").unwrap();
-        st.put(scratch, b"s".to_vec(), b"1", None);
+        st.put(scratch, b"s".to_vec(), b"1");
         st.commit_local(&HashMap::new()).unwrap();
         assert_eq!(env.record_cache_usage(), 0);
         assert_eq!(st.get(scratch, b"s").unwrap().unwrap().value, b"1");
-        st.put(kv, b"a".to_vec(), b"1", pos(1));
+        st.put(kv, b"a".to_vec(), b"1");
         st.commit_local(&HashMap::new()).unwrap();
         assert!(env.record_cache_usage() > 0);
         // Served from memory: RocksDB no longer has it.
@@ -1427,7 +1340,7 @@ mod tests {
         assert_eq!(st.get(kv, b"a").unwrap(), None);
         // Over the budget, the task's cache is emptied and reads go to RocksDB.
         for i in 0..100u32 {
-            st.put(kv, i.to_be_bytes().to_vec(), &[7; 100], None);
+            st.put(kv, i.to_be_bytes().to_vec(), &[7; 100]);
         }
         st.commit_local(&HashMap::new()).unwrap();
         assert!(env.record_cache_usage() <= 4096);
@@ -1440,7 +1353,7 @@ mod tests {
         // A second task shares the budget; closing both returns it.
         let other_dir = tempfile::tempdir().unwrap();
         let mut other = TaskState::open(other_dir.path(), &specs(), &env).unwrap();
-        other.put(kv, b"x".to_vec(), b"1", None);
+        other.put(kv, b"x".to_vec(), b"1");
         other.commit_local(&HashMap::new()).unwrap();
         assert!(env.record_cache_usage() > 0);
         drop(st);
@@ -1454,8 +1367,8 @@ mod tests {
         let env = RocksEnv::new(Default::default());
         let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
         let w = st.store_id("win").unwrap();
-        st.window_put(w, b"k", 60_000, b"a", pos(1));
-        st.window_put(w, b"k", 120_000, b"b", pos(2));
+        st.window_put(w, b"k", 60_000, b"a");
+        st.window_put(w, b"k", 120_000, b"b");
         st.commit_local(&HashMap::from([(w, 2)])).unwrap();
         assert_eq!(st.window_get(w, b"k", 60_000).unwrap().unwrap().value, b"a");
         // Expired windows leave the record cache as well as RocksDB.
@@ -1478,7 +1391,7 @@ mod tests {
         assert_eq!(st.window_get(w, b"k", 180_000).unwrap(), None);
         // Restored windows move the newest window forward and are read.
         let mut stats = RestoreStats::default();
-        let restored = encode_parts(pos(9), 8, b"r");
+        let restored = encode_value(b"r");
         st.apply_restored(
             w,
             &[(encode_window_key(240_000, b"k"), Some(restored))],
@@ -1502,10 +1415,10 @@ mod tests {
         let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
         let kv = st.store_id("kv").unwrap();
         for k in ["a", "c", "e"] {
-            st.put(kv, k.as_bytes().to_vec(), b"1", None);
+            st.put(kv, k.as_bytes().to_vec(), b"1");
         }
         st.commit_local(&HashMap::new()).unwrap();
-        st.put(kv, b"b".to_vec(), b"2", None);
+        st.put(kv, b"b".to_vec(), b"2");
         st.delete(kv, b"c".to_vec());
         let keys =
             |v: Vec<(Vec<u8>, StoredValue)>| v.into_iter().map(|(k, _)| k).collect::<Vec<_>>();
@@ -1526,12 +1439,12 @@ mod tests {
         let env = RocksEnv::new(Default::default());
         let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
         let kv = st.store_id("kv").unwrap();
-        st.put(kv, b"t1/a".to_vec(), b"1", None);
-        st.put(kv, b"t1/b".to_vec(), b"2", None);
-        st.put(kv, b"t2/a".to_vec(), b"3", None);
+        st.put(kv, b"t1/a".to_vec(), b"1");
+        st.put(kv, b"t1/b".to_vec(), b"2");
+        st.put(kv, b"t2/a".to_vec(), b"3");
         st.commit_local(&HashMap::new()).unwrap();
         st.delete(kv, b"t1/a".to_vec());
-        st.put(kv, b"t1/c".to_vec(), b"4", None);
+        st.put(kv, b"t1/c".to_vec(), b"4");
         let keys: Vec<Vec<u8>> = st
             .prefix_scan(kv, b"t1/")
             .unwrap()
@@ -1579,9 +1492,9 @@ mod tests {
             (9_000, b"b", b"b9"),
             (10_000, b"b", b"b10"),
         ] {
-            st.window_put(win, key, start, v, pos(start));
+            st.window_put(win, key, start, v);
         }
-        st.window_put(win2, b"b", 1_000, b"x1", pos(1));
+        st.window_put(win2, b"b", 1_000, b"x1");
         assert_eq!(
             values(&reader, b"b"),
             vec![vec![], vec![]],
@@ -1606,7 +1519,7 @@ mod tests {
             Err(StateError::UnknownStore(_))
         ));
         // A write after the commit stays invisible until the next one.
-        st.window_put(win, b"b", 3_000, b"b3'", pos(4_000));
+        st.window_put(win, b"b", 3_000, b"b3'");
         assert_eq!(values(&reader, b"b")[0][1].1, b"b3".to_vec());
         drop(st);
         assert!(!reader.is_open());

@@ -7,13 +7,17 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
 
+use std::sync::atomic::AtomicBool;
+
 use crossbeam_channel::Sender;
 use rustc_hash::FxHashMap;
 use sluice_state::{Position, StoreId, TaskState};
 
-use crate::offsets::RecordToken;
-use crate::record::OutputRecord;
-use crate::TaskId;
+use crate::derived::{DerivedTracker, Resumable};
+use crate::node::{Data, Forward};
+use crate::offsets::{Finished, Origin, RecordToken};
+use crate::record::{OutputRecord, Record};
+use crate::{ProcessError, TaskId};
 
 /// An async operator call finished; sent from the tokio runtime back to the
 /// thread that owns the task.
@@ -105,12 +109,27 @@ impl Spawner {
     }
 }
 
+/// librdkafka's default `message.max.bytes`.
+pub(crate) const DEFAULT_MAX_RECORD_BYTES: usize = 1_000_000;
+
+/// A record's size as the producer counts it against `message.max.bytes`:
+/// key, value and headers (with a few bytes of framing per header).
+fn record_size(rec: &OutputRecord) -> usize {
+    rec.key.as_ref().map_or(0, Vec::len)
+        + rec.value.as_ref().map_or(0, Vec::len)
+        + rec
+            .headers
+            .iter()
+            .map(|(k, v)| k.len() + v.len() + 8)
+            .sum::<usize>()
+}
+
 /// Engine counters a task accumulates; the runtime moves them into metrics.
 #[derive(Debug, Default, Clone)]
 pub struct TaskCounters {
     /// Records dropped because they arrived after their window's grace period.
     pub late_dropped: u64,
-    /// Replayed records whose effect was already reflected in restored state.
+    /// Records skipped because the commit the task restarted from covers them.
     pub replay_skipped: u64,
     /// Records sent to a dead-letter topic, by category.
     pub dead_lettered: HashMap<String, u64>,
@@ -136,12 +155,28 @@ pub struct TaskCtx {
     /// Partition counts of every dead-letter topic of the topology (a record
     /// past a repartition goes to its origin's).
     pub(crate) dead_letter_partitions: HashMap<String, i32>,
+    /// Where dead letters of derived records go: the first input topic of
+    /// the task with a dead-letter topic, and that topic.
+    pub(crate) derived_dead_letter: Option<(String, String)>,
     /// Next offset after this task's committed outputs, per topic partition.
     pub(crate) output_ends: HashMap<(String, i32), i64>,
+    /// Records operators derived, in flight or to store (see `crate::derived`).
+    pub(crate) derived: DerivedTracker,
+    /// Where finished records are reported (to the task).
+    pub(crate) done: Sender<Finished>,
+    /// The largest record the producers send (their `message.max.bytes`).
+    pub(crate) max_record_bytes: usize,
+    /// Set when the task abandons its work (see `TaskCore::abandon`).
+    pub(crate) abandoned: Arc<AtomicBool>,
 }
 
 impl TaskCtx {
-    pub(crate) fn new(task: TaskId, state: Option<TaskState>, spawner: Spawner) -> Self {
+    pub(crate) fn new(
+        task: TaskId,
+        state: Option<TaskState>,
+        spawner: Spawner,
+        done: Sender<Finished>,
+    ) -> Self {
         let stores = state
             .as_ref()
             .map(|s| {
@@ -165,13 +200,96 @@ impl TaskCtx {
             commit_requested: false,
             dead_letter_topics: HashMap::new(),
             dead_letter_partitions: HashMap::new(),
+            derived_dead_letter: None,
             output_ends: HashMap::new(),
+            derived: DerivedTracker::default(),
+            done,
+            max_record_bytes: DEFAULT_MAX_RECORD_BYTES,
+            abandoned: Default::default(),
         }
     }
 
-    /// The position of the record being processed.
+    /// Queues an output record. One the producers could never send (over
+    /// their `message.max.bytes`: they refuse it before it leaves, and under
+    /// exactly-once the transaction could only abort, again after every
+    /// restart) is not queued: the error returned dead-letters the current
+    /// record instead (`too_large`).
+    pub(crate) fn queue_output(&mut self, rec: OutputRecord) -> Result<(), ProcessError> {
+        let size = record_size(&rec);
+        if size > self.max_record_bytes {
+            return Err(ProcessError::dead_letter(
+                format!(
+                    "an output of {size} bytes to {} is over the producers' message.max.bytes ({})",
+                    rec.topic, self.max_record_bytes
+                ),
+                "too_large",
+            ));
+        }
+        self.out.push(rec);
+        Ok(())
+    }
+
+    /// The input position of the record being processed (`None` for a
+    /// derived record).
     pub(crate) fn position(&self) -> Option<Position> {
-        self.current.as_ref().map(|t| t.position)
+        self.current.as_ref().and_then(|t| t.position())
+    }
+
+    /// A token for a new derived record (see `crate::derived`), stored by a
+    /// commit while in flight when `content` says how to forward it again.
+    pub(crate) fn derive(&mut self, content: Option<Resumable>) -> Arc<RecordToken> {
+        let stream_time = self.record_stream_time();
+        let id = self.derived.derive(content, stream_time);
+        self.token(id, stream_time)
+    }
+
+    fn token(&self, id: u64, stream_time: i64) -> Arc<RecordToken> {
+        RecordToken::new(
+            Origin::Derived { id },
+            stream_time,
+            self.done.clone(),
+            self.abandoned.clone(),
+        )
+    }
+
+    /// Forwards `rec` to `kids` as the derived record `token`. A dead letter
+    /// asked for on the way is the derived record's own (see
+    /// `TaskCtx::dead_letter`), as an input record's is at the top of its
+    /// processing.
+    fn forward_as<K: Data, V: Data>(
+        &mut self,
+        token: Arc<RecordToken>,
+        kids: &mut Forward<K, V>,
+        rec: Record<K, V>,
+    ) -> Result<(), ProcessError> {
+        let saved = self.current.replace(token);
+        let forwarded = kids.forward(rec, self);
+        let result = crate::task::handle(self, forwarded);
+        self.current = saved;
+        result
+    }
+
+    /// Forwards `rec` to `kids` as a new derived record.
+    pub(crate) fn forward_derived<K: Data, V: Data>(
+        &mut self,
+        kids: &mut Forward<K, V>,
+        rec: Record<K, V>,
+        content: Option<Resumable>,
+    ) -> Result<(), ProcessError> {
+        let token = self.derive(content);
+        self.forward_as(token, kids, rec)
+    }
+
+    /// Forwards again the derived record `id` restored from the progress
+    /// store (already registered under its id).
+    pub(crate) fn forward_resumed<K: Data, V: Data>(
+        &mut self,
+        kids: &mut Forward<K, V>,
+        rec: Record<K, V>,
+        id: u64,
+    ) -> Result<(), ProcessError> {
+        let token = self.token(id, self.stream_time);
+        self.forward_as(token, kids, rec)
     }
 
     /// The stream time the current record is judged by: the task's stream
@@ -180,11 +298,6 @@ impl TaskCtx {
         self.current
             .as_ref()
             .map_or(self.stream_time, |t| t.stream_time)
-    }
-
-    /// True when the current record may already be reflected in state.
-    pub(crate) fn replaying(&self) -> bool {
-        self.current.as_ref().is_some_and(|t| t.replay)
     }
 
     pub(crate) fn store(&self, name: &str) -> Option<StoreId> {

@@ -22,7 +22,7 @@ use crate::node::{
 use crate::processor::{ProcState, Processor, ProcessorNode};
 use crate::record::Record;
 use crate::topology::{RawView, SourceDef, SourceNode, SourceTopic, SubTopology, Topology};
-use crate::window::{EmitMode, KvAggNode, TimeWindows, WindowAggNode, Windowed};
+use crate::window::{EmitMode, Emitter, KvAggNode, TimeWindows, WindowAggNode, Windowed};
 use crate::{Codec, ProcessError, TopologyError};
 
 /// What to do with a source record that cannot be decoded (or that an operator
@@ -350,6 +350,16 @@ impl<K: Data, V: Data> SourceNode for TypedSource<K, V> {
     fn flush(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
         self.kids.flush(ctx)
     }
+
+    fn resume(
+        &mut self,
+        node: &str,
+        id: u64,
+        bytes: &[u8],
+        ctx: &mut TaskCtx,
+    ) -> Result<bool, ProcessError> {
+        self.kids.resume(node, id, bytes, ctx)
+    }
 }
 
 /// A stream of records of type `(K, V)`.
@@ -493,13 +503,31 @@ impl<K: Data, V: Data> KStream<K, V> {
     pub fn merge(&self, other: &KStream<K, V>) -> KStream<K, V> {
         let group = self.builder.inner.lock().union(self.group, other.group);
         let slot = new_slot::<K, V>();
-        for parent in [&self.slot, &other.slot] {
+        // The operators below are instantiated once per task and shared by
+        // both streams: an aggregation there is one operator with one cache,
+        // whichever input a record came from.
+        let id = Arc::as_ptr(&slot) as *const () as usize;
+        for (i, parent) in [&self.slot, &other.slot].into_iter().enumerate() {
             let kids = slot.clone();
             parent
                 .lock()
                 .push(Arc::new(move |inst: &mut Instantiator<'_>| {
-                    Ok(Box::new(PassThrough {
-                        kids: Forward::instantiate(&kids, inst)?,
+                    let shared = match inst
+                        .merged
+                        .get(&id)
+                        .and_then(|k| k.downcast_ref::<SharedKids<K, V>>())
+                    {
+                        Some(k) => k.clone(),
+                        None => {
+                            let k: SharedKids<K, V> =
+                                Arc::new(Mutex::new(Forward::instantiate(&kids, inst)?));
+                            inst.merged.insert(id, Box::new(k.clone()));
+                            k
+                        }
+                    };
+                    Ok(Box::new(Merge {
+                        kids: shared,
+                        owner: i == 0,
                     }) as Box<dyn Node<K, V>>)
                 }));
         }
@@ -655,20 +683,52 @@ where
     }
 }
 
-struct PassThrough<K, V> {
-    kids: Forward<K, V>,
+/// The operators below a merge, shared by the merged streams of a task.
+type SharedKids<K, V> = Arc<Mutex<Forward<K, V>>>;
+
+/// One of the merged streams' way into their shared operators. Records go
+/// through both; the first stream's passes on the once-per-task calls
+/// (init, flush, punctuation, resuming), so the shared operators get each
+/// once.
+struct Merge<K, V> {
+    kids: SharedKids<K, V>,
+    owner: bool,
 }
 
-impl<K: Data, V: Data> Node<K, V> for PassThrough<K, V> {
+impl<K: Data, V: Data> Node<K, V> for Merge<K, V> {
     fn process(&mut self, rec: Record<K, V>, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
-        self.kids.forward(rec, ctx)
+        self.kids.lock().forward(rec, ctx)
     }
+
     fn punctuate(&mut self, p: Punctuation, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
-        self.kids.punctuate(p, ctx)
+        match self.owner {
+            true => self.kids.lock().punctuate(p, ctx),
+            false => Ok(()),
+        }
     }
 
     fn flush(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
-        self.kids.flush(ctx)
+        match self.owner {
+            true => self.kids.lock().flush(ctx),
+            false => Ok(()),
+        }
+    }
+
+    fn may_hold(&self) -> bool {
+        self.kids.lock().may_hold()
+    }
+
+    fn resume(
+        &mut self,
+        node: &str,
+        id: u64,
+        bytes: &[u8],
+        ctx: &mut TaskCtx,
+    ) -> Result<bool, ProcessError> {
+        match self.owner {
+            true => self.kids.lock().resume(node, id, bytes, ctx),
+            false => Ok(false),
+        }
     }
 }
 
@@ -746,7 +806,7 @@ where
                         init: init.clone(),
                         agg: agg.clone(),
                         emit,
-                        kids: Forward::instantiate(&kids, inst)?,
+                        out: Emitter::new(Forward::instantiate(&kids, inst)?, &store),
                         pending: Default::default(),
                     }) as Box<dyn Node<K, V>>)
                 })
@@ -836,6 +896,7 @@ where
                 Arc::new(move |inst: &mut Instantiator<'_>| {
                     Ok(Box::new(WindowAggNode::new(
                         inst.store(&store)?,
+                        &store,
                         windows,
                         retention_ms,
                         emit,

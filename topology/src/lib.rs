@@ -9,6 +9,7 @@
 
 mod codec;
 mod context;
+mod derived;
 mod dsl;
 mod error;
 mod node;

@@ -31,6 +31,20 @@ pub(crate) trait Node<K, V>: Send {
     /// Called before every commit: forward anything held back (cached
     /// aggregation results), then flush the children.
     fn flush(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError>;
+    /// True when this node or one below it may keep a record in flight past
+    /// the call that hands it over (a processor: an async call, a hold).
+    /// Aggregations answer for themselves: what they forward is theirs.
+    fn may_hold(&self) -> bool;
+    /// Forwards again a record the operator that owns store `node` derived
+    /// before a restart (see `crate::derived`); false when no operator here
+    /// owns it.
+    fn resume(
+        &mut self,
+        node: &str,
+        id: u64,
+        bytes: &[u8],
+        ctx: &mut TaskCtx,
+    ) -> Result<bool, ProcessError>;
 }
 
 /// An async-capable operator's completion entry point.
@@ -48,6 +62,9 @@ pub(crate) struct Instantiator<'a> {
     pub(crate) stores: &'a FxHashMap<String, StoreId>,
     pub(crate) targets: Vec<Arc<Mutex<dyn CompletionTarget>>>,
     pub(crate) app_id: &'a str,
+    /// Operators below a merge, instantiated once per task and shared by the
+    /// merged streams (keyed by the merged stream's slot).
+    pub(crate) merged: FxHashMap<usize, Box<dyn std::any::Any>>,
 }
 
 impl Instantiator<'_> {
@@ -123,6 +140,25 @@ impl<K: Data, V: Data> Forward<K, V> {
         }
         Ok(())
     }
+
+    pub(crate) fn may_hold(&self) -> bool {
+        self.kids.iter().any(|k| k.may_hold())
+    }
+
+    pub(crate) fn resume(
+        &mut self,
+        node: &str,
+        id: u64,
+        bytes: &[u8],
+        ctx: &mut TaskCtx,
+    ) -> Result<bool, ProcessError> {
+        for kid in &mut self.kids {
+            if kid.resume(node, id, bytes, ctx)? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
 }
 
 /// A function from a record to zero or more records, passed to `emit`.
@@ -151,6 +187,20 @@ impl<K: Data, V: Data, K2: Data, V2: Data> Node<K, V> for StatelessNode<K, V, K2
 
     fn flush(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
         self.kids.flush(ctx)
+    }
+
+    fn may_hold(&self) -> bool {
+        self.kids.may_hold()
+    }
+
+    fn resume(
+        &mut self,
+        node: &str,
+        id: u64,
+        bytes: &[u8],
+        ctx: &mut TaskCtx,
+    ) -> Result<bool, ProcessError> {
+        self.kids.resume(node, id, bytes, ctx)
     }
 }
 
@@ -183,6 +233,25 @@ impl<K: Data, V: Data> Node<K, V> for BranchNode<K, V> {
             b.flush(ctx)?;
         }
         Ok(())
+    }
+
+    fn may_hold(&self) -> bool {
+        self.branches.iter().any(Forward::may_hold)
+    }
+
+    fn resume(
+        &mut self,
+        node: &str,
+        id: u64,
+        bytes: &[u8],
+        ctx: &mut TaskCtx,
+    ) -> Result<bool, ProcessError> {
+        for b in &mut self.branches {
+            if b.resume(node, id, bytes, ctx)? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 }
 
@@ -218,15 +287,14 @@ impl<K: Data, V: Data> Node<K, V> for SinkNode<K, V> {
         } else {
             rec.headers
         };
-        ctx.out.push(OutputRecord {
+        ctx.queue_output(OutputRecord {
             topic: self.topic.clone(),
             partition: None,
             key,
             value,
             timestamp: rec.timestamp,
             headers,
-        });
-        Ok(())
+        })
     }
 
     fn punctuate(&mut self, _: Punctuation, _: &mut TaskCtx) -> Result<(), ProcessError> {
@@ -235,6 +303,14 @@ impl<K: Data, V: Data> Node<K, V> for SinkNode<K, V> {
 
     fn flush(&mut self, _: &mut TaskCtx) -> Result<(), ProcessError> {
         Ok(())
+    }
+
+    fn may_hold(&self) -> bool {
+        false
+    }
+
+    fn resume(&mut self, _: &str, _: u64, _: &[u8], _: &mut TaskCtx) -> Result<bool, ProcessError> {
+        Ok(false)
     }
 }
 

@@ -1,7 +1,8 @@
 //! Tracking which input records are finished, so that only the contiguous
 //! prefix of finished records is ever committed, however out of order async
-//! operators complete; and the progress record that tells a restarted task
-//! which records above its committed offset a commit already covered.
+//! operators complete; the progress record that tells a restarted task which
+//! records above its committed offset a commit already covered; and the one
+//! decision, per input record, whether to process it or skip it.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -11,23 +12,39 @@ use crossbeam_channel::Sender;
 use serde::{Deserialize, Serialize};
 use sluice_state::Position;
 
-/// Keeps one input record "in flight" while alive. Clones travel with the
-/// record through operators (and async calls); when the last one is dropped the
-/// record is finished and its offset is reported to its task.
+/// What a record token stands for.
+pub(crate) enum Origin {
+    /// An input record: its slot (source partition within the task), its
+    /// position, and its original bytes when its source has a dead-letter
+    /// topic.
+    Input {
+        slot: usize,
+        position: Position,
+        raw: Option<Arc<crate::RawRecord>>,
+    },
+    /// A record an operator derived (an aggregation's result, what a flush
+    /// or a punctuation forwarded): its id among the task's derived records.
+    Derived { id: u64 },
+}
+
+/// What the task learns when the last clone of a token is dropped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Finished {
+    /// An input record of a slot, by offset.
+    Input(usize, i64),
+    /// A derived record, by id.
+    Derived(u64),
+}
+
+/// Keeps one record "in flight" while alive. Clones travel with the record
+/// through operators (and async calls); when the last one is dropped the
+/// record is finished and reported to its task.
 pub struct RecordToken {
-    /// Index of the source partition within the task.
-    pub(crate) slot: usize,
-    /// The record's input position.
-    pub(crate) position: Position,
-    /// The original bytes, kept when the source has a dead-letter topic.
-    pub(crate) raw: Option<Arc<crate::RawRecord>>,
-    /// True when the record is in the replay zone (its effect may already be
-    /// reflected in restored state).
-    pub(crate) replay: bool,
+    pub(crate) origin: Origin,
     /// The task's stream time once this record arrived (input order): the
     /// time its lateness is judged by, however late its async call ends.
     pub(crate) stream_time: i64,
-    done: Sender<(usize, i64)>,
+    done: Sender<Finished>,
     silent: bool,
     /// Set when the task abandoned its in-flight work: such records must
     /// stay unfinished so their offsets are never committed.
@@ -42,24 +59,41 @@ impl RecordToken {
     }
 
     pub(crate) fn new(
-        slot: usize,
-        position: Position,
-        raw: Option<Arc<crate::RawRecord>>,
-        replay: bool,
+        origin: Origin,
         stream_time: i64,
-        done: Sender<(usize, i64)>,
+        done: Sender<Finished>,
         abandoned: Arc<AtomicBool>,
     ) -> Arc<Self> {
         Arc::new(RecordToken {
-            slot,
-            position,
-            raw,
-            replay,
+            origin,
             stream_time,
             done,
             silent: false,
             abandoned,
         })
+    }
+
+    /// The input position, for an input record.
+    pub(crate) fn position(&self) -> Option<Position> {
+        match &self.origin {
+            Origin::Input { position, .. } => Some(*position),
+            Origin::Derived { .. } => None,
+        }
+    }
+
+    /// The original record, for an input record whose source keeps it.
+    pub(crate) fn raw(&self) -> Option<&Arc<crate::RawRecord>> {
+        match &self.origin {
+            Origin::Input { raw, .. } => raw.as_ref(),
+            Origin::Derived { .. } => None,
+        }
+    }
+
+    fn finished(&self) -> Finished {
+        match &self.origin {
+            Origin::Input { slot, position, .. } => Finished::Input(*slot, position.offset),
+            Origin::Derived { id, .. } => Finished::Derived(*id),
+        }
     }
 }
 
@@ -69,45 +103,150 @@ impl Drop for RecordToken {
             return;
         }
         // The receiver lives as long as the task; a closed task ignores this.
-        let _ = self.done.send((self.slot, self.position.offset));
+        let _ = self.done.send(self.finished());
     }
 }
 
-/// An input record kept in flight by an operator that holds it for later
-/// (a micro-batcher, an async call). Dropping it finishes the record.
+/// A record kept in flight by an operator that holds it for later (a
+/// micro-batcher, an async call). Dropping it finishes the record.
 #[derive(Clone)]
 pub struct InFlight(pub(crate) Arc<RecordToken>);
 
 impl InFlight {
-    /// The input position of the record.
-    pub fn position(&self) -> Position {
-        self.0.position
+    /// The input position of the record (`None` for a record an operator
+    /// derived, such as an aggregation's result).
+    pub fn position(&self) -> Option<Position> {
+        self.0.position()
     }
 }
 
 impl std::fmt::Debug for InFlight {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "InFlight({:?})", self.0.position)
+        match &self.0.origin {
+            Origin::Input { position, .. } => write!(f, "InFlight({position:?})"),
+            Origin::Derived { id, .. } => write!(f, "InFlight(derived {id})"),
+        }
     }
 }
 
-/// Offsets of one input partition: received, finished, committable.
+/// Where reading a partition starts when its task starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StartAt {
+    /// At the group's committed offset.
+    Committed(i64),
+    /// The group has no committed offset: at the reset policy's end.
+    Reset,
+    /// Not known (the committed offsets could not be looked up).
+    Unknown,
+}
+
+/// What to do with an input record (see [`OffsetTracker::admit`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Admission {
+    /// Process it.
+    Process,
+    /// Its effects are in the commit this task restarted from: skip it.
+    Skip,
+    /// It lies below what this task already read: the consumer was moved
+    /// back (an offset reset, a recreated or truncated topic). Its progress
+    /// is forgotten and the record is processed.
+    MovedBack {
+        /// The first offset this task had not read.
+        expected: i64,
+    },
+}
+
+/// Offsets of one input partition: received, finished, committable, and the
+/// progress of the commit the task restarted from, until it has passed it.
 #[derive(Debug, Default)]
 pub struct OffsetTracker {
     /// Unfinished offsets, each with the task's stream time before it arrived.
     in_flight: BTreeMap<i64, i64>,
     /// Next offset after the highest received.
     next_received: Option<i64>,
-    /// The offset last committed (next to read).
+    /// The offset last committed (next to read), or where reading started.
     committed: Option<i64>,
+    /// The progress record this task restarted from, while the task has not
+    /// read past its end: the records it names finished are skipped, and the
+    /// task's own progress records keep everything it says until then.
+    resume: Option<SlotProgress>,
 }
 
 impl OffsetTracker {
+    /// A tracker for a partition whose reading starts at `start`, restarting
+    /// from `restored` (the progress of the task's last commit). The
+    /// restored progress counts only when the group's offset is where that
+    /// commit left it (or, under at-least-once, where it was before: the
+    /// progress record is written before the offsets). Anywhere else, or
+    /// with no committed offset at all, the offsets were moved on purpose (a
+    /// reset, a recreated topic): the progress is dropped, every record from
+    /// the start is processed again, and the warning returned says so.
+    pub(crate) fn restarting(
+        start: StartAt,
+        restored: Option<SlotProgress>,
+    ) -> (OffsetTracker, Option<String>) {
+        let mut warning = None;
+        let resume = match (restored, start) {
+            // Where the restored commit left it, or past all it says.
+            (Some(p), StartAt::Committed(s)) if s == p.committed || s == p.previous => Some(p),
+            (Some(p), StartAt::Committed(s)) if s >= p.end => None,
+            // At-least-once, its first commit: the offsets never landed.
+            (Some(p), StartAt::Reset) if p.previous < 0 => Some(p),
+            (Some(p), StartAt::Committed(s)) => {
+                warning = Some(format!(
+                    "reading starts at offset {s}, but the task's last commit left it at {} \
+                     (records up to {} processed): the offsets were moved (a reset); every \
+                     record from {s} on is processed again",
+                    p.committed, p.end
+                ));
+                None
+            }
+            (Some(p), StartAt::Reset) => {
+                warning = Some(format!(
+                    "the group has no committed offset here, but the task's last commit left \
+                     it at {}: the offsets were deleted or the topic recreated; every record \
+                     is processed again from the reset position",
+                    p.committed
+                ));
+                None
+            }
+            (p, _) => p,
+        };
+        let tracker = OffsetTracker {
+            committed: match start {
+                StartAt::Committed(s) => Some(s),
+                _ => None,
+            },
+            resume,
+            ..OffsetTracker::default()
+        };
+        (tracker, warning)
+    }
+
+    /// Decides what to do with the record at `offset`: the one place that
+    /// decides whether a record is applied or skipped.
+    pub(crate) fn admit(&mut self, offset: i64) -> Admission {
+        if let Some(n) = self.next_received.filter(|n| offset < *n) {
+            // Every record below `n` was received by this very task. The
+            // consumer delivers one again only when its position was moved
+            // back (a reset while running, an out-of-range reset after the
+            // topic was recreated or truncated): what was read before says
+            // nothing about these records any more.
+            self.resume = None;
+            self.next_received = None;
+            return Admission::MovedBack { expected: n };
+        }
+        match &self.resume {
+            Some(p) if p.finished(offset) => Admission::Skip,
+            _ => Admission::Process,
+        }
+    }
+
     /// A record was received (and stays in flight); `stream_time` is the
     /// task's stream time before it arrived.
     pub fn received(&mut self, offset: i64, stream_time: i64) {
         self.in_flight.insert(offset, stream_time);
-        self.next_received = Some(self.next_received.map_or(offset + 1, |n| n.max(offset + 1)));
+        self.advance(offset);
     }
 
     /// A record is finished.
@@ -115,9 +254,19 @@ impl OffsetTracker {
         self.in_flight.remove(&offset);
     }
 
-    /// A record was received and finished at once (synchronous processing).
+    /// A record was received and finished at once (synchronous processing,
+    /// or skipped).
     pub fn received_finished(&mut self, offset: i64) {
-        self.next_received = Some(self.next_received.map_or(offset + 1, |n| n.max(offset + 1)));
+        self.advance(offset);
+    }
+
+    fn advance(&mut self, offset: i64) {
+        let next = self.next_received.map_or(offset + 1, |n| n.max(offset + 1));
+        self.next_received = Some(next);
+        // Past the restored progress's end, it has nothing more to say.
+        if self.resume.as_ref().is_some_and(|p| next >= p.end) {
+            self.resume = None;
+        }
     }
 
     /// The stream time before the oldest unfinished record arrived: no record
@@ -131,12 +280,33 @@ impl OffsetTracker {
         self.in_flight.len()
     }
 
-    /// The offset to commit: the lowest unfinished offset, or past the highest
-    /// received when all are finished. `None` when nothing was received.
+    /// The offset to commit: the lowest unfinished offset (records of the
+    /// restored progress not read again yet count as they were), or past the
+    /// highest received. `None` when nothing was received or restored.
     pub fn committable(&self) -> Option<i64> {
-        match self.in_flight.first_key_value() {
-            Some((first, _)) => Some(*first),
-            None => self.next_received,
+        let own = self.in_flight.first_key_value().map(|(o, _)| *o);
+        let restored = self.restored_unfinished().next();
+        match (own, restored) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (Some(a), None) | (None, Some(a)) => Some(a),
+            (None, None) => self.end(),
+        }
+    }
+
+    /// Unfinished offsets of the restored progress this task has not read
+    /// again yet, ascending.
+    fn restored_unfinished(&self) -> impl Iterator<Item = i64> + '_ {
+        let from = self.next_received.unwrap_or(i64::MIN);
+        self.resume
+            .iter()
+            .flat_map(move |p| p.unfinished.iter().copied().filter(move |o| *o >= from))
+    }
+
+    /// Past the highest offset received, or named by the restored progress.
+    fn end(&self) -> Option<i64> {
+        match (self.next_received, self.resume.as_ref().map(|p| p.end)) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
         }
     }
 
@@ -167,13 +337,21 @@ impl OffsetTracker {
     }
 
     /// Where this partition stands for a commit now: the offset to commit,
-    /// and which records above it are finished (`None` before any record).
+    /// and which records above it are finished, keeping what the restored
+    /// progress says about records not read again yet (`None` before any
+    /// record and without restored progress).
     pub(crate) fn progress(&self, source: u32) -> Option<SlotProgress> {
+        let end = self.end()?;
+        let mut unfinished: Vec<i64> = self.in_flight.keys().copied().collect();
+        unfinished.extend(self.restored_unfinished());
+        unfinished.sort_unstable();
+        unfinished.dedup();
         Some(SlotProgress {
             source,
-            committed: self.committable()?,
-            end: self.next_received?,
-            unfinished: self.in_flight.keys().copied().collect(),
+            committed: unfinished.first().copied().unwrap_or(end),
+            previous: self.committed.unwrap_or(-1),
+            end,
+            unfinished,
         })
     }
 }
@@ -184,12 +362,14 @@ impl OffsetTracker {
 /// from it must neither apply nor emit them again, and must process every
 /// other record. Kept in the task's changelogged progress store, written in
 /// the same commit as the effects it describes.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct SlotProgress {
     /// Stable id of the source topic (the partition is the task's).
     pub(crate) source: u32,
     /// The offset committed: every record below it had finished.
     pub(crate) committed: i64,
+    /// The offset committed before this commit (-1: none).
+    pub(crate) previous: i64,
     /// Past the highest offset received before the commit.
     pub(crate) end: i64,
     /// Offsets in `[committed, end)` still in flight at the commit, ascending.
@@ -202,11 +382,145 @@ impl SlotProgress {
         offset < self.committed
             || (offset < self.end && self.unfinished.binary_search(&offset).is_err())
     }
+}
 
-    /// True when no record above the committed offset had finished (the
-    /// committed offset alone says everything).
-    pub(crate) fn is_prefix(&self) -> bool {
-        self.end - self.committed <= self.unfinished.len() as i64
+/// A task's progress record: where each input partition stood at a commit,
+/// and the task's stream time then.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct TaskProgress {
+    /// The highest record timestamp the task had seen.
+    pub(crate) stream_time: i64,
+    /// Per input partition (those that had received something).
+    pub(crate) slots: Vec<SlotProgress>,
+}
+
+/// The first byte of an encoded progress record (format version).
+const PROGRESS_FORMAT: u8 = 0xF2;
+
+/// The progress record as stored: unfinished offsets as runs relative to the
+/// committed offset, so a record stays a few bytes per run of unfinished
+/// records however far apart they lie (bincode's variable-length integers).
+#[derive(Serialize, Deserialize)]
+struct TaskProgressWire {
+    stream_time: i64,
+    slots: Vec<SlotProgressWire>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct SlotProgressWire {
+    source: u32,
+    committed: i64,
+    previous: i64,
+    /// `end - committed`.
+    span: u64,
+    /// Runs of unfinished offsets: (gap after the previous run's end, or
+    /// after `committed` for the first; length).
+    runs: Vec<(u64, u64)>,
+}
+
+/// The first progress record format: a list of slots with every unfinished
+/// offset (no stream time, no previous offset).
+#[derive(Deserialize)]
+struct SlotProgressV1 {
+    source: u32,
+    committed: i64,
+    end: i64,
+    unfinished: Vec<i64>,
+}
+
+impl TaskProgress {
+    /// Encodes the record (see [`TaskProgressWire`]).
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let slots = self
+            .slots
+            .iter()
+            .map(|s| {
+                let mut runs: Vec<(u64, u64)> = Vec::new();
+                let mut cursor = s.committed;
+                let mut run: Option<(i64, u64)> = None;
+                for &o in &s.unfinished {
+                    match &mut run {
+                        Some((start, len)) if *start + *len as i64 == o => *len += 1,
+                        _ => {
+                            if let Some((start, len)) = run.take() {
+                                runs.push(((start - cursor) as u64, len));
+                                cursor = start + len as i64;
+                            }
+                            run = Some((o, 1));
+                        }
+                    }
+                }
+                if let Some((start, len)) = run {
+                    runs.push(((start - cursor) as u64, len));
+                }
+                SlotProgressWire {
+                    source: s.source,
+                    committed: s.committed,
+                    previous: s.previous,
+                    span: (s.end - s.committed) as u64,
+                    runs,
+                }
+            })
+            .collect();
+        let mut out = vec![PROGRESS_FORMAT];
+        out.extend(crate::codec::to_bincode(&TaskProgressWire {
+            stream_time: self.stream_time,
+            slots,
+        }));
+        out
+    }
+
+    /// Decodes a record written by [`TaskProgress::encode`] (or by the first
+    /// format).
+    pub(crate) fn decode(bytes: &[u8]) -> Result<TaskProgress, String> {
+        let corrupt = |e: &dyn std::fmt::Display| format!("corrupt progress record: {e}");
+        let Some((&PROGRESS_FORMAT, rest)) = bytes.split_first() else {
+            let old: Vec<SlotProgressV1> =
+                crate::codec::from_bincode(bytes).map_err(|e| corrupt(&e))?;
+            return Ok(TaskProgress {
+                stream_time: i64::MIN,
+                slots: old
+                    .into_iter()
+                    .map(|s| SlotProgress {
+                        source: s.source,
+                        committed: s.committed,
+                        previous: s.committed,
+                        end: s.end,
+                        unfinished: s.unfinished,
+                    })
+                    .collect(),
+            });
+        };
+        let wire: TaskProgressWire = crate::codec::from_bincode(rest).map_err(|e| corrupt(&e))?;
+        let mut slots = Vec::with_capacity(wire.slots.len());
+        for s in wire.slots {
+            let end = s
+                .committed
+                .checked_add(i64::try_from(s.span).map_err(|e| corrupt(&e))?)
+                .ok_or_else(|| corrupt(&"span out of range"))?;
+            let mut unfinished = Vec::new();
+            let mut cursor = s.committed;
+            for (gap, len) in s.runs {
+                let start = cursor.saturating_add(gap as i64);
+                let stop = start.saturating_add(len as i64);
+                if stop > end || len == 0 {
+                    return Err(corrupt(&"unfinished offsets outside the record"));
+                }
+                unfinished.extend(start..stop);
+                cursor = stop;
+            }
+            slots.push(SlotProgress {
+                source: s.source,
+                committed: s.committed,
+                previous: s.previous,
+                end,
+                unfinished,
+            });
+        }
+        Ok(TaskProgress {
+            stream_time: wire.stream_time,
+            slots,
+        })
     }
 }
 
@@ -266,7 +580,6 @@ mod tests {
             (p.committed, p.end, &p.unfinished[..]),
             (5, 10, &[5, 7, 9][..])
         );
-        assert!(!p.is_prefix());
         let finished: Vec<i64> = (0..12).filter(|o| p.finished(*o)).collect();
         assert_eq!(finished, vec![0, 1, 2, 3, 4, 6, 8]);
         // In order: nothing above the committed offset is finished.
@@ -274,21 +587,218 @@ mod tests {
         t.finished(7);
         t.finished(9);
         let p = t.progress(9).unwrap();
-        assert!(p.is_prefix());
-        assert_eq!((p.committed, p.end), (10, 10));
+        assert_eq!((p.committed, p.end, p.unfinished.len()), (10, 10, 0));
+    }
+
+    fn restored(committed: i64, end: i64, unfinished: &[i64]) -> SlotProgress {
+        SlotProgress {
+            source: 1,
+            committed,
+            previous: committed - 7,
+            end,
+            unfinished: unfinished.to_vec(),
+        }
+    }
+
+    /// Feeds `offsets` to a tracker as the runtime does: admitted records
+    /// stay in flight, skipped ones finish at once.
+    fn feed(t: &mut OffsetTracker, offsets: impl IntoIterator<Item = i64>) -> Vec<i64> {
+        let mut processed = Vec::new();
+        for o in offsets {
+            match t.admit(o) {
+                Admission::Skip => t.received_finished(o),
+                _ => {
+                    t.received(o, 0);
+                    processed.push(o);
+                }
+            }
+        }
+        processed
+    }
+
+    #[test]
+    fn a_restarted_task_keeps_what_its_restored_progress_says_until_it_passed_its_end() {
+        // Restored: committed 100, received up to 199, 100 and 150 unfinished.
+        let (mut t, warning) = OffsetTracker::restarting(
+            StartAt::Committed(100),
+            Some(restored(100, 200, &[100, 150])),
+        );
+        assert_eq!(warning, None);
+        // Before reading anything the task's own record says the same.
+        let p = t.progress(1).unwrap();
+        assert_eq!(
+            (p.committed, p.end, &p.unfinished[..]),
+            (100, 200, &[100, 150][..])
+        );
+        // It reads 100..130: only 100 runs again (and stays in flight).
+        assert_eq!(feed(&mut t, 100..131), vec![100]);
+        let p = t.progress(1).unwrap();
+        assert_eq!(
+            (p.committed, p.end, &p.unfinished[..]),
+            (100, 200, &[100, 150][..]),
+            "131..199 (but 150) stay finished in the record until the task passed them"
+        );
+        assert_eq!(p.previous, 100);
+        assert_eq!(t.committable(), Some(100));
+        t.finished(100);
+        assert_eq!(
+            t.committable(),
+            Some(150),
+            "everything below 150 is finished"
+        );
+        assert_eq!(feed(&mut t, 131..205), vec![150, 200, 201, 202, 203, 204]);
+        t.finished(150);
+        let p = t.progress(1).unwrap();
+        assert_eq!((p.committed, p.end), (200, 205));
+        assert_eq!(p.unfinished, vec![200, 201, 202, 203, 204]);
+    }
+
+    #[test]
+    fn a_slot_that_received_nothing_since_the_restart_keeps_its_restored_progress() {
+        let r = restored(45, 60, &[45, 50]);
+        let (t, _) = OffsetTracker::restarting(StartAt::Committed(45), Some(r.clone()));
+        assert_eq!(t.progress(1), Some(SlotProgress { previous: 45, ..r }));
+        assert_eq!(t.to_commit(), None, "nothing moved");
+    }
+
+    #[test]
+    fn offsets_moved_on_purpose_drop_the_restored_progress() {
+        // The group's offset is neither where the last commit left it nor
+        // where it was before it (at-least-once writes the record first), or
+        // there is none.
+        for start in [
+            StartAt::Committed(0),
+            StartAt::Committed(55),
+            StartAt::Reset,
+        ] {
+            let (mut t, warning) = OffsetTracker::restarting(start, Some(restored(40, 60, &[45])));
+            assert!(warning.unwrap().contains("processed again"), "{start:?}");
+            assert_eq!(t.admit(41), Admission::Process);
+        }
+        for start in [
+            StartAt::Committed(40),
+            StartAt::Committed(33),
+            StartAt::Unknown,
+        ] {
+            let (mut t, warning) = OffsetTracker::restarting(start, Some(restored(40, 60, &[45])));
+            assert_eq!(warning, None, "{start:?}");
+            assert_eq!(t.admit(41), Admission::Skip);
+            assert_eq!(t.admit(45), Admission::Process);
+        }
+        // The first commit of an at-least-once task, its offsets lost.
+        let first = SlotProgress {
+            previous: -1,
+            ..restored(40, 60, &[45])
+        };
+        let (mut t, warning) = OffsetTracker::restarting(StartAt::Reset, Some(first));
+        assert_eq!(warning, None);
+        assert_eq!(t.admit(41), Admission::Skip);
+        assert_eq!(t.admit(45), Admission::Process);
+        // At or past the end, the progress has nothing to say anyway.
+        let (mut t, warning) =
+            OffsetTracker::restarting(StartAt::Committed(70), Some(restored(40, 60, &[45])));
+        assert_eq!(warning, None);
+        assert_eq!(t.committable(), None, "nothing below the start");
+        assert_eq!(t.admit(70), Admission::Process);
+    }
+
+    #[test]
+    fn a_record_below_what_was_read_is_processed_again() {
+        let (mut t, _) =
+            OffsetTracker::restarting(StartAt::Committed(10), Some(restored(10, 20, &[12])));
+        feed(&mut t, 10..25);
+        assert_eq!(t.admit(3), Admission::MovedBack { expected: 25 });
+        t.received(3, 0);
+        assert_eq!(t.admit(4), Admission::Process);
+        assert_eq!(
+            t.admit(11),
+            Admission::Process,
+            "the restored progress is gone"
+        );
+    }
+
+    #[test]
+    fn progress_records_round_trip_compactly() {
+        let p = TaskProgress {
+            stream_time: 1_700_000_000_000,
+            slots: vec![
+                SlotProgress {
+                    source: 7,
+                    committed: 1_000_000,
+                    previous: 999_000,
+                    end: 1_500_000,
+                    unfinished: vec![1_000_000, 1_000_001, 1_000_002, 1_200_000, 1_499_999],
+                },
+                SlotProgress {
+                    source: 9,
+                    committed: 5,
+                    previous: -1,
+                    end: 5,
+                    unfinished: vec![],
+                },
+            ],
+        };
+        let bytes = p.encode();
+        assert_eq!(TaskProgress::decode(&bytes).unwrap(), p);
+        assert!(bytes.len() < 60, "{} bytes", bytes.len());
+        assert!(TaskProgress::decode(&bytes[..bytes.len() - 2]).is_err());
+        assert!(TaskProgress::decode(&[PROGRESS_FORMAT, 0xff, 0xff]).is_err());
+    }
+
+    #[test]
+    fn the_largest_progress_record_stays_far_below_a_broker_message() {
+        // The bound: a slot's unfinished offsets are its own in-flight records
+        // (at most `MAX_IN_FLIGHT_PER_PARTITION`) and those of the restored
+        // record not read again yet (as many), at worst every other offset.
+        let n = crate::runtime::MAX_IN_FLIGHT_PER_PARTITION as i64 * 2;
+        let slot = SlotProgress {
+            source: 1,
+            committed: 1 << 40,
+            previous: 1 << 39,
+            end: (1 << 40) + 2 * n,
+            unfinished: (0..n).map(|i| (1 << 40) + 2 * i).collect(),
+        };
+        let p = TaskProgress {
+            stream_time: i64::MAX,
+            slots: vec![slot],
+        };
+        let bytes = p.encode();
+        assert_eq!(TaskProgress::decode(&bytes).unwrap(), p);
+        assert!(bytes.len() <= 3 * n as usize, "{} bytes", bytes.len());
+    }
+
+    #[test]
+    fn the_first_progress_format_is_read() {
+        #[derive(Serialize)]
+        struct Old {
+            source: u32,
+            committed: i64,
+            end: i64,
+            unfinished: Vec<i64>,
+        }
+        let bytes = crate::codec::to_bincode(&vec![Old {
+            source: 3,
+            committed: 10,
+            end: 20,
+            unfinished: vec![12],
+        }]);
+        let p = TaskProgress::decode(&bytes).unwrap();
+        assert_eq!(p.slots[0].unfinished, vec![12]);
+        assert!(p.slots[0].finished(13) && !p.slots[0].finished(12));
     }
 
     #[test]
     fn token_drop_reports_finish_once_all_clones_are_gone() {
         let (tx, rx) = crossbeam_channel::unbounded();
         let tok = RecordToken::new(
-            2,
-            Position {
-                source: 1,
-                offset: 7,
+            Origin::Input {
+                slot: 2,
+                position: Position {
+                    source: 1,
+                    offset: 7,
+                },
+                raw: None,
             },
-            None,
-            false,
             0,
             tx,
             Default::default(),
@@ -297,25 +807,14 @@ mod tests {
         drop(tok);
         assert!(rx.try_recv().is_err());
         drop(held);
-        assert_eq!(rx.try_recv().unwrap(), (2, 7));
+        assert_eq!(rx.try_recv().unwrap(), Finished::Input(2, 7));
     }
 
     #[test]
     fn abandoned_records_are_never_reported_finished() {
         let (tx, rx) = crossbeam_channel::unbounded();
         let abandoned = Arc::new(AtomicBool::new(false));
-        let tok = RecordToken::new(
-            0,
-            Position {
-                source: 1,
-                offset: 3,
-            },
-            None,
-            false,
-            0,
-            tx,
-            abandoned.clone(),
-        );
+        let tok = RecordToken::new(Origin::Derived { id: 3 }, 0, tx, abandoned.clone());
         abandoned.store(true, Ordering::Release);
         drop(tok);
         assert!(rx.try_recv().is_err());

@@ -91,8 +91,15 @@ pub struct ProcessorContext<'a, K, V, O> {
 }
 
 impl<K: Data, V: Data, O: Send + 'static> ProcessorContext<'_, K, V, O> {
-    /// Sends a record to the downstream operators.
+    /// Sends a record to the downstream operators. A record forwarded
+    /// outside of a current record (from `flush`, `punctuate`, or the
+    /// completion of a call that carried several records) is a derived record
+    /// of its own (see `crate::derived`): it can be held and dead-lettered
+    /// like an input record.
     pub fn forward(&mut self, record: Record<K, V>) -> Result<(), ProcessError> {
+        if self.ctx.current.is_none() {
+            return self.ctx.forward_derived(self.kids, record, None);
+        }
         self.kids.forward(record, self.ctx)
     }
 
@@ -129,13 +136,6 @@ impl<K: Data, V: Data, O: Send + 'static> ProcessorContext<'_, K, V, O> {
         self.ctx.position()
     }
 
-    /// True when the current record is being reprocessed after a restore and
-    /// its effect may already be in the restored state: check the store's
-    /// position (see [`KvStore::reflects_current`]) before applying it again.
-    pub fn is_replay(&self) -> bool {
-        self.ctx.replaying()
-    }
-
     /// The task's stream time, ms.
     pub fn stream_time(&self) -> i64 {
         self.ctx.stream_time
@@ -161,9 +161,12 @@ impl<K: Data, V: Data, O: Send + 'static> ProcessorContext<'_, K, V, O> {
         self.ctx.spawner.pending()
     }
 
-    /// Queues a record for any topic (results, alerts, dead letters).
-    pub fn emit(&mut self, record: OutputRecord) {
-        self.ctx.out.push(record);
+    /// Queues a record for any topic (results, alerts, dead letters). A
+    /// record the producers could never send (over their
+    /// `message.max.bytes`) is not queued: the error dead-letters the current
+    /// record (`too_large`) when returned.
+    pub fn emit(&mut self, record: OutputRecord) -> Result<(), ProcessError> {
+        self.ctx.queue_output(record)
     }
 
     /// Sends the current record's original bytes to its source's dead-letter
@@ -200,11 +203,9 @@ impl<K: Data, V: Data, O: Send + 'static> ProcessorContext<'_, K, V, O> {
         let id = self.ctx.store(name).ok_or_else(|| {
             ProcessError::Fatal(format!("store {name} is not attached to this processor"))
         })?;
-        let position = self.ctx.position();
         Ok(KvStore {
             state: self.ctx.state_mut(),
             id,
-            position,
             _types: PhantomData,
         })
     }
@@ -218,7 +219,6 @@ impl<K: Data, V: Data, O: Send + 'static> ProcessorContext<'_, K, V, O> {
         let id = self.ctx.store(name).ok_or_else(|| {
             ProcessError::Fatal(format!("store {name} is not attached to this processor"))
         })?;
-        let position = self.ctx.position();
         let state = self.ctx.state_mut();
         if !state
             .specs()
@@ -232,7 +232,6 @@ impl<K: Data, V: Data, O: Send + 'static> ProcessorContext<'_, K, V, O> {
         Ok(WindowStore {
             state,
             id,
-            position,
             _types: PhantomData,
         })
     }
@@ -245,7 +244,6 @@ impl<K: Data, V: Data, O: Send + 'static> ProcessorContext<'_, K, V, O> {
 pub struct WindowStore<'a, K, V> {
     state: &'a mut TaskState,
     id: StoreId,
-    position: Option<Position>,
     _types: PhantomData<fn(K, V)>,
 }
 
@@ -261,32 +259,14 @@ impl<K: Serialize + DeserializeOwned, V: Serialize + DeserializeOwned> WindowSto
             .transpose()
     }
 
-    /// True when the stored window already reflects the current record.
-    pub fn reflects_current(&self, key: &K, window_start: i64) -> Result<bool, ProcessError> {
-        let Some(cur) = self.position else {
-            return Ok(false);
-        };
-        Ok(self
-            .state
-            .window_get(self.id, &to_bincode(key), window_start)?
-            .is_some_and(|s| s.covers(&cur)))
-    }
-
-    /// Writes one window of a key, stamped with the current record's position.
+    /// Writes one window of a key.
     pub fn put(&mut self, key: &K, window_start: i64, value: &V) {
-        self.state.window_put(
-            self.id,
-            &to_bincode(key),
-            window_start,
-            &to_bincode(value),
-            self.position,
-        );
+        self.state
+            .window_put(self.id, &to_bincode(key), window_start, &to_bincode(value));
     }
 
     /// Changes one window of a key in place (`V::default()` when it has no
-    /// value) and returns what `f` returns; the window is stamped with the
-    /// current record's position, as [`WindowStore::put`] stamps it. The
-    /// value stays decoded in the task's write cache until the next commit
+    /// value) and returns what `f` returns. The value stays decoded in the task's write cache until the next commit
     /// encodes it, so a window many records update costs one decode and one
     /// encode per commit instead of one per record.
     pub fn update<R>(
@@ -298,16 +278,15 @@ impl<K: Serialize + DeserializeOwned, V: Serialize + DeserializeOwned> WindowSto
     where
         V: Default + Send + 'static,
     {
-        let (id, position) = (self.id, self.position);
+        let id = self.id;
         let value = with_bincode(key, |key| {
-            self.state
-                .window_update(id, key, window_start, position, |stored| {
-                    let v = match stored {
-                        Some(s) => from_bincode(&s.value).map_err(|e| e.to_string())?,
-                        None => V::default(),
-                    };
-                    Ok(Bincoded(v))
-                })
+            self.state.window_update(id, key, window_start, |stored| {
+                let v = match stored {
+                    Some(s) => from_bincode(&s.value).map_err(|e| e.to_string())?,
+                    None => V::default(),
+                };
+                Ok(Bincoded(v))
+            })
         })?;
         Ok(f(&mut value.0))
     }
@@ -394,54 +373,24 @@ impl<V: Serialize + Send + 'static> sluice_state::CachedValue for Bincoded<V> {
 pub struct KvStore<'a, K, V> {
     state: &'a mut TaskState,
     id: StoreId,
-    position: Option<Position>,
     _types: PhantomData<fn(K, V)>,
 }
 
 impl<K: Serialize + DeserializeOwned, V: Serialize + DeserializeOwned> KvStore<'_, K, V> {
     /// Reads a value.
     pub fn get(&self, key: &K) -> Result<Option<V>, ProcessError> {
-        Ok(self.get_with_position(key)?.map(|(v, _)| v))
-    }
-
-    /// Reads a value and the input position it reflects.
-    pub fn get_with_position(
-        &self,
-        key: &K,
-    ) -> Result<Option<(V, Option<Position>)>, ProcessError> {
-        match self.state.get(self.id, &to_bincode(key))? {
-            None => Ok(None),
-            Some(stored) => {
-                let v = from_bincode(&stored.value)
-                    .map_err(|e| ProcessError::Fatal(format!("corrupt store value: {e}")))?;
-                Ok(Some((v, stored.position)))
-            }
-        }
-    }
-
-    /// True when the stored value of `key` already reflects the current record
-    /// (it wrote the value, or had finished before the record that did).
-    pub fn reflects_current(&self, key: &K) -> Result<bool, ProcessError> {
-        let Some(cur) = self.position else {
-            return Ok(false);
-        };
-        Ok(self
-            .state
+        self.state
             .get(self.id, &to_bincode(key))?
-            .is_some_and(|s| s.covers(&cur)))
+            .map(|stored| {
+                from_bincode(&stored.value)
+                    .map_err(|e| ProcessError::Fatal(format!("corrupt store value: {e}")))
+            })
+            .transpose()
     }
 
-    /// Writes a value, stamped with the current record's position.
+    /// Writes a value.
     pub fn put(&mut self, key: &K, value: &V) {
-        self.state
-            .put(self.id, to_bincode(key), &to_bincode(value), self.position);
-    }
-
-    /// Writes a value stamped with an explicit position (e.g. one carried by a
-    /// record read outside the task's input).
-    pub fn put_at(&mut self, key: &K, value: &V, position: Option<Position>) {
-        self.state
-            .put(self.id, to_bincode(key), &to_bincode(value), position);
+        self.state.put(self.id, to_bincode(key), &to_bincode(value));
     }
 
     /// Deletes a key.
@@ -584,5 +533,19 @@ where
             p.flush(&mut pc)?;
         }
         st.kids.flush(ctx)
+    }
+
+    fn may_hold(&self) -> bool {
+        true
+    }
+
+    fn resume(
+        &mut self,
+        node: &str,
+        id: u64,
+        bytes: &[u8],
+        ctx: &mut TaskCtx,
+    ) -> Result<bool, ProcessError> {
+        self.state.lock().kids.resume(node, id, bytes, ctx)
     }
 }

@@ -12,8 +12,11 @@ use sluice_state::{ChangelogRecord, Position, StoreId, StoredValue, TaskState};
 
 use crate::codec::{from_bincode, to_bincode};
 use crate::context::{CompletionMsg, Spawner, TaskCtx};
+use crate::derived::Resumable;
 use crate::node::{CompletionTarget, Punctuation};
-use crate::offsets::{OffsetTracker, RecordToken, SlotProgress};
+use crate::offsets::{
+    Admission, Finished, OffsetTracker, Origin, RecordToken, StartAt, TaskProgress,
+};
 use crate::record::{Headers, OutputRecord, RawRecord};
 use crate::topology::{RawView, SourceNode, SubTopology};
 use crate::{ProcessError, TopologyError};
@@ -34,6 +37,9 @@ pub mod dlq_headers {
     pub const ORIGINAL_OFFSET: &str = "dlq.original.offset";
     /// When it was dead-lettered (RFC 3339).
     pub const SENT_AT: &str = "dlq.sent.at";
+    /// Set on the dead letter of a record an operator derived (it has no
+    /// original bytes): which task and record.
+    pub const DERIVED: &str = "dlq.derived";
 }
 
 /// Headers a record written to a repartition topic carries about the source
@@ -55,15 +61,15 @@ pub mod origin_headers {
 }
 
 /// Where a record came from: its source and that source's dead-letter topic.
-struct Origin {
+struct SourceOrigin {
     topic: String,
     partition: i32,
     offset: i64,
     dead_letter_topic: String,
 }
 
-impl Origin {
-    fn from_headers(headers: &Headers) -> Option<Origin> {
+impl SourceOrigin {
+    fn from_headers(headers: &Headers) -> Option<SourceOrigin> {
         let get = |k: &str| {
             headers
                 .iter()
@@ -71,7 +77,7 @@ impl Origin {
                 .find(|(h, _)| h == k)
                 .and_then(|(_, v)| String::from_utf8(v.clone()).ok())
         };
-        Some(Origin {
+        Some(SourceOrigin {
             topic: get(origin_headers::TOPIC)?,
             partition: get(origin_headers::PARTITION)?.parse().ok()?,
             offset: get(origin_headers::OFFSET)?.parse().ok()?,
@@ -154,23 +160,12 @@ pub(crate) struct TaskCore {
     targets: Vec<Arc<Mutex<dyn CompletionTarget>>>,
     pub(crate) slots: Vec<InputSlot>,
     pub(crate) trackers: Vec<OffsetTracker>,
-    done_tx: Sender<(usize, i64)>,
-    done_rx: Receiver<(usize, i64)>,
-    replay_until: rustc_hash::FxHashMap<u32, i64>,
-    /// Per slot, the progress of the commit this task restarted from: records
-    /// it names finished are skipped.
-    resume: Vec<Option<SlotProgress>>,
+    done_rx: Receiver<Finished>,
     /// The store the task's progress record lives in.
     progress_store: Option<StoreId>,
     /// The progress record last written (an unchanged one is not written
     /// again: a long call holding the offset back costs no transaction).
-    last_progress: Vec<u8>,
-    /// An async call completed in this task: records may finish out of
-    /// order, and replayed records may be in flight while others write, so
-    /// per-value positions alone cannot say what state reflects; every commit
-    /// that moves the offsets writes a progress record.
-    asynchronous: bool,
-    abandoned: Arc<std::sync::atomic::AtomicBool>,
+    last_progress: Option<TaskProgress>,
 }
 
 /// What one commit of a task covers, taken at one instant: the changelog
@@ -181,11 +176,20 @@ pub(crate) struct PreparedCommit {
     pub(crate) offsets: Vec<(usize, i64)>,
 }
 
+/// What a task restarts from: its last commit's progress record, and the
+/// derived records it had in flight (by id).
+type Restored = (Option<TaskProgress>, Vec<(u64, Resumable)>);
+
 /// The key of a task's progress record in its progress store.
 const PROGRESS_KEY: &[u8] = b"progress";
 
 impl TaskCore {
-    /// Instantiates the operators of `sub` for `partition` over restored `state`.
+    /// Instantiates the operators of `sub` for `partition` over restored
+    /// `state`. `start` gives where reading each input topic starts: the
+    /// progress record the task restarts from counts only where the offsets
+    /// are as its commit left them. Records the task's operators derived and had in flight at
+    /// that commit are forwarded again before any input.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         sub: &SubTopology,
         partition: i32,
@@ -194,16 +198,14 @@ impl TaskCore {
         runtime: tokio::runtime::Handle,
         completions: Sender<CompletionMsg>,
         dlq_partitions: &HashMap<String, i32>,
+        start: &dyn Fn(&str) -> StartAt,
     ) -> Result<TaskCore, TopologyError> {
         let id = TaskId {
             subtopology: sub.id as u32,
             partition,
         };
-        let replay_until = state
-            .as_ref()
-            .map(|s| s.reflected_positions().clone())
-            .unwrap_or_default();
-        let ctx = TaskCtx::new(id, state, Spawner::new(runtime, completions, id));
+        let (done_tx, done_rx) = crossbeam_channel::unbounded();
+        let mut ctx = TaskCtx::new(id, state, Spawner::new(runtime, completions, id), done_tx);
         let instance = sub.instantiate(app_id, &ctx.stores)?;
         let mut slots = Vec::new();
         for (i, src) in sub.sources.iter().enumerate() {
@@ -219,49 +221,103 @@ impl TaskCore {
                 });
             }
         }
-        let (done_tx, done_rx) = crossbeam_channel::unbounded();
-        let mut ctx = ctx;
         ctx.dead_letter_topics = slots
             .iter()
             .map(|s| (s.topic.clone(), s.dead_letter.clone()))
             .collect();
+        ctx.derived_dead_letter = slots
+            .iter()
+            .find_map(|s| s.dead_letter.clone().map(|d| (s.topic.clone(), d)));
         ctx.dead_letter_partitions = dlq_partitions.clone();
         let progress_store = ctx.store(&crate::Topology::progress_store(sub.id));
-        let restored: Vec<SlotProgress> = match (progress_store, ctx.state.as_ref()) {
-            (Some(store), Some(state)) => match state.get(store, PROGRESS_KEY)? {
-                Some(stored) => from_bincode(&stored.value).map_err(|e| {
-                    TopologyError::Invalid(format!("task {id}: corrupt progress record: {e}"))
-                })?,
-                None => Vec::new(),
-            },
-            _ => Vec::new(),
-        };
-        let resume = slots
-            .iter()
-            .map(|s| restored.iter().find(|p| p.source == s.source_id).cloned())
-            .collect();
+        let (restored, derived) = Self::read_progress(id, progress_store, ctx.state.as_ref())?;
+        let mut trackers = Vec::with_capacity(slots.len());
+        for s in &slots {
+            let slot_progress = restored
+                .as_ref()
+                .and_then(|p| p.slots.iter().find(|p| p.source == s.source_id).cloned());
+            let (tracker, warning) = OffsetTracker::restarting(start(&s.topic), slot_progress);
+            if let Some(w) = warning {
+                tracing::warn!(task = %id, topic = %s.topic, partition, "{w}");
+            }
+            trackers.push(tracker);
+        }
+        if let Some(p) = &restored {
+            // Stream time is part of the state: lateness and punctuation go on
+            // from where the commit left them.
+            ctx.stream_time = ctx.stream_time.max(p.stream_time);
+            ctx.closing_time = ctx.closing_time.max(p.stream_time);
+        }
         let mut task = TaskCore {
             id,
             ctx,
             sources: instance.sources,
             targets: instance.targets,
-            trackers: slots.iter().map(|_| OffsetTracker::default()).collect(),
+            trackers,
             slots,
-            done_tx,
             done_rx,
-            replay_until,
-            resume,
             progress_store,
-            last_progress: Vec::new(),
-            asynchronous: false,
-            abandoned: Default::default(),
+            last_progress: restored,
+        };
+        let invalid = |e: ProcessError| {
+            TopologyError::Invalid(format!("operator init failed in task {id}: {e}"))
         };
         for t in task.targets.clone() {
-            t.lock().init(&mut task.ctx).map_err(|e| {
-                TopologyError::Invalid(format!("processor init failed in task {id}: {e}"))
-            })?;
+            t.lock().init(&mut task.ctx).map_err(invalid)?;
         }
+        task.resume_derived(derived).map_err(invalid)?;
         Ok(task)
+    }
+
+    /// The progress record and the derived records a task's last commit
+    /// stored.
+    fn read_progress(
+        id: TaskId,
+        store: Option<StoreId>,
+        state: Option<&TaskState>,
+    ) -> Result<Restored, TopologyError> {
+        let (Some(store), Some(state)) = (store, state) else {
+            return Ok((None, Vec::new()));
+        };
+        let corrupt = |e: &dyn std::fmt::Display| TopologyError::Invalid(format!("task {id}: {e}"));
+        let progress = state
+            .get(store, PROGRESS_KEY)?
+            .map(|stored| TaskProgress::decode(&stored.value))
+            .transpose()
+            .map_err(|e| corrupt(&e))?;
+        let mut derived = Vec::new();
+        for (key, stored) in state.prefix_scan(store, crate::derived::KEY_PREFIX)? {
+            let Some(d) = crate::derived::id_of(&key) else {
+                continue;
+            };
+            let content: Resumable = from_bincode(&stored.value)
+                .map_err(|e| corrupt(&format!("corrupt derived record {d}: {e}")))?;
+            derived.push((d, content));
+        }
+        Ok((progress, derived))
+    }
+
+    /// Forwards again, in the order they were derived, the records the
+    /// restored commit had in flight (see `crate::derived`).
+    fn resume_derived(&mut self, derived: Vec<(u64, Resumable)>) -> Result<(), ProcessError> {
+        for (d, content) in derived {
+            let stream_time = self.ctx.stream_time;
+            self.ctx.derived.restore(d, content.clone(), stream_time);
+            let mut owned = false;
+            for s in &mut self.sources {
+                if s.resume(&content.node, d, &content.bytes, &mut self.ctx)? {
+                    owned = true;
+                    break;
+                }
+            }
+            if !owned {
+                return Err(ProcessError::Fatal(format!(
+                    "a derived record of {} was stored, and no operator of this topology owns that store",
+                    content.node
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// The slot of an input topic.
@@ -277,41 +333,28 @@ impl TaskCore {
         // every run, whatever the completion order or crashes.
         let stream_time_before = self.ctx.stream_time;
         self.ctx.stream_time = self.ctx.stream_time.max(input.timestamp);
-        // Below the offset this task committed, and below the next it has
-        // not read, every record was received by this very task (finished,
-        // or still in flight here): one delivered again (a committed offset
-        // lagging an applied-late commit, a fetch before a resumed task's
-        // seek) must not run twice.
-        if self.trackers[slot]
-            .next_to_read()
-            .is_some_and(|n| input.offset < n)
-        {
-            self.ctx.counters.replay_skipped += 1;
-            return Ok(());
+        match self.trackers[slot].admit(input.offset) {
+            Admission::Process => {}
+            Admission::Skip => {
+                // Finished before the commit this task restarted from: its
+                // state and outputs are in that commit.
+                self.ctx.counters.replay_skipped += 1;
+                self.trackers[slot].received_finished(input.offset);
+                return Ok(());
+            }
+            Admission::MovedBack { expected } => {
+                let s = &self.slots[slot];
+                tracing::warn!(
+                    task = %self.id, topic = %s.topic, partition = s.partition,
+                    offset = input.offset, expected,
+                    "the input moved back (an offset reset, or a recreated or truncated topic): processing its records again from here"
+                );
+            }
         }
         let info = &self.slots[slot];
         let position = Position {
             source: info.source_id,
             offset: input.offset,
-        };
-        let replay = match &self.resume[slot] {
-            // Finished before the commit this task restarted from: its state
-            // and outputs are in that commit.
-            Some(p) if p.finished(input.offset) => {
-                self.ctx.counters.replay_skipped += 1;
-                self.trackers[slot].received_finished(input.offset);
-                return Ok(());
-            }
-            // Anything else may be reflected in restored state only when it
-            // ran ahead of the progress record: an at-least-once instance
-            // died between a commit's changelog writes and its offsets, or a
-            // broker exposed a transaction that never committed. The
-            // per-value positions then say which records a value reflects
-            // (never one that had not finished when it was written).
-            _ => self
-                .replay_until
-                .get(&info.source_id)
-                .is_some_and(|until| input.offset <= *until),
         };
         let raw = (info.dead_letter.is_some() || info.internal).then(|| {
             Arc::new(RawRecord {
@@ -326,16 +369,16 @@ impl TaskCore {
         });
         let source = info.source;
         let token = RecordToken::new(
-            slot,
-            position,
-            raw,
-            replay,
+            Origin::Input {
+                slot,
+                position,
+                raw,
+            },
             self.ctx.stream_time,
-            self.done_tx.clone(),
-            self.abandoned.clone(),
+            self.ctx.done.clone(),
+            self.ctx.abandoned.clone(),
         );
         self.ctx.current = Some(token);
-        self.set_write_floor(slot, input.offset);
         self.update_closing_time();
         let view = RawView {
             key: input.key,
@@ -344,7 +387,7 @@ impl TaskCore {
             headers: input.headers,
         };
         let result = self.sources[source].process(view, &mut self.ctx);
-        let result = self.handle(result, slot, input.offset);
+        let result = self.handle(result);
         // A record nothing holds any more finished synchronously: account for
         // it directly instead of through the channel.
         match self.ctx.current.take().map(Arc::try_unwrap) {
@@ -363,16 +406,17 @@ impl TaskCore {
 
     /// Sets the stream time windows may close and expire by: the task's
     /// stream time, held back to just before the oldest record still in
-    /// flight arrived, so no window closes while a record that may still
-    /// update it is in an async call.
+    /// flight (input or derived) arrived, so no window closes while a record
+    /// that may still update it is in an async call.
     fn update_closing_time(&mut self) {
-        if self.trackers.iter().any(|t| t.in_flight() > 0) {
+        if self.in_flight() > 0 {
             self.drain_done();
         }
         let oldest = self
             .trackers
             .iter()
             .filter_map(OffsetTracker::oldest_in_flight_stream_time)
+            .chain(self.ctx.derived.oldest_stream_time())
             .min();
         self.ctx.closing_time =
             oldest.map_or(self.ctx.stream_time, |o| o.min(self.ctx.stream_time));
@@ -383,59 +427,24 @@ impl TaskCore {
         let Some(tokens) = self.ctx.spawner.finish(msg.call) else {
             return Ok(());
         };
-        self.asynchronous = true;
         let Some(target) = self.targets.get(msg.node).cloned() else {
             return Err(ProcessError::Fatal(format!(
                 "completion for unknown node {}",
                 msg.node
             )));
         };
-        let (slot, offset) = tokens
-            .first()
-            .map(|t| (t.slot, t.position.offset))
-            .unwrap_or((usize::MAX, -1));
         self.ctx.current = (tokens.len() == 1).then(|| tokens[0].clone());
-        if slot != usize::MAX {
-            self.set_write_floor(slot, offset);
-        }
         self.update_closing_time();
         let result = target.lock().complete(msg.output, &mut self.ctx);
-        let result = self.handle(result, slot, offset);
+        let result = self.handle(result);
         self.ctx.current = None;
         drop(tokens);
         result
     }
 
-    /// Tells the state what the writes of the record at `offset` of `slot`
-    /// may claim: every record of the slot below the lowest unfinished one
-    /// (or below this one) has finished. Finished reports not drained yet
-    /// only make the floor lower, never wrong.
-    fn set_write_floor(&mut self, slot: usize, offset: i64) {
-        if let Some(state) = self.ctx.state.as_mut() {
-            let lowest = self.trackers[slot].committable().unwrap_or(offset);
-            state.set_write_floor(lowest.min(offset) - 1);
-        }
-    }
-
-    fn handle(
-        &mut self,
-        result: Result<(), ProcessError>,
-        slot: usize,
-        offset: i64,
-    ) -> Result<(), ProcessError> {
-        match result {
-            Err(ProcessError::DeadLetter { reason, category }) => self
-                .ctx
-                .dead_letter(&reason, &category, 1)
-                .map_err(|e| match self.slots.get(slot) {
-                    Some(s) => ProcessError::Fatal(format!(
-                        "record {}/{}/{offset} must be dead-lettered ({reason}) but: {e}",
-                        s.topic, s.partition
-                    )),
-                    None => e,
-                }),
-            other => other,
-        }
+    /// See [`handle`].
+    fn handle(&mut self, result: Result<(), ProcessError>) -> Result<(), ProcessError> {
+        handle(&mut self.ctx, result)
     }
 
     /// Calls every operator's punctuation.
@@ -448,7 +457,8 @@ impl TaskCore {
             stream_time: self.ctx.stream_time,
         };
         for s in &mut self.sources {
-            s.punctuate(p, &mut self.ctx)?;
+            let result = s.punctuate(p, &mut self.ctx);
+            handle(&mut self.ctx, result)?;
         }
         Ok(())
     }
@@ -456,23 +466,39 @@ impl TaskCore {
     /// Forwards whatever operators hold back until a commit (cached results).
     pub(crate) fn flush(&mut self) -> Result<(), ProcessError> {
         for s in &mut self.sources {
-            s.flush(&mut self.ctx)?;
+            let result = s.flush(&mut self.ctx);
+            handle(&mut self.ctx, result)?;
         }
         Ok(())
     }
 
-    /// Applies finished-record reports to the offset trackers.
+    /// Applies finished-record reports.
     pub(crate) fn drain_done(&mut self) {
-        while let Ok((slot, offset)) = self.done_rx.try_recv() {
-            if let Some(t) = self.trackers.get_mut(slot) {
-                t.finished(offset);
+        while let Ok(done) = self.done_rx.try_recv() {
+            match done {
+                Finished::Input(slot, offset) => {
+                    if let Some(t) = self.trackers.get_mut(slot) {
+                        t.finished(offset);
+                    }
+                }
+                Finished::Derived(id) => self.ctx.derived.finished(id),
             }
         }
     }
 
-    /// Records in flight across the task's inputs.
+    /// Records in flight across the task's inputs, and derived records.
     pub(crate) fn in_flight(&self) -> usize {
-        self.trackers.iter().map(OffsetTracker::in_flight).sum()
+        self.trackers
+            .iter()
+            .map(OffsetTracker::in_flight)
+            .sum::<usize>()
+            + self.ctx.derived.in_flight()
+    }
+
+    /// Whether a record of `slot` may be taken under the in-flight bound
+    /// `max` (derived records count against every slot).
+    pub(crate) fn has_room(&self, slot: usize, max: usize) -> bool {
+        self.trackers[slot].in_flight() < max && self.ctx.derived.in_flight() < max
     }
 
     /// Takes the queued output records.
@@ -480,53 +506,67 @@ impl TaskCore {
         std::mem::take(&mut self.ctx.out)
     }
 
-    /// Writes the task's progress record (the offsets to commit and which
-    /// records above them have finished) into its progress store, and returns
-    /// the changelog record for it. Written when some record above the
-    /// offsets finished (the offsets alone would understate the commit), and
-    /// whenever the offsets move in a task with async calls or merged inputs
-    /// (one position per value cannot speak for several partitions) or, with
-    /// `with_offsets`, in any task (a commit that is atomic with its state:
-    /// the record then supersedes the per-value positions for everything
-    /// below its end, whatever the group's offsets say). Call right before
-    /// taking the offsets to commit.
-    pub(crate) fn write_progress(&mut self, with_offsets: bool) -> Option<ChangelogRecord> {
+    /// Writes the task's progress record (where each input partition stands:
+    /// the offset to commit and which records above it have finished, and
+    /// the stream time) into its progress store, and returns the changelog
+    /// record for it; `None` when it did not change since the last one.
+    /// Under exactly-once it commits with the state it describes; under
+    /// at-least-once it is sent after the state's changelog records and
+    /// before the offsets, so a crash before the offsets land still leaves a
+    /// record saying exactly what the state holds. Call right before taking
+    /// the offsets to commit.
+    pub(crate) fn write_progress(&mut self) -> Option<ChangelogRecord> {
         let store = self.progress_store?;
-        let progress: Vec<SlotProgress> = self
-            .slots
-            .iter()
-            .zip(&self.trackers)
-            .filter_map(|(s, t)| t.progress(s.source_id))
-            .collect();
-        let needed = progress.iter().any(|p| !p.is_prefix())
-            || ((with_offsets || self.asynchronous || self.slots.len() > 1)
-                && !self.offsets_to_commit().is_empty());
-        if !needed {
+        let progress = TaskProgress {
+            stream_time: self.ctx.stream_time,
+            slots: self
+                .slots
+                .iter()
+                .zip(&self.trackers)
+                .filter_map(|(s, t)| t.progress(s.source_id))
+                .collect(),
+        };
+        if self.last_progress.as_ref() == Some(&progress) {
             return None;
         }
-        let value = to_bincode(&progress);
-        if value == self.last_progress {
-            return None;
-        }
-        self.last_progress.clone_from(&value);
+        let value = progress.encode();
+        self.last_progress = Some(progress);
         let state = self.ctx.state.as_mut()?;
-        state.put(store, PROGRESS_KEY.to_vec(), &value, None);
+        state.put(store, PROGRESS_KEY.to_vec(), &value);
         Some(ChangelogRecord {
             store,
             key: PROGRESS_KEY.to_vec(),
-            value: Some(StoredValue::in_order(None, value).encode()),
+            value: Some(StoredValue::new(value).encode()),
         })
+    }
+
+    /// Writes what changed about derived records since the last commit into
+    /// the progress store: those in flight, the removal of those that
+    /// finished.
+    fn write_derived(&mut self) {
+        let changes = self.ctx.derived.take_changes();
+        let (Some(store), Some(state)) = (self.progress_store, self.ctx.state.as_mut()) else {
+            return;
+        };
+        for (d, content) in changes.put {
+            state.put(store, crate::derived::key(d), &to_bincode(&content));
+        }
+        for d in changes.delete {
+            state.delete(store, crate::derived::key(d));
+        }
     }
 
     /// First step of every commit (both guarantees and the test driver):
     /// takes the finished records into account and returns what the commit
-    /// covers. With `with_progress` (a commit atomic with its state) the
-    /// progress record is among the changelog records.
-    pub(crate) fn prepare_commit(&mut self, with_progress: bool) -> PreparedCommit {
+    /// covers. With `atomic` (a commit atomic with its state: exactly-once)
+    /// the progress record is among the changelog records; under
+    /// at-least-once it follows them ([`TaskCore::write_progress`]).
+    pub(crate) fn prepare_commit(&mut self, atomic: bool) -> PreparedCommit {
         self.drain_done();
         self.ctx.commit_requested = false;
-        if with_progress {
-            self.write_progress(true);
+        self.write_derived();
+        if atomic {
+            self.write_progress();
         }
         PreparedCommit {
             changelog: self
@@ -574,14 +614,36 @@ impl TaskCore {
     /// record still in flight will ever count as finished, so nothing past the
     /// first of them is committed. The task must be restored afresh to run again.
     pub(crate) fn abandon(&mut self) {
-        self.abandoned
+        self.ctx
+            .abandoned
             .store(true, std::sync::atomic::Ordering::Release);
         self.ctx.spawner.abort_all();
     }
 
     /// True once [`TaskCore::abandon`] was called.
     pub(crate) fn is_abandoned(&self) -> bool {
-        self.abandoned.load(std::sync::atomic::Ordering::Acquire)
+        self.ctx
+            .abandoned
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+/// Queues a dead letter an operator asked for; an error of its own when
+/// that cannot be done (it names the record).
+pub(crate) fn handle(
+    ctx: &mut TaskCtx,
+    result: Result<(), ProcessError>,
+) -> Result<(), ProcessError> {
+    match result {
+        Err(ProcessError::DeadLetter { reason, category }) => {
+            ctx.dead_letter(&reason, &category, 1).map_err(|e| {
+                ProcessError::Fatal(format!(
+                    "{} must be dead-lettered ({reason}) but: {e}",
+                    ctx.describe_current()
+                ))
+            })
+        }
+        other => other,
     }
 }
 
@@ -600,17 +662,47 @@ impl TaskCtx {
                 "no current record to dead-letter".into(),
             ));
         };
-        let Some(raw) = token.raw.as_ref() else {
-            return Err(ProcessError::Fatal(
-                "its source has no dead-letter topic".into(),
-            ));
+        let (origin, key, value, mut headers) = match (&token.origin, token.raw()) {
+            (_, Some(raw)) => {
+                let origin = self.origin_of(raw).ok_or_else(|| {
+                    ProcessError::Fatal("its source has no dead-letter topic".into())
+                })?;
+                (
+                    origin,
+                    raw.key.clone(),
+                    raw.value.clone(),
+                    without_origin(&raw.headers),
+                )
+            }
+            // A record an operator derived has no original bytes: its dead
+            // letter names the task's input it came from (offset -1) and says
+            // what it was.
+            (Origin::Derived { id, .. }, None) => {
+                let Some((topic, dead_letter_topic)) = self.derived_dead_letter.clone() else {
+                    return Err(ProcessError::Fatal(
+                        "no source of its task has a dead-letter topic".into(),
+                    ));
+                };
+                let origin = SourceOrigin {
+                    topic,
+                    partition: self.task.partition,
+                    offset: -1,
+                    dead_letter_topic,
+                };
+                let headers = vec![(
+                    dlq_headers::DERIVED.to_string(),
+                    format!("task {} record {id}", self.task).into_bytes(),
+                )];
+                (origin, None, None, headers)
+            }
+            (Origin::Input { .. }, None) => {
+                return Err(ProcessError::Fatal(
+                    "its source has no dead-letter topic".into(),
+                ))
+            }
         };
-        let origin = self
-            .origin_of(raw)
-            .ok_or_else(|| ProcessError::Fatal("its source has no dead-letter topic".into()))?;
         let topic = origin.dead_letter_topic.clone();
         let partitions = self.dead_letter_partitions.get(&topic).copied();
-        let mut headers = without_origin(&raw.headers);
         let mut add = |k: &str, v: String| headers.push((k.to_string(), v.into_bytes()));
         add(dlq_headers::REASON, reason.to_string());
         add(dlq_headers::CATEGORY, category.to_string());
@@ -637,8 +729,8 @@ impl TaskCtx {
         self.out.push(OutputRecord {
             topic,
             partition,
-            key: raw.key.clone(),
-            value: raw.value.clone(),
+            key,
+            value,
             // When it was dead-lettered, as `dlq.sent.at`: the topic's
             // retention and look-ups by time (offsets for times) follow
             // that, not the age of the original record.
@@ -648,13 +740,29 @@ impl TaskCtx {
         Ok(())
     }
 
+    /// What the current record is, for an error message.
+    pub(crate) fn describe_current(&self) -> String {
+        match self.current.as_ref().map(|t| &t.origin) {
+            Some(Origin::Input { raw: Some(raw), .. }) => {
+                format!("record {}/{}/{}", raw.topic, raw.partition, raw.offset)
+            }
+            Some(Origin::Input { position, .. }) => {
+                format!("record at offset {} of task {}", position.offset, self.task)
+            }
+            Some(Origin::Derived { id, .. }) => {
+                format!("derived record {id} of task {}", self.task)
+            }
+            None => format!("a record of task {}", self.task),
+        }
+    }
+
     /// The origin headers a record written to a repartition topic now
     /// carries: those of the current record when it came through a
     /// repartition itself, else the current record's own source when that
     /// has a dead-letter topic (none for records a punctuation emits).
     pub(crate) fn origin_headers(&self, headers: &Headers) -> Headers {
         let mut out = without_origin(headers);
-        let current = self.current.as_ref().and_then(|t| t.raw.as_ref());
+        let current = self.current.as_ref().and_then(|t| t.raw());
         if let Some(o) = current.and_then(|raw| self.origin_of(raw)) {
             o.push_to(&mut out);
         }
@@ -664,15 +772,15 @@ impl TaskCtx {
     /// Where a record first came from: its own source when that has a
     /// dead-letter topic, else (past a repartition) the origin its headers
     /// carry.
-    fn origin_of(&self, raw: &RawRecord) -> Option<Origin> {
+    fn origin_of(&self, raw: &RawRecord) -> Option<SourceOrigin> {
         match self.dead_letter_topics.get(&raw.topic).cloned().flatten() {
-            Some(dead_letter_topic) => Some(Origin {
+            Some(dead_letter_topic) => Some(SourceOrigin {
                 topic: raw.topic.clone(),
                 partition: raw.partition,
                 offset: raw.offset,
                 dead_letter_topic,
             }),
-            None => Origin::from_headers(&raw.headers),
+            None => SourceOrigin::from_headers(&raw.headers),
         }
     }
 }

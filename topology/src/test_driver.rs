@@ -2,6 +2,12 @@
 //! records piped in are processed at once, output is collected per topic, and
 //! internal topics are fed back to the sub-topologies that read them. State is
 //! real RocksDB in a temporary directory.
+//!
+//! It follows the runtime's rules: what operators hold back until a commit
+//! (cached aggregation results) is forwarded by [`TopologyTestDriver::commit`],
+//! async completions are handled when the test asks (so they may come at any
+//! point between records and commits), and a commit and a crash do what the
+//! runtime's do under the driver's processing guarantee.
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
@@ -11,6 +17,8 @@ use crossbeam_channel::Receiver;
 use sluice_state::{ChangelogRecord, RocksEnv, RocksSettings, TaskState};
 
 use crate::context::CompletionMsg;
+use crate::offsets::StartAt;
+use crate::runtime::Guarantee;
 use crate::task::{Input, TaskCore};
 use crate::{Codec, Headers, OutputRecord, ProcessError, TaskCounters, Topology, TopologyError};
 
@@ -30,11 +38,13 @@ struct Logged {
 ///
 /// It can also crash ([`TopologyTestDriver::crash`]): everything since the
 /// last [`TopologyTestDriver::commit`] is dropped — in-flight async calls,
-/// uncommitted state, outputs and internal-topic records — the stores are
-/// restored from the changelogs the commits recorded, and the input is
-/// replayed from the committed offsets, as a restarted instance would.
+/// uncommitted state, and under exactly-once outputs and internal-topic
+/// records — the stores are restored from the changelogs the commits
+/// recorded, and the input is replayed from the committed offsets, as a
+/// restarted instance would.
 pub struct TopologyTestDriver {
     topology: Topology,
+    guarantee: Guarantee,
     env: RocksEnv,
     tasks: Vec<TaskCore>,
     runtime: tokio::runtime::Runtime,
@@ -54,6 +64,9 @@ pub struct TopologyTestDriver {
     committed_outputs: HashMap<String, Vec<OutputRecord>>,
     uncommitted_outputs: Vec<OutputRecord>,
     changelog: Vec<(String, ChangelogRecord)>,
+    /// Records a restart has yet to read again, in the order they were
+    /// first written (see [`TopologyTestDriver::replay`]).
+    pending: VecDeque<(String, i64)>,
     dir: PathBuf,
     generation: u32,
 }
@@ -65,9 +78,9 @@ impl Drop for TopologyTestDriver {
     }
 }
 
-/// Where in a commit [`TopologyTestDriver::crash_during_commit`] crashes,
-/// as at-least-once commits see it (outputs first, then the changelog
-/// records, then the progress record, then the offsets).
+/// Where in an at-least-once commit [`TopologyTestDriver::crash_during_commit`]
+/// crashes (outputs first, then the changelog records, then the progress
+/// record, then the offsets).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CommitStep {
     /// Outputs and changelog records were written; nothing else.
@@ -77,8 +90,17 @@ pub enum CommitStep {
 }
 
 impl TopologyTestDriver {
-    /// Instantiates every sub-topology as one task (partition 0).
+    /// Instantiates every sub-topology as one task (partition 0), under
+    /// exactly-once.
     pub fn new(topology: Topology) -> Result<Self, TopologyError> {
+        Self::with_guarantee(topology, Guarantee::ExactlyOnce)
+    }
+
+    /// Instantiates every sub-topology as one task under `guarantee`. Under
+    /// at-least-once, outputs (and records of internal topics) are visible
+    /// as soon as they are written, as the runtime sends them at once, and
+    /// stay after a crash.
+    pub fn with_guarantee(topology: Topology, guarantee: Guarantee) -> Result<Self, TopologyError> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -96,6 +118,7 @@ impl TopologyTestDriver {
         });
         let mut driver = TopologyTestDriver {
             topology,
+            guarantee,
             env,
             tasks: Vec::new(),
             runtime,
@@ -110,6 +133,7 @@ impl TopologyTestDriver {
             committed_outputs: HashMap::new(),
             uncommitted_outputs: Vec::new(),
             changelog: Vec::new(),
+            pending: VecDeque::new(),
             dir,
             generation: 0,
         };
@@ -121,6 +145,12 @@ impl TopologyTestDriver {
     /// instantiates its operators.
     fn start_tasks(&mut self) -> Result<(), TopologyError> {
         let app_id = "test";
+        let committed = self.committed_offsets.clone();
+        let start = move |topic: &str| {
+            committed
+                .get(topic)
+                .map_or(StartAt::Reset, |o| StartAt::Committed(*o))
+        };
         let mut tasks = Vec::new();
         for sub in &self.topology.subtopologies {
             let state = if sub.stores.is_empty() {
@@ -150,6 +180,7 @@ impl TopologyTestDriver {
                 self.runtime.handle().clone(),
                 self.completions_tx.clone(),
                 &HashMap::new(),
+                &start,
             )?);
         }
         self.tasks = tasks;
@@ -176,6 +207,8 @@ impl TopologyTestDriver {
         timestamp: i64,
         headers: Headers,
     ) -> Result<(), ProcessError> {
+        // A restarted instance reads what it replays before anything newer.
+        self.replay(usize::MAX)?;
         self.route(
             vec![OutputRecord {
                 topic: topic.to_string(),
@@ -212,6 +245,11 @@ impl TopologyTestDriver {
                 });
                 self.seq += 1;
                 let offset = log.len() as i64 - 1;
+                if self.pending.iter().any(|(t, _)| *t == rec.topic) {
+                    // Behind records of its topic still to be read again.
+                    self.pending.push_back((rec.topic, offset));
+                    continue;
+                }
                 let out = self.deliver(&rec.topic, offset)?;
                 queue.extend(out.into_iter().map(|r| (r, false)));
             } else {
@@ -219,7 +257,14 @@ impl TopologyTestDriver {
                     .entry(rec.topic.clone())
                     .or_default()
                     .push_back(rec.clone());
-                self.uncommitted_outputs.push(rec);
+                match self.guarantee {
+                    Guarantee::ExactlyOnce => self.uncommitted_outputs.push(rec),
+                    Guarantee::AtLeastOnce => self
+                        .committed_outputs
+                        .entry(rec.topic.clone())
+                        .or_default()
+                        .push(rec),
+                }
             }
         }
         Ok(())
@@ -243,7 +288,6 @@ impl TopologyTestDriver {
                 headers: rec.headers.clone(),
             },
         )?;
-        task.flush()?;
         Ok(task.take_output())
     }
 
@@ -278,7 +322,6 @@ impl TopologyTestDriver {
     pub fn punctuate(&mut self, wall_clock_ms: i64) -> Result<(), ProcessError> {
         for t in &mut self.tasks {
             t.punctuate(wall_clock_ms)?;
-            t.flush()?;
         }
         self.route_outputs()
     }
@@ -323,7 +366,6 @@ impl TopologyTestDriver {
         };
         if let Some(t) = self.tasks.iter_mut().find(|t| t.id == msg.task) {
             t.complete(msg)?;
-            t.flush()?;
         }
         self.route_outputs()?;
         Ok(true)
@@ -355,16 +397,23 @@ impl TopologyTestDriver {
             .collect()
     }
 
-    /// Simulates an exactly-once commit: forwards what operators hold back,
-    /// then atomically records every task's changelog records (with its
-    /// progress record), offsets and outputs, and writes the local stores.
-    /// Returns the number of changelog records.
+    /// Commits as the runtime does: forwards what operators hold back, then
+    /// records every task's changelog records (with its progress record),
+    /// offsets and outputs — atomically under exactly-once; under
+    /// at-least-once the progress record follows the changelog records when
+    /// one is needed — and writes the local stores. Returns the number of
+    /// changelog records.
     pub fn commit(&mut self) -> Result<usize, ProcessError> {
         self.flush_all()?;
+        let atomic = self.guarantee == Guarantee::ExactlyOnce;
         let mut n = 0;
         for i in 0..self.tasks.len() {
-            let prepared = self.tasks[i].prepare_commit(true);
+            let prepared = self.tasks[i].prepare_commit(atomic);
             n += self.record_changelog(i, prepared.changelog);
+            if !atomic {
+                let progress = self.tasks[i].write_progress();
+                n += self.record_changelog(i, progress.into_iter().collect());
+            }
             for (slot, offset) in &prepared.offsets {
                 let topic = self.tasks[i].slots[*slot].topic.clone();
                 self.committed_offsets.insert(topic, *offset);
@@ -376,20 +425,25 @@ impl TopologyTestDriver {
     }
 
     /// Crashes in the middle of an at-least-once commit, after `step`, and
-    /// restarts (see [`TopologyTestDriver::crash`]). Under at-least-once
-    /// outputs go first, so the crash keeps them.
+    /// restarts (see [`TopologyTestDriver::crash_deferring_replay`]). Under
+    /// at-least-once outputs go first, so the crash keeps them.
     pub fn crash_during_commit(&mut self, step: CommitStep) -> Result<(), ProcessError> {
+        if self.guarantee == Guarantee::ExactlyOnce {
+            return Err(ProcessError::Fatal(
+                "an exactly-once commit is atomic: crash before or after it".into(),
+            ));
+        }
         self.flush_all()?;
         for i in 0..self.tasks.len() {
             let prepared = self.tasks[i].prepare_commit(false);
             self.record_changelog(i, prepared.changelog);
             if step == CommitStep::AfterProgress {
-                let progress = self.tasks[i].write_progress(false);
+                let progress = self.tasks[i].write_progress();
                 self.record_changelog(i, progress.into_iter().collect());
             }
         }
         self.commit_outputs();
-        self.crash()
+        self.crash_deferring_replay()
     }
 
     /// Forwards what every task holds back until a commit.
@@ -422,11 +476,44 @@ impl TopologyTestDriver {
         }
     }
 
+    /// Reads again up to `n` of the records a restart has to read again (as
+    /// a restarted instance's consumer delivers them, a few at a time; a
+    /// commit may come in between). Piping a new record reads them all
+    /// first. Returns how many were read.
+    pub fn replay(&mut self, n: usize) -> Result<usize, ProcessError> {
+        let mut done = 0;
+        while done < n {
+            let Some((topic, offset)) = self.pending.pop_front() else {
+                break;
+            };
+            let out = self.deliver(&topic, offset)?;
+            self.route(out, false)?;
+            done += 1;
+        }
+        Ok(done)
+    }
+
+    /// Records a restart has yet to read again.
+    pub fn pending_replay(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Crashes and restarts (see [`TopologyTestDriver::crash_deferring_replay`]),
+    /// then reads again at once everything from the committed offsets on.
+    pub fn crash(&mut self) -> Result<(), ProcessError> {
+        self.crash_deferring_replay()?;
+        self.replay(usize::MAX).map(|_| ())
+    }
+
     /// Crashes and restarts: in-flight async calls are abandoned; state,
     /// outputs and internal-topic records written since the last commit are
-    /// dropped; the stores are restored from the recorded changelogs into a
-    /// fresh directory; the input is replayed from the committed offsets.
-    pub fn crash(&mut self) -> Result<(), ProcessError> {
+    /// dropped (under exactly-once); the stores are restored from the
+    /// recorded changelogs into a fresh directory; the input from the
+    /// committed offsets on is to be read again, a few records at a time as
+    /// the test asks ([`TopologyTestDriver::replay`]) — commits may come in
+    /// between, as they do while a restarted instance catches up.
+    pub fn crash_deferring_replay(&mut self) -> Result<(), ProcessError> {
+        self.pending.clear();
         for t in &mut self.tasks {
             t.abandon();
         }
@@ -436,14 +523,18 @@ impl TopologyTestDriver {
         self.completions_tx = tx;
         self.completions = rx;
         self.uncommitted_outputs.clear();
+        let transactional = self.guarantee == Guarantee::ExactlyOnce;
         for (topic, log) in &mut self.logs {
-            if self.internal.contains(topic) {
+            if transactional && self.internal.contains(topic) {
                 log.truncate(self.committed_len.get(topic).copied().unwrap_or(0));
             }
         }
         self.generation += 1;
         self.start_tasks()
             .map_err(|e| ProcessError::Fatal(format!("restart failed: {e}")))?;
+        // What the restarted tasks forwarded again (records their operators
+        // had derived and not finished at the last commit) comes first.
+        self.route_outputs()?;
         let mut replay: Vec<(u64, String, i64)> = Vec::new();
         for (topic, log) in &self.logs {
             let from = self.committed_offsets.get(topic).copied().unwrap_or(0);
@@ -452,10 +543,7 @@ impl TopologyTestDriver {
             }
         }
         replay.sort_unstable();
-        for (_, topic, offset) in replay {
-            let out = self.deliver(&topic, offset)?;
-            self.route(out, false)?;
-        }
+        self.pending = replay.into_iter().map(|(_, t, o)| (t, o)).collect();
         Ok(())
     }
 

@@ -49,6 +49,14 @@ pub(crate) trait SourceNode: Send {
     fn process(&mut self, view: RawView<'_>, ctx: &mut TaskCtx) -> Result<(), ProcessError>;
     fn punctuate(&mut self, p: Punctuation, ctx: &mut TaskCtx) -> Result<(), ProcessError>;
     fn flush(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError>;
+    /// See [`crate::node::Node::resume`].
+    fn resume(
+        &mut self,
+        node: &str,
+        id: u64,
+        bytes: &[u8],
+        ctx: &mut TaskCtx,
+    ) -> Result<bool, ProcessError>;
 }
 
 pub(crate) type SourceFactory =
@@ -111,6 +119,7 @@ impl SubTopology {
             stores,
             targets: Vec::new(),
             app_id,
+            merged: Default::default(),
         };
         let sources = self
             .sources

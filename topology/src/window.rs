@@ -1,5 +1,7 @@
 //! Time windows and the aggregation operators (windowed and not) with their
-//! grace period, emit modes, replay safety and window expiry.
+//! grace period, emit modes and window expiry. What an aggregation forwards
+//! to an operator that may hold it (an async step) is a derived record of
+//! its own (see `crate::derived`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,8 +12,9 @@ use sluice_state::StoreId;
 
 use crate::codec::{from_bincode, to_bincode};
 use crate::context::TaskCtx;
+use crate::derived::Resumable;
 use crate::node::{Data, Forward, Node, Punctuation};
-use crate::record::Record;
+use crate::record::{Headers, Record};
 use crate::ProcessError;
 
 /// A time window, `[start, end)` in ms.
@@ -127,20 +130,64 @@ const META_KEY: &[u8] = b"\0";
 /// Where earlier versions kept the metadata (inside the expiry range).
 const LEGACY_META_KEY: &[u8] = b"\0meta";
 
-/// True (and counted) when the current record is being replayed and the stored
-/// value already reflects it: applying it again would count it twice.
-fn already_applied(ctx: &mut TaskCtx, stored: Option<&sluice_state::StoredValue>) -> bool {
-    if !ctx.replaying() {
-        return false;
+/// Where an aggregation's results go: its children, and whether they may
+/// hold a result past the call that hands it over (then every result is a
+/// derived record, stored by a commit while in flight under the
+/// aggregation's store name).
+pub(crate) struct Emitter<K, A> {
+    pub(crate) kids: Forward<K, A>,
+    /// The aggregation's store name, when results are derived records.
+    derived_as: Option<String>,
+}
+
+/// A result as a derived record keeps it: key, value, timestamp, headers.
+type Encoded<K, A> = (K, A, i64, Headers);
+
+impl<K, A> Emitter<K, A>
+where
+    K: Data + Serialize + DeserializeOwned,
+    A: Data + Serialize + DeserializeOwned,
+{
+    pub(crate) fn new(kids: Forward<K, A>, store: &str) -> Self {
+        let derived_as = kids.may_hold().then(|| store.to_string());
+        Emitter { kids, derived_as }
     }
-    let applied = match (ctx.position(), stored) {
-        (Some(cur), Some(s)) => s.covers(&cur),
-        _ => false,
-    };
-    if applied {
-        ctx.counters.replay_skipped += 1;
+
+    /// Forwards one result.
+    fn emit(&mut self, rec: Record<K, A>, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        let Some(node) = &self.derived_as else {
+            return self.kids.forward(rec, ctx);
+        };
+        let bytes = to_bincode(&(&rec.key, &rec.value, rec.timestamp, &rec.headers));
+        let content = Resumable {
+            node: node.clone(),
+            bytes,
+        };
+        ctx.forward_derived(&mut self.kids, rec, Some(content))
     }
-    applied
+
+    /// Forwards again a result this aggregation derived before a restart.
+    fn resume(
+        &mut self,
+        node: &str,
+        id: u64,
+        bytes: &[u8],
+        ctx: &mut TaskCtx,
+    ) -> Result<bool, ProcessError> {
+        if self.derived_as.as_deref() != Some(node) {
+            return self.kids.resume(node, id, bytes, ctx);
+        }
+        let (key, value, timestamp, headers): Encoded<K, A> = from_bincode(bytes)
+            .map_err(|e| ProcessError::Fatal(format!("corrupt derived record of {node}: {e}")))?;
+        let rec = Record {
+            key,
+            value,
+            timestamp,
+            headers,
+        };
+        ctx.forward_resumed(&mut self.kids, rec, id)?;
+        Ok(true)
+    }
 }
 
 /// The aggregate function of an aggregation.
@@ -154,13 +201,13 @@ pub(crate) struct WindowAggNode<K, V, A> {
     pub(crate) emit: EmitMode,
     pub(crate) init: Arc<dyn Fn() -> A + Send + Sync>,
     pub(crate) agg: AggFn<K, V, A>,
-    pub(crate) kids: Forward<Windowed<K>, A>,
+    pub(crate) out: Emitter<Windowed<K>, A>,
     pub(crate) meta: Option<AggMeta>,
     pub(crate) last_expiry: i64,
-    /// Metadata changed since the last flush: the position of the record that
-    /// changed it. It is written to the store at the flush, once per commit
-    /// rather than once per record (stream time moves with almost every record).
-    meta_unsaved: Option<Option<sluice_state::Position>>,
+    /// Metadata changed since the last flush. It is written to the store at
+    /// the flush, once per commit rather than once per record (stream time
+    /// moves with almost every record).
+    meta_unsaved: bool,
     /// Latest results not yet forwarded (`OnCommit`), by (window start, key);
     /// hashed for the per-record update, sorted at the flush.
     pending: PendingMap<(i64, Vec<u8>), Record<Windowed<K>, A>>,
@@ -170,19 +217,19 @@ pub(crate) struct WindowAggNode<K, V, A> {
 pub(crate) type PendingMap<Key, R> = rustc_hash::FxHashMap<Key, R>;
 
 /// Forwards cached results in key order (deterministic output at each flush).
-fn forward_sorted<Key: Ord, K2, A2>(
+fn emit_sorted<Key: Ord, K2, A2>(
     pending: &mut PendingMap<Key, Record<K2, A2>>,
-    kids: &mut Forward<K2, A2>,
+    out: &mut Emitter<K2, A2>,
     ctx: &mut TaskCtx,
 ) -> Result<(), ProcessError>
 where
-    K2: Data,
-    A2: Data,
+    K2: Data + Serialize + DeserializeOwned,
+    A2: Data + Serialize + DeserializeOwned,
 {
     let mut recs: Vec<(Key, Record<K2, A2>)> = pending.drain().collect();
     recs.sort_unstable_by(|a, b| a.0.cmp(&b.0));
     for (_, rec) in recs {
-        kids.forward(rec, ctx)?;
+        out.emit(rec, ctx)?;
     }
     Ok(())
 }
@@ -193,8 +240,10 @@ where
     V: Data,
     A: Data + Serialize + DeserializeOwned,
 {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         store: StoreId,
+        store_name: &str,
         windows: TimeWindows,
         retention_ms: i64,
         emit: EmitMode,
@@ -209,14 +258,17 @@ where
             emit,
             init,
             agg,
-            kids,
+            out: Emitter::new(kids, store_name),
             meta: None,
             last_expiry: i64::MIN,
-            meta_unsaved: None,
+            meta_unsaved: false,
             pending: PendingMap::default(),
         }
     }
 
+    /// The aggregation's metadata, read from its store the first time; the
+    /// task's stream time is at least the one it holds (the task restores it
+    /// from its progress record too).
     fn load_meta(&mut self, ctx: &mut TaskCtx) -> Result<AggMeta, ProcessError> {
         if let Some(m) = self.meta {
             return Ok(m);
@@ -239,33 +291,16 @@ where
         Ok(m)
     }
 
-    fn save_meta(&mut self, ctx: &mut TaskCtx, m: AggMeta) {
+    fn save_meta(&mut self, m: AggMeta) {
         self.meta = Some(m);
-        self.meta_unsaved = Some(ctx.position());
+        self.meta_unsaved = true;
     }
 
     /// Writes metadata changed since the last flush to the store.
     fn write_meta(&mut self, ctx: &mut TaskCtx) {
-        if let (Some(pos), Some(m)) = (self.meta_unsaved.take(), self.meta) {
+        if let (true, Some(m)) = (std::mem::take(&mut self.meta_unsaved), self.meta) {
             ctx.state_mut()
-                .put(self.store, META_KEY.to_vec(), &to_bincode(&m), pos);
-        }
-    }
-
-    /// True when the metadata already reflects the current (replayed) record.
-    fn meta_reflects_current(&self, ctx: &TaskCtx) -> Result<bool, ProcessError> {
-        if !ctx.replaying() {
-            return Ok(false);
-        }
-        let Some(cur) = ctx.position() else {
-            return Ok(false);
-        };
-        match self.meta_unsaved {
-            Some(pos) => Ok(pos.is_some_and(|p| p.covers(&cur))),
-            None => Ok(ctx
-                .state()
-                .get(self.store, META_KEY)?
-                .is_some_and(|stored| stored.covers(&cur))),
+                .put(self.store, META_KEY.to_vec(), &to_bincode(&m));
         }
     }
 
@@ -286,7 +321,7 @@ where
         // time close no window, and need no scan.
         let advance = self.windows.advance_ms;
         let first_start = from.saturating_add((advance - from.rem_euclid(advance)) % advance);
-        if first_start < to && !self.meta_reflects_current(ctx)? {
+        if first_start < to {
             for entry in ctx.state().window_range(self.store, from, to)? {
                 let key: K = from_bincode(&entry.key)
                     .map_err(|e| ProcessError::Fatal(format!("corrupt window key: {e}")))?;
@@ -296,7 +331,7 @@ where
                     start: entry.start_ms,
                     end: entry.start_ms + size,
                 };
-                self.kids.forward(
+                self.out.emit(
                     Record::new(Windowed { key, window }, value, window.end - 1),
                     ctx,
                 )?;
@@ -330,7 +365,6 @@ where
         // answer whatever the order async calls before this node end in.
         let stream_time = ctx.record_stream_time();
         let mut key_bytes = to_bincode(&rec.key);
-        let position = ctx.position();
         for window in self.windows.windows_for(rec.timestamp) {
             if window.end.saturating_add(self.windows.grace_ms) <= stream_time {
                 ctx.counters.late_dropped += 1;
@@ -339,22 +373,14 @@ where
             let stored = ctx
                 .state()
                 .window_get(self.store, &key_bytes, window.start)?;
-            if already_applied(ctx, stored.as_ref()) {
-                continue;
-            }
             let current = match stored {
                 Some(s) => from_bincode(&s.value)
                     .map_err(|e| ProcessError::Fatal(format!("corrupt window value: {e}")))?,
                 None => (self.init)(),
             };
             let updated = (self.agg)(&rec.key, &rec.value, current);
-            ctx.state_mut().window_put(
-                self.store,
-                &key_bytes,
-                window.start,
-                &to_bincode(&updated),
-                position,
-            );
+            ctx.state_mut()
+                .window_put(self.store, &key_bytes, window.start, &to_bincode(&updated));
             let out = || Record {
                 key: Windowed {
                     key: rec.key.clone(),
@@ -365,7 +391,7 @@ where
                 headers: rec.headers.clone(),
             };
             match self.emit {
-                EmitMode::OnUpdate => self.kids.forward(out(), ctx)?,
+                EmitMode::OnUpdate => self.out.emit(out(), ctx)?,
                 EmitMode::OnCommit => {
                     // Updated in place when cached: no key copies per record.
                     let slot = (window.start, std::mem::take(&mut key_bytes));
@@ -395,19 +421,33 @@ where
             meta = self.emit_closed(ctx, meta)?;
         }
         if meta.stream_time != before.stream_time || meta.emitted_until != before.emitted_until {
-            self.save_meta(ctx, meta);
+            self.save_meta(meta);
         }
         self.expire(ctx)
     }
 
     fn punctuate(&mut self, p: Punctuation, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
-        self.kids.punctuate(p, ctx)
+        self.out.kids.punctuate(p, ctx)
     }
 
     fn flush(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
         self.write_meta(ctx);
-        forward_sorted(&mut self.pending, &mut self.kids, ctx)?;
-        self.kids.flush(ctx)
+        emit_sorted(&mut self.pending, &mut self.out, ctx)?;
+        self.out.kids.flush(ctx)
+    }
+
+    fn may_hold(&self) -> bool {
+        false
+    }
+
+    fn resume(
+        &mut self,
+        node: &str,
+        id: u64,
+        bytes: &[u8],
+        ctx: &mut TaskCtx,
+    ) -> Result<bool, ProcessError> {
+        self.out.resume(node, id, bytes, ctx)
     }
 }
 
@@ -417,7 +457,7 @@ pub(crate) struct KvAggNode<K, V, A> {
     pub(crate) init: Arc<dyn Fn() -> A + Send + Sync>,
     pub(crate) agg: AggFn<K, V, A>,
     pub(crate) emit: EmitMode,
-    pub(crate) kids: Forward<K, A>,
+    pub(crate) out: Emitter<K, A>,
     pub(crate) pending: PendingMap<Vec<u8>, Record<K, A>>,
 }
 
@@ -429,23 +469,15 @@ where
 {
     fn process(&mut self, rec: Record<K, V>, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
         let key_bytes = to_bincode(&rec.key);
-        let position = ctx.position();
         let stored = ctx.state().get(self.store, &key_bytes)?;
-        if already_applied(ctx, stored.as_ref()) {
-            return Ok(());
-        }
         let current = match stored {
             Some(s) => from_bincode(&s.value)
                 .map_err(|e| ProcessError::Fatal(format!("corrupt value: {e}")))?,
             None => (self.init)(),
         };
         let updated = (self.agg)(&rec.key, &rec.value, current);
-        ctx.state_mut().put(
-            self.store,
-            key_bytes.clone(),
-            &to_bincode(&updated),
-            position,
-        );
+        ctx.state_mut()
+            .put(self.store, key_bytes.clone(), &to_bincode(&updated));
         let Record {
             key,
             timestamp,
@@ -462,17 +494,31 @@ where
             self.pending.insert(key_bytes, out);
             Ok(())
         } else {
-            self.kids.forward(out, ctx)
+            self.out.emit(out, ctx)
         }
     }
 
     fn punctuate(&mut self, p: Punctuation, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
-        self.kids.punctuate(p, ctx)
+        self.out.kids.punctuate(p, ctx)
     }
 
     fn flush(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
-        forward_sorted(&mut self.pending, &mut self.kids, ctx)?;
-        self.kids.flush(ctx)
+        emit_sorted(&mut self.pending, &mut self.out, ctx)?;
+        self.out.kids.flush(ctx)
+    }
+
+    fn may_hold(&self) -> bool {
+        false
+    }
+
+    fn resume(
+        &mut self,
+        node: &str,
+        id: u64,
+        bytes: &[u8],
+        ctx: &mut TaskCtx,
+    ) -> Result<bool, ProcessError> {
+        self.out.resume(node, id, bytes, ctx)
     }
 }
 

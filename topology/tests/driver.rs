@@ -3,19 +3,23 @@
 use std::time::Duration;
 
 use sluice_topology::{
-    dlq_headers, header, JsonCodec, ProcessError, Processor, ProcessorContext, Record,
+    dlq_headers, header, EmitMode, JsonCodec, ProcessError, Processor, ProcessorContext, Record,
     SourceOptions, StreamBuilder, StringCodec, TimeWindows, TopologyTestDriver, Windowed,
 };
 
 const MIN: i64 = 60_000;
 
-fn windowed_counts(final_only: bool) -> TopologyTestDriver {
+fn windowed_counts(emit: EmitMode) -> TopologyTestDriver {
     let b = StreamBuilder::new();
     let s = b.stream(&["in"], StringCodec, StringCodec);
     let w = s
         .group_by_key()
         .windowed_by(TimeWindows::tumbling(Duration::from_secs(60)).grace(Duration::from_secs(10)));
-    let w = if final_only { w.emit_final() } else { w };
+    let w = match emit {
+        EmitMode::OnWindowClose => w.emit_final(),
+        EmitMode::OnUpdate => w.emit_on_update(),
+        EmitMode::OnCommit => w,
+    };
     w.count("counts").to_stream().to(
         "out",
         JsonCodec::<Windowed<String>>::default(),
@@ -38,7 +42,7 @@ fn pipe(d: &mut TopologyTestDriver, k: &str, ts: i64) {
 
 #[test]
 fn tumbling_count_emits_every_update() {
-    let mut d = windowed_counts(false);
+    let mut d = windowed_counts(EmitMode::OnUpdate);
     pipe(&mut d, "a", 1_000);
     pipe(&mut d, "a", 2_000);
     pipe(&mut d, "b", 3_000);
@@ -65,9 +69,43 @@ fn tumbling_count_emits_every_update() {
     );
 }
 
+/// The default (cached) results: the latest count of each window changed
+/// since the last commit, forwarded at the commit.
+#[test]
+fn a_cached_count_forwards_each_changed_window_once_per_commit() {
+    let mut d = windowed_counts(EmitMode::OnCommit);
+    pipe(&mut d, "a", 1_000);
+    pipe(&mut d, "a", 2_000);
+    pipe(&mut d, "b", 3_000);
+    assert!(d.read_output("out").is_empty(), "nothing before the commit");
+    d.commit().unwrap();
+    pipe(&mut d, "a", MIN + 1);
+    pipe(&mut d, "a", 4_000);
+    d.commit().unwrap();
+    let got: Vec<(String, i64, u64)> = d
+        .read_typed(
+            "out",
+            &JsonCodec::<Windowed<String>>::default(),
+            &JsonCodec::<u64>::default(),
+        )
+        .unwrap()
+        .into_iter()
+        .map(|(k, v)| (k.key, k.window.start, v))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            ("a".into(), 0, 2),
+            ("b".into(), 0, 1),
+            ("a".into(), 0, 3),
+            ("a".into(), MIN, 1)
+        ]
+    );
+}
+
 #[test]
 fn late_records_past_grace_are_dropped_and_counted() {
-    let mut d = windowed_counts(false);
+    let mut d = windowed_counts(EmitMode::OnUpdate);
     pipe(&mut d, "a", 1_000);
     pipe(&mut d, "a", MIN + 5_000); // stream time 65 s: window [0,60) still open (grace 10 s)
     pipe(&mut d, "a", 2_000); // accepted
@@ -91,7 +129,7 @@ fn late_records_past_grace_are_dropped_and_counted() {
 
 #[test]
 fn emit_final_emits_each_window_once_after_grace() {
-    let mut d = windowed_counts(true);
+    let mut d = windowed_counts(EmitMode::OnWindowClose);
     for ts in [1_000, 2_000, 30_000] {
         pipe(&mut d, "a", ts);
     }
@@ -127,6 +165,7 @@ fn hopping_windows_count_each_record_in_every_window() {
             Duration::from_secs(60),
             Duration::from_secs(30),
         ))
+        .emit_on_update()
         .count("hop")
         .to_stream()
         .to(
@@ -198,6 +237,8 @@ fn group_by_repartitions_and_stateless_operators_compose() {
         6,
     )
     .unwrap();
+    // The counts are cached: they come at the commit.
+    d.commit().unwrap();
     let x: Vec<(String, String)> = d.read_typed("x-words", &StringCodec, &StringCodec).unwrap();
     assert_eq!(x.len(), 1);
     let counts: Vec<(String, u64)> = d
@@ -493,5 +534,173 @@ fn a_record_dead_lettered_past_a_repartition_goes_to_its_sources_dead_letter_top
     assert_eq!(
         header(&dlq[1].headers, dlq_headers::ORIGINAL_OFFSET),
         Some(&b"2"[..])
+    );
+}
+
+/// An output the producers could never send (over `message.max.bytes`) is
+/// not sent: its record is dead-lettered `too_large` with a reason, and the
+/// task goes on (a poison output must not stop it, or, under exactly-once,
+/// abort its transaction after every restart).
+#[test]
+fn an_output_over_the_producers_message_size_dead_letters_its_record() {
+    let b = StreamBuilder::new();
+    b.stream_with(
+        &["in"],
+        StringCodec,
+        StringCodec,
+        SourceOptions {
+            dead_letter_topic: Some("in.dlq".into()),
+        },
+    )
+    .map_values(|_, v: String| {
+        // "big" answers with 2 MB.
+        if v == "big" {
+            "x".repeat(2_000_000)
+        } else {
+            v.to_uppercase()
+        }
+    })
+    .to("out", StringCodec, StringCodec);
+    let mut d = TopologyTestDriver::new(b.build().unwrap()).unwrap();
+    for (i, v) in ["a", "big", "c"].iter().enumerate() {
+        d.pipe(
+            "in",
+            &format!("k{i}"),
+            &v.to_string(),
+            &StringCodec,
+            &StringCodec,
+            1,
+        )
+        .unwrap();
+    }
+    d.commit().unwrap();
+    let out: Vec<(String, String)> = d.read_typed("out", &StringCodec, &StringCodec).unwrap();
+    assert_eq!(
+        out,
+        vec![("k0".into(), "A".into()), ("k2".into(), "C".into())]
+    );
+    let dlq = d.read_output("in.dlq");
+    assert_eq!(dlq.len(), 1, "{dlq:?}");
+    assert_eq!(
+        dlq[0].value.as_deref(),
+        Some(&b"big"[..]),
+        "the original bytes"
+    );
+    assert_eq!(
+        header(&dlq[0].headers, dlq_headers::CATEGORY),
+        Some(&b"too_large"[..])
+    );
+    let reason = String::from_utf8(
+        header(&dlq[0].headers, dlq_headers::REASON)
+            .unwrap()
+            .to_vec(),
+    )
+    .unwrap();
+    assert!(reason.contains("message.max.bytes"), "{reason}");
+}
+
+/// Emits one record per punctuation (no input record is current then).
+struct Ticker;
+
+impl Processor<String, String> for Ticker {
+    type OutKey = String;
+    type OutValue = String;
+    type Output = ();
+
+    fn process(
+        &mut self,
+        r: Record<String, String>,
+        ctx: &mut ProcessorContext<'_, String, String, ()>,
+    ) -> Result<(), ProcessError> {
+        ctx.forward(r)
+    }
+
+    fn punctuate(
+        &mut self,
+        time: sluice_topology::Punctuation,
+        ctx: &mut ProcessorContext<'_, String, String, ()>,
+    ) -> Result<(), ProcessError> {
+        ctx.forward(Record::new(
+            "tick".to_string(),
+            format!("bad-{}", time.wall_clock_ms),
+            time.wall_clock_ms,
+        ))
+    }
+}
+
+/// Dead-letters every value starting with `bad`.
+struct RejectBad;
+
+impl Processor<String, String> for RejectBad {
+    type OutKey = String;
+    type OutValue = String;
+    type Output = ();
+
+    fn process(
+        &mut self,
+        r: Record<String, String>,
+        ctx: &mut ProcessorContext<'_, String, String, ()>,
+    ) -> Result<(), ProcessError> {
+        if r.value.starts_with("bad") {
+            return Err(ProcessError::dead_letter("bad value", "bad_request"));
+        }
+        ctx.forward(r)
+    }
+}
+
+/// A record forwarded from a punctuation is a record of its own: one an
+/// operator downstream dead-letters goes to the task's dead-letter topic
+/// (marked as derived, with no original bytes), and the task goes on.
+#[test]
+fn a_record_from_a_punctuation_can_be_dead_lettered() {
+    let b = StreamBuilder::new();
+    b.stream_with(
+        &["in"],
+        StringCodec,
+        StringCodec,
+        SourceOptions {
+            dead_letter_topic: Some("in.dlq".into()),
+        },
+    )
+    .process("ticker", &[], || Ticker)
+    .process("reject", &[], || RejectBad)
+    .to("out", StringCodec, StringCodec);
+    let mut d = TopologyTestDriver::new(b.build().unwrap()).unwrap();
+    d.pipe(
+        "in",
+        &"k".to_string(),
+        &"good".to_string(),
+        &StringCodec,
+        &StringCodec,
+        1,
+    )
+    .unwrap();
+    d.punctuate(5_000).unwrap();
+    d.pipe(
+        "in",
+        &"k".to_string(),
+        &"fine".to_string(),
+        &StringCodec,
+        &StringCodec,
+        2,
+    )
+    .unwrap();
+    d.commit().unwrap();
+    let out: Vec<(String, String)> = d.read_typed("out", &StringCodec, &StringCodec).unwrap();
+    assert_eq!(
+        out,
+        vec![("k".into(), "good".into()), ("k".into(), "fine".into())]
+    );
+    let dlq = d.read_output("in.dlq");
+    assert_eq!(dlq.len(), 1, "{dlq:?}");
+    assert_eq!(dlq[0].value, None);
+    assert!(header(&dlq[0].headers, dlq_headers::DERIVED).is_some());
+    assert_eq!(
+        header(&dlq[0].headers, dlq_headers::ORIGINAL_TOPIC),
+        Some(&b"in"[..])
+    );
+    assert_eq!(
+        header(&dlq[0].headers, dlq_headers::ORIGINAL_OFFSET),
+        Some(&b"-1"[..])
     );
 }

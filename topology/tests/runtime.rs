@@ -255,3 +255,278 @@ fn bounded_intake_keeps_partition_order_and_commits_to_the_end() {
         assert_eq!(e.offset(), Offset::Offset(per_partition as i64), "{e:?}");
     }
 }
+
+/// Passes records on; every punctuation writes `per_tick` new keys into a
+/// store without changelog.
+struct Scribbler {
+    per_tick: usize,
+    next: u64,
+}
+
+impl sluice_topology::Processor<String, String> for Scribbler {
+    type OutKey = String;
+    type OutValue = String;
+    type Output = ();
+
+    fn process(
+        &mut self,
+        r: sluice_topology::Record<String, String>,
+        ctx: &mut sluice_topology::ProcessorContext<'_, String, String, ()>,
+    ) -> Result<(), sluice_topology::ProcessError> {
+        ctx.forward(r)
+    }
+
+    fn punctuate(
+        &mut self,
+        _: sluice_topology::Punctuation,
+        ctx: &mut sluice_topology::ProcessorContext<'_, String, String, ()>,
+    ) -> Result<(), sluice_topology::ProcessError> {
+        let mut scratch = ctx.kv::<u64, u64>("scratch")?;
+        for _ in 0..self.per_tick {
+            scratch.put(&self.next, &self.next);
+            self.next += 1;
+        }
+        Ok(())
+    }
+}
+
+/// A store without changelog that punctuation fills while no offset moves
+/// still reaches RocksDB at the commits: its write cache empties, and the
+/// task keeps taking records (a task whose write cache is full takes none
+/// until a commit empties it).
+#[test]
+fn a_store_without_changelog_filled_by_punctuation_never_stalls_its_task() {
+    let (input, output, app) = (unique("scr-in"), unique("scr-out"), unique("scr-app"));
+    create(&[(&input, 1), (&output, 1)]);
+    let b = StreamBuilder::new();
+    b.add_kv_store("scratch", false);
+    b.stream(&[&input], StringCodec, StringCodec)
+        .process("scribbler", &["scratch"], || Scribbler {
+            per_tick: 50,
+            next: 0,
+        })
+        .to(&output, StringCodec, StringCodec);
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = StreamsConfig::new(&app, &bootstrap(), dir.path());
+    cfg.guarantee = Guarantee::ExactlyOnce;
+    cfg.session_timeout = Duration::from_secs(6);
+    cfg.cache_max_entries = 100;
+    let metrics = EngineMetrics::unregistered();
+    let running = StreamsApp::new(b.build().unwrap(), cfg, metrics.clone())
+        .start()
+        .unwrap();
+    // Punctuation fills the store past the bound before any record comes.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !running.status().is_ready() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    let producer = producer();
+    for i in 0..500 {
+        let v = i.to_string();
+        producer
+            .send(BaseRecord::<str, str>::to(&input).key(&v).payload(&v))
+            .map_err(|(e, _)| e)
+            .unwrap();
+    }
+    producer.flush(Duration::from_secs(30)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while metrics.records_out() < 500 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    running.shutdown();
+    running.join().unwrap();
+    assert_eq!(metrics.records_out(), 500, "every record went through");
+}
+
+/// A per-key count, every update out as `key → count`.
+fn key_count(input: &str, output: &str) -> sluice_topology::Topology {
+    let b = StreamBuilder::new();
+    b.stream(&[input], StringCodec, StringCodec)
+        .group_by_key()
+        .emit_on_update()
+        .count("counts")
+        .to_stream()
+        .to(output, StringCodec, JsonCodec::<u64>::default());
+    b.build().unwrap()
+}
+
+/// The latest count per key of a `key_count` output (read committed), once
+/// `done` says so.
+fn latest_key_counts(
+    topic: &str,
+    done: impl Fn(&BTreeMap<String, u64>) -> bool,
+) -> BTreeMap<String, u64> {
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap())
+        .set("group.id", unique("reader"))
+        .set("isolation.level", "read_committed")
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .unwrap();
+    c.subscribe(&[topic]).unwrap();
+    let mut latest = BTreeMap::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while Instant::now() < deadline && !done(&latest) {
+        if let Some(Ok(m)) = c.poll(Duration::from_millis(200)) {
+            let k = String::from_utf8(m.key().unwrap().to_vec()).unwrap();
+            let v: u64 = serde_json::from_slice(m.payload().unwrap()).unwrap();
+            latest.insert(k, v);
+        }
+    }
+    latest
+}
+
+fn run_key_count(app: &str, input: &str, output: &str, dir: &std::path::Path, until: u64) {
+    let mut cfg = StreamsConfig::new(app, &bootstrap(), dir);
+    cfg.guarantee = Guarantee::ExactlyOnce;
+    cfg.session_timeout = Duration::from_secs(6);
+    let metrics = EngineMetrics::unregistered();
+    let running = StreamsApp::new(key_count(input, output), cfg, metrics.clone())
+        .start()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while metrics.records_in() < until && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    running.shutdown();
+    running.join().unwrap();
+    assert_eq!(metrics.records_in(), until, "records processed by this run");
+}
+
+/// Offsets reset on purpose (as `kafka-consumer-groups --reset-offsets`
+/// does, while the application is stopped) are obeyed: the restarted task
+/// processes those records again, although its progress record says it
+/// did, and its local state stays as it was.
+#[test]
+fn an_offset_reset_on_purpose_reprocesses_the_records() {
+    let (input, output, app) = (unique("rst-in"), unique("rst-out"), unique("rst-app"));
+    create(&[(&input, 1), (&output, 1)]);
+    let producer = producer();
+    for i in 0..300 {
+        let key = format!("k{}", i % 3);
+        producer
+            .send(BaseRecord::<str, str>::to(&input).key(&key).payload("x"))
+            .map_err(|(e, _)| e)
+            .unwrap();
+    }
+    producer.flush(Duration::from_secs(30)).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    run_key_count(&app, &input, &output, dir.path(), 300);
+    // Back to offset 100, as the reset tool commits it.
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap())
+        .set("group.id", &app)
+        .create()
+        .unwrap();
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(&input, 0, Offset::Offset(100))
+        .unwrap();
+    c.commit(&tpl, rdkafka::consumer::CommitMode::Sync).unwrap();
+    drop(c);
+    run_key_count(&app, &input, &output, dir.path(), 200);
+    let latest = latest_key_counts(&output, |m| m.values().sum::<u64>() == 500);
+    let mut want: BTreeMap<String, u64> = BTreeMap::new();
+    for i in (0..300).chain(100..300) {
+        *want.entry(format!("k{}", i % 3)).or_default() += 1;
+    }
+    assert_eq!(latest, want, "records 100..300 counted again");
+}
+
+/// Repartition topics keep their records until they are consumed: no
+/// retention by time, and what the reading task committed is deleted.
+#[test]
+fn repartition_topics_keep_records_until_consumed_then_drop_them() {
+    let (input, output, app) = (unique("rp-in"), unique("rp-out"), unique("rp-app"));
+    create(&[(&input, 2), (&output, 2)]);
+    let producer = producer();
+    for i in 0..1_000 {
+        let v = format!("v{i}");
+        producer
+            .send(BaseRecord::<str, str>::to(&input).key(&v).payload(&v))
+            .map_err(|(e, _)| e)
+            .unwrap();
+    }
+    producer.flush(Duration::from_secs(30)).unwrap();
+    let b = StreamBuilder::new();
+    b.stream(&[&input], StringCodec, StringCodec)
+        .group_by(|r| format!("{}", r.value.len()))
+        .count("by-length")
+        .to_stream()
+        .to(&output, StringCodec, JsonCodec::<u64>::default());
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = StreamsConfig::new(&app, &bootstrap(), dir.path());
+    cfg.guarantee = Guarantee::ExactlyOnce;
+    cfg.session_timeout = Duration::from_secs(6);
+    cfg.repartition_purge_interval = Duration::from_millis(500);
+    let metrics = EngineMetrics::unregistered();
+    let running = StreamsApp::new(b.build().unwrap(), cfg, metrics.clone())
+        .start()
+        .unwrap();
+    let repartition = format!("{app}-by-length-repartition");
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap())
+        .create()
+        .unwrap();
+    // Once every record went through, each partition of the repartition
+    // topic starts where the reading task committed (nothing it read is
+    // kept).
+    let group: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap())
+        .set("group.id", &app)
+        .create()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let seen = loop {
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition(&repartition, 0);
+        tpl.add_partition(&repartition, 1);
+        let committed: Vec<i64> = group
+            .committed_offsets(tpl, Duration::from_secs(5))
+            .unwrap()
+            .elements()
+            .iter()
+            .map(|e| match e.offset() {
+                Offset::Offset(o) => o,
+                _ => 0,
+            })
+            .collect();
+        let low: Vec<i64> = (0..2)
+            .map(|p| {
+                c.fetch_watermarks(&repartition, p, Duration::from_secs(5))
+                    .unwrap()
+                    .0
+            })
+            .collect();
+        let done = metrics.records_in() == 2_000
+            && committed.iter().sum::<i64>() >= 1_000
+            && low == committed;
+        if done || Instant::now() > deadline {
+            break (low, committed);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    running.shutdown();
+    running.join().unwrap();
+    assert_eq!(
+        metrics.records_in(),
+        2_000,
+        "each record read twice: input and repartition"
+    );
+    assert_eq!(
+        seen.0, seen.1,
+        "the repartition topic starts where its reader committed"
+    );
+    assert!(seen.1.iter().sum::<i64>() >= 1_000, "{seen:?}");
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap())
+        .create()
+        .unwrap();
+    let resource = rdkafka::admin::ResourceSpecifier::Topic(&repartition);
+    let configs =
+        futures::executor::block_on(admin.describe_configs([&resource], &AdminOptions::new()))
+            .unwrap();
+    let config = configs[0].as_ref().unwrap();
+    let retention = config.get("retention.ms").and_then(|e| e.value.clone());
+    assert_eq!(retention.as_deref(), Some("-1"), "kept until consumed");
+}

@@ -2,6 +2,10 @@
 //! co-partitioned within a sub-topology; repartition and changelog topics are
 //! created with the right partition counts and cleanup policies, and the
 //! instance-metadata topic when the instance takes interactive queries.
+//! Repartition topics keep their records until they are consumed: no
+//! retention by time (a backfill of old events must not lose records before
+//! a lagging task reads them); the records below the reading task's committed
+//! offset are deleted instead ([`purge`]).
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -147,7 +151,11 @@ pub(crate) fn prepare_topics(
         let p = subtopology_partitions[st.id];
         for (suffix, _, _) in st.internal_sources() {
             let name = format!("{app}-{suffix}");
-            check_or_plan(&existing, &name, p, vec![], &mut to_create)?;
+            let configs = vec![
+                ("cleanup.policy".to_string(), "delete".to_string()),
+                ("retention.ms".to_string(), "-1".to_string()),
+            ];
+            check_or_plan(&existing, &name, p, configs, &mut to_create)?;
         }
         for s in st.stores() {
             if !s.changelogged {
@@ -233,4 +241,30 @@ fn create_topics(cfg: &StreamsConfig, topics: &[TopicSpec]) -> Result<(), Topolo
         }
     }
     Ok(())
+}
+
+/// Deletes the records below `offsets` (a reading task's committed offsets
+/// in repartition topics): they were consumed, and the topics keep records
+/// without a time limit. A failure is only logged: the next purge covers it.
+pub(crate) fn purge(
+    admin: &AdminClient<DefaultClientContext>,
+    offsets: &rdkafka::TopicPartitionList,
+) {
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    let deleting = admin.delete_records(offsets, &opts);
+    let offsets = offsets.clone();
+    // The admin client's own thread completes the request; nothing waits for it.
+    std::thread::Builder::new()
+        .name("sluice-purge".into())
+        .spawn(move || match futures::executor::block_on(deleting) {
+            Ok(result) => {
+                for e in result.elements() {
+                    if let Err(err) = e.error() {
+                        tracing::debug!(topic = e.topic(), partition = e.partition(), error = %err, "purging consumed repartition records failed");
+                    }
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, ?offsets, "purging consumed repartition records failed"),
+        })
+        .ok();
 }

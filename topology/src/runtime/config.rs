@@ -47,7 +47,9 @@ pub struct StreamsConfig {
     pub commit_interval: Option<Duration>,
     /// Directory for task state (one subdirectory per task).
     pub state_dir: PathBuf,
-    /// A partition is paused when this many of its records are in flight.
+    /// A partition is paused when this many of its records are in flight
+    /// (at most [`super::MAX_IN_FLIGHT_PER_PARTITION`]: a commit's progress
+    /// record names the unfinished ones).
     pub max_in_flight_per_partition: usize,
     /// Threads that process tasks in parallel when several have records
     /// waiting (the driver thread is one of them). Defaults to the number of
@@ -59,10 +61,15 @@ pub struct StreamsConfig {
     pub punctuate_interval: Duration,
     /// Dirty entries a task's write cache holds before forcing a commit.
     pub cache_max_entries: usize,
-    /// Replication factor of internal topics.
+    /// Replication factor of internal topics; -1 for the cluster's default
+    /// (`default.replication.factor`).
     pub replication_factor: i32,
     /// Partitions of repartition topics; `None` for the writer's partition count.
     pub repartition_partitions: Option<i32>,
+    /// How often the records of repartition topics below their reading
+    /// tasks' committed offsets are deleted (Kafka Streams'
+    /// `repartition.purge.interval.ms`).
+    pub repartition_purge_interval: Duration,
     /// Extra retention of windowed changelogs beyond the store retention.
     pub windowed_changelog_extra_retention: Duration,
     /// Consumer group session timeout.
@@ -71,15 +78,6 @@ pub struct StreamsConfig {
     pub max_poll_interval: Duration,
     /// Transaction timeout (exactly-once).
     pub transaction_timeout: Duration,
-    /// Overlap the transactions of all of an instance's tasks (exactly-once),
-    /// whatever partitions they write. Off, only tasks whose transactions
-    /// share no partition overlap (found per commit), because a broker that
-    /// mishandles overlapping transactions on shared partitions (the local
-    /// test broker does, after a crash) can then hide committed outputs. For
-    /// topologies whose writes are partition-aligned by construction.
-    pub parallel_commits: bool,
-    /// Give up restoring a task after this long.
-    pub restore_timeout: Duration,
     /// Where other instances reach this one for interactive queries (Kafka
     /// Streams' `application.server`), e.g. `http://pod-0.sluice:8080`. Set,
     /// the instance publishes which source partitions it holds on the
@@ -126,14 +124,13 @@ impl StreamsConfig {
             drain_timeout: Duration::from_secs(30),
             punctuate_interval: Duration::from_millis(50),
             cache_max_entries: 50_000,
-            replication_factor: 1,
+            replication_factor: -1,
             repartition_partitions: None,
+            repartition_purge_interval: Duration::from_secs(30),
             windowed_changelog_extra_retention: Duration::from_secs(24 * 3600),
             session_timeout: Duration::from_secs(45),
             max_poll_interval: Duration::from_secs(300),
             transaction_timeout: Duration::from_secs(60),
-            parallel_commits: false,
-            restore_timeout: Duration::from_secs(600),
             application_server: None,
             key_partitioner: KeyPartitioner::Murmur2,
             instance_claim_interval: Duration::from_secs(5),
@@ -148,6 +145,16 @@ impl StreamsConfig {
     pub fn commit_interval(&self) -> Duration {
         self.commit_interval
             .unwrap_or_else(|| self.guarantee.default_commit_interval())
+    }
+
+    /// The largest record the producers send: their `message.max.bytes`
+    /// (librdkafka's default unless overridden).
+    pub fn max_record_bytes(&self) -> usize {
+        self.producer_overrides
+            .get("message.max.bytes")
+            .or_else(|| self.client_overrides.get("message.max.bytes"))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(crate::context::DEFAULT_MAX_RECORD_BYTES)
     }
 
     /// How long an instance's claim on its partitions lasts without renewal.
@@ -177,8 +184,14 @@ impl StreamsConfig {
         if self.bootstrap_servers.trim().is_empty() {
             return bad("bootstrap_servers", "must not be empty");
         }
-        if self.max_in_flight_per_partition == 0 {
-            return bad("max_in_flight_per_partition", "must be at least 1");
+        if !(1..=super::MAX_IN_FLIGHT_PER_PARTITION).contains(&self.max_in_flight_per_partition) {
+            return bad(
+                "max_in_flight_per_partition",
+                &format!(
+                    "must be between 1 and {}",
+                    super::MAX_IN_FLIGHT_PER_PARTITION
+                ),
+            );
         }
         if self.processing_threads == 0 {
             return bad("processing_threads", "must be at least 1");
@@ -186,8 +199,11 @@ impl StreamsConfig {
         if self.commit_interval().is_zero() {
             return bad("commit_interval", "must be positive");
         }
-        if self.replication_factor < 1 {
-            return bad("replication_factor", "must be at least 1");
+        if self.replication_factor < 1 && self.replication_factor != -1 {
+            return bad(
+                "replication_factor",
+                "must be at least 1, or -1 for the cluster's default",
+            );
         }
         if self.session_timeout >= self.max_poll_interval {
             return bad("session_timeout", "must be below max_poll_interval");

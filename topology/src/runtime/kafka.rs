@@ -23,8 +23,6 @@ pub(crate) enum DeliveryTag {
     Output(TaskId),
     /// A changelog record of a task's store.
     Changelog { task: TaskId, store: usize },
-    /// A restore barrier; its offset is sent back.
-    Barrier(std::sync::mpsc::Sender<Result<i64, String>>),
 }
 
 /// Delivery outcomes of one producer.
@@ -48,7 +46,7 @@ impl DeliveryState {
         self.first_error
             .lock()
             .take()
-            .or_else(|| Some("delivery failed".into()))
+            .or_else(|| Some(DELIVERY_FAILED.into()))
     }
 
     /// Next offsets after the task's delivered outputs, per topic partition.
@@ -83,9 +81,6 @@ impl ProducerContext for TrackingContext {
                 let next = map.entry((task, store)).or_insert(0);
                 *next = (*next).max(msg.offset() + 1);
             }
-            (Ok(msg), DeliveryTag::Barrier(tx)) => {
-                let _ = tx.send(Ok(msg.offset()));
-            }
             (Ok(msg), DeliveryTag::Output(task)) => {
                 let mut map = self.state.output_next.lock();
                 let ends = map.entry(task).or_default();
@@ -97,15 +92,12 @@ impl ProducerContext for TrackingContext {
                     }
                 }
             }
-            (Err((e, _)), DeliveryTag::Barrier(tx)) => {
-                let _ = tx.send(Err(e.to_string()));
-            }
             (Err((e, msg)), _) => {
                 self.state.errors.fetch_add(1, Ordering::AcqRel);
                 let mut first = self.state.first_error.lock();
                 if first.is_none() {
                     *first = Some(format!(
-                        "delivery to {}/{} failed: {e}",
+                        "{DELIVERY_FAILED} to {}/{}: {e}",
                         msg.topic(),
                         msg.partition()
                     ));
@@ -255,7 +247,7 @@ pub(crate) fn flush(
     while producer.in_flight_count() > 0 {
         if std::time::Instant::now() > deadline {
             return Err(format!(
-                "producer flush timed out with {} records unacknowledged",
+                "{FLUSH_TIMED_OUT} with {} records unacknowledged",
                 producer.in_flight_count()
             ));
         }
@@ -268,16 +260,8 @@ pub(crate) fn flush(
     }
 }
 
-/// Commits the producer's transaction once every record in it is acknowledged.
-/// rdkafka's commit flushes first by polling the producer's event queue, which
-/// the poll thread serves: with records outstanding it waits up to a tenth of
-/// a second.
-pub(crate) fn commit_transaction(
-    producer: &TrackedProducer,
-    state: &DeliveryState,
-    timeout: Duration,
-) -> Result<(), super::RuntimeError> {
-    flush(producer, state, timeout).map_err(super::RuntimeError::Other)?;
-    producer.commit_transaction(timeout)?;
-    Ok(())
-}
+/// How a failed delivery's error begins.
+pub(crate) const DELIVERY_FAILED: &str = "delivery failed";
+
+/// How a flush that ran out of time begins its error (it may be retried).
+pub(crate) const FLUSH_TIMED_OUT: &str = "producer flush timed out";

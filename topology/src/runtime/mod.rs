@@ -53,10 +53,15 @@ pub use kafka::close_in_background;
 pub use metrics::EngineMetrics;
 pub use partitions::{crc32, key_partition, murmur2, KeyPartitioner};
 pub use queries::{Assignment, KeyMetadata, Queries, QueryError};
-pub use restore::BARRIER_HEADER;
 pub use sluice_state::WindowRange;
 
 use crate::{ProcessError, TaskId, Topology, TopologyError};
+
+/// The largest `max_in_flight_per_partition`: a commit's progress record
+/// names a partition's unfinished records (and those its restored record
+/// still names), so this bounds it (a few bytes per run of unfinished
+/// offsets, far below a broker's message size).
+pub const MAX_IN_FLIGHT_PER_PARTITION: usize = 10_000;
 
 /// Why the runtime stopped.
 #[derive(Debug, thiserror::Error)]
@@ -120,6 +125,46 @@ impl RuntimeError {
                         | C::RebalanceInProgress
                 )
             )
+    }
+
+    /// True when Kafka calls the error retriable (a request timed out, the
+    /// coordinator moved or is loading, a broker connection dropped): the
+    /// same request may succeed when made again.
+    pub(crate) fn retriable(&self) -> bool {
+        use rdkafka::error::{KafkaError, RDKafkaErrorCode as C};
+        if let RuntimeError::Kafka(KafkaError::Transaction(e)) = self {
+            if e.is_retriable() {
+                return true;
+            }
+        }
+        if let RuntimeError::Other(m) = self {
+            // A flush that timed out: the records are still on their way.
+            return m.starts_with(kafka::FLUSH_TIMED_OUT);
+        }
+        matches!(
+            self.kafka_code(),
+            Some(
+                C::RequestTimedOut
+                    | C::OperationTimedOut
+                    | C::NotCoordinator
+                    | C::CoordinatorNotAvailable
+                    | C::CoordinatorLoadInProgress
+                    | C::NetworkException
+                    | C::BrokerTransportFailure
+                    | C::AllBrokersDown
+                    | C::NotEnoughReplicas
+                    | C::NotEnoughReplicasAfterAppend
+                    | C::ConcurrentTransactions
+                    | C::LeaderNotAvailable
+                    | C::NotLeaderForPartition
+            )
+        )
+    }
+
+    /// True when records of a transaction were not delivered (see
+    /// `kafka::flush`): the transaction can only be aborted.
+    pub(crate) fn delivery_failed(&self) -> bool {
+        matches!(self, RuntimeError::Other(m) if m.starts_with(kafka::DELIVERY_FAILED))
     }
 
     /// True when a newer producer with the task's transactional id fenced

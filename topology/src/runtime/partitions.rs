@@ -1,17 +1,6 @@
-//! Where a keyed output record lands, decided by the engine before it is
-//! sent: the same murmur2 hash the Java clients (and the engine's producers,
-//! `partitioner=murmur2_random`) use, over the topic's partition count. A
-//! commit knows from it which partitions each task's transaction writes, so
-//! tasks whose transactions share no partition can overlap their commits.
-
-use std::collections::{HashMap, HashSet};
-use std::time::Duration;
-
-use parking_lot::Mutex;
-use rdkafka::producer::Producer;
-
-use super::kafka::TrackedProducer;
-use crate::record::OutputRecord;
+//! Where a keyed record lands: the hashes of the Java clients (murmur2, also
+//! the engine's producers' `partitioner=murmur2_random`) and of librdkafka's
+//! default (CRC-32), over a topic's partition count.
 
 /// Kafka's murmur2 hash (`org.apache.kafka.common.utils.Utils.murmur2`).
 pub fn murmur2(data: &[u8]) -> i32 {
@@ -106,79 +95,6 @@ impl KeyPartitioner {
     }
 }
 
-/// Partition counts of the topics tasks write to, looked up once per topic.
-#[derive(Default)]
-pub(crate) struct PartitionCounts {
-    counts: Mutex<HashMap<String, Option<i32>>>,
-}
-
-impl PartitionCounts {
-    /// The topic's partition count (`None` when the broker would not say).
-    fn count(&self, topic: &str, producer: &TrackedProducer) -> Option<i32> {
-        if let Some(c) = self.counts.lock().get(topic) {
-            return *c;
-        }
-        let count = producer
-            .client()
-            .fetch_metadata(Some(topic), Duration::from_secs(5))
-            .ok()
-            .and_then(|md| {
-                md.topics()
-                    .iter()
-                    .find(|t| t.name() == topic && t.error().is_none())
-                    .map(|t| t.partitions().len() as i32)
-            })
-            .filter(|n| *n > 0);
-        // A failed lookup is not remembered: the next commit asks again.
-        if count.is_some() {
-            self.counts.lock().insert(topic.to_string(), count);
-        }
-        count
-    }
-
-    /// Gives each keyed record without a partition the partition its key
-    /// hashes to, and returns every partition the records write (`None`: any
-    /// partition of the topic, for a record whose partition is not known
-    /// before it is sent).
-    pub(crate) fn place(
-        &self,
-        records: &mut [OutputRecord],
-        producer: &TrackedProducer,
-    ) -> Written {
-        let mut written = Written::new();
-        for r in records.iter_mut() {
-            if r.partition.is_none() {
-                if let Some(key) = &r.key {
-                    if let Some(n) = self.count(&r.topic, producer) {
-                        r.partition = Some(key_partition(key, n));
-                    }
-                }
-            }
-            match written.get_mut(&r.topic) {
-                Some(ps) => {
-                    ps.insert(r.partition);
-                }
-                None => {
-                    written.insert(r.topic.clone(), HashSet::from([r.partition]));
-                }
-            }
-        }
-        written
-    }
-}
-
-/// The partitions a transaction writes, by topic (`None`: any partition).
-pub(crate) type Written = HashMap<String, HashSet<Option<i32>>>;
-
-/// Whether two transactions write a partition in common.
-pub(crate) fn overlap(a: &Written, b: &Written) -> bool {
-    a.iter().any(|(topic, ps)| {
-        b.get(topic).is_some_and(|qs| {
-            ps.contains(&None) || qs.contains(&None) || ps.iter().any(|p| qs.contains(p))
-        })
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -254,21 +170,5 @@ mod tests {
             0,
             "no division by zero"
         );
-    }
-
-    #[test]
-    fn overlap_treats_an_unknown_partition_as_any() {
-        let set = |v: &[(&str, Option<i32>)]| -> Written {
-            let mut w = Written::new();
-            for (t, p) in v {
-                w.entry(t.to_string()).or_default().insert(*p);
-            }
-            w
-        };
-        let a = set(&[("out", Some(0)), ("log", Some(0))]);
-        assert!(!overlap(&a, &set(&[("out", Some(1)), ("log", Some(1))])));
-        assert!(overlap(&a, &set(&[("out", Some(0))])));
-        assert!(overlap(&a, &set(&[("out", None)])));
-        assert!(!overlap(&a, &set(&[("other", None)])));
     }
 }

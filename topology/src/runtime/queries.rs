@@ -654,9 +654,9 @@ mod tests {
             state.store_id("kv").unwrap(),
         );
         let a = "a".to_string();
-        state.window_put(counts, &to_bincode(&a), 60_000, &to_bincode(&3u64), None);
-        state.window_put(counts, &to_bincode(&a), 180_000, &to_bincode(&4u64), None);
-        state.put(kv, to_bincode(&a), &to_bincode(&7u64), None);
+        state.window_put(counts, &to_bincode(&a), 60_000, &to_bincode(&3u64));
+        state.window_put(counts, &to_bincode(&a), 180_000, &to_bincode(&4u64));
+        state.put(kv, to_bincode(&a), &to_bincode(&7u64));
         state.commit_local(&HashMap::new()).unwrap();
         let local = Arc::new(LocalTasks::default());
         let q = queries(KeyPartitioner::Murmur2, local.clone(), Default::default());

@@ -1,18 +1,20 @@
 //! Restores a task's stores from their changelogs.
 //!
-//! The end of a changelog partition is found without trusting the broker's high
-//! watermark: before reading, the restorer writes a barrier record to every
-//! partition it restores (inside a committed transaction under exactly-once,
-//! after the task's producer fenced any transaction its previous owner left
-//! open) and reads until it meets that record. Whatever the broker reports, the
-//! barrier is the last record that matters.
+//! Each changelog partition is read from the store's checkpoint to its end:
+//! the last stable offset under exactly-once (`read_committed`; the task's
+//! producer fenced its previous owner first, which aborted any transaction
+//! that owner left open), the high watermark under at-least-once. librdkafka
+//! reports reaching it (`enable.partition.eof`). A restore has no deadline:
+//! it goes on as long as it takes (a revocation cancels it), and advances the
+//! store's checkpoint as it goes, so a restore that is interrupted starts
+//! again near where it stopped rather than from the beginning.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::Headers as _;
+use rdkafka::error::KafkaError;
 use rdkafka::{Message, Offset, TopicPartitionList};
 use sluice_state::{RestoreStats, StoreId, TaskState};
 
@@ -20,27 +22,20 @@ use sluice_state::{RestoreStats, StoreId, TaskState};
 type RestoredRecord = (Vec<u8>, Option<Vec<u8>>);
 
 use super::config::{Guarantee, StreamsConfig};
-use super::kafka::{
-    client_config, close_in_background, commit_transaction, send, DeliveryState, DeliveryTag,
-    TrackedProducer,
-};
+use super::kafka::{client_config, close_in_background};
 use super::RuntimeError;
 use crate::{TaskId, Topology};
 
-/// Header marking restore barrier records; restores skip them.
-pub const BARRIER_HEADER: &str = "sluice.barrier";
-const BARRIER_KEY: &[u8] = b"\0sluice.barrier";
-/// How long a restore waits without reading anything before it writes a new barrier.
-const BARRIER_STALL: Duration = Duration::from_secs(10);
+/// Records applied to RocksDB at once.
+const BATCH: usize = 10_000;
+/// How long a watermark look-up waits before it is tried again.
+const WATERMARK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Restores the changelogged stores of one task. Returns what was applied.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn restore_task(
     cfg: &StreamsConfig,
     task: TaskId,
     state: &mut TaskState,
-    producer: &TrackedProducer,
-    delivery: &DeliveryState,
     cancel: &AtomicBool,
 ) -> Result<RestoreStats, RuntimeError> {
     let stores: Vec<(StoreId, String)> = state
@@ -58,239 +53,155 @@ pub(crate) fn restore_task(
     if stores.is_empty() {
         return Ok(stats);
     }
-    let barriers = write_barriers(cfg, task, &stores, producer, delivery)?;
-
-    let mut tpl = TopicPartitionList::new();
-    let mut remaining: HashMap<String, (StoreId, i64)> = HashMap::new();
-    for ((id, topic), barrier) in stores.iter().zip(&barriers) {
-        let mut from = state.restore_offset(*id);
-        if from > *barrier {
-            tracing::warn!(%task, topic, from, barrier, "checkpoint is past the changelog end; restoring in full");
-            state.wipe_store(*id)?;
-            from = 0;
-        }
-        if from >= *barrier {
-            state.finish_restore(*id, *barrier + 1)?;
-            continue;
-        }
-        tpl.add_partition_offset(topic, task.partition, Offset::Offset(from))?;
-        remaining.insert(topic.clone(), (*id, *barrier));
-    }
-    if remaining.is_empty() {
-        // Nothing past the checkpoint: no consumer needed (creating and
-        // destroying one costs a tenth of a second).
-        return Ok(stats);
-    }
     let mut c = client_config(cfg);
     c.set("group.id", format!("{}-restore", cfg.application_id))
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
+        .set("enable.partition.eof", "true")
         .set("auto.offset.reset", "earliest")
         .set("fetch.max.bytes", "52428800")
         .set("max.partition.fetch.bytes", "10485760");
     if cfg.guarantee == Guarantee::ExactlyOnce {
         c.set("isolation.level", "read_committed");
     }
-    let consumer: BaseConsumer = c.create()?;
+    let consumer: Arc<BaseConsumer<RestoreContext>> =
+        Arc::new(c.create_with_context(RestoreContext)?);
+    let mut tpl = TopicPartitionList::new();
+    // Per changelog being restored: its store and the next offset to apply.
+    let mut remaining: Vec<(String, StoreId, i64)> = Vec::new();
+    for (id, topic) in &stores {
+        let (low, high) = watermarks(&consumer, topic, task.partition, cancel)?;
+        let mut from = state.restore_offset(*id);
+        if from > high {
+            // The changelog is shorter than what the store says it holds: it
+            // was recreated (or truncated). What is local cannot be trusted.
+            tracing::warn!(%task, topic, from, end = high, "checkpoint is past the changelog end; restoring in full");
+            state.wipe_store(*id)?;
+            from = 0;
+        }
+        if from >= high {
+            state.finish_restore(*id, from)?;
+            continue;
+        }
+        // Below the start, records were deleted by retention (expired
+        // windows): restore from what is there.
+        let from = from.max(low);
+        tpl.add_partition_offset(topic, task.partition, Offset::Offset(from))?;
+        remaining.push((topic.clone(), *id, from));
+    }
+    if remaining.is_empty() {
+        // Nothing past the checkpoint: the consumer is not needed.
+        close_in_background(consumer);
+        return Ok(stats);
+    }
+    // A queue per changelog, so reaching its end (an EOF event names only a
+    // partition number) tells which store is restored; split before the
+    // assignment, so no record or event of theirs reaches the consumer's own
+    // queue first.
+    let mut queues = Vec::with_capacity(remaining.len());
+    for (topic, id, from) in remaining {
+        let queue = consumer
+            .split_partition_queue(&topic, task.partition)
+            .ok_or_else(|| RuntimeError::Other(format!("cannot read {topic} on its own queue")))?;
+        queues.push((topic, id, from, queue, Vec::<RestoredRecord>::new()));
+    }
     consumer.assign(&tpl)?;
-    let deadline = Instant::now() + cfg.restore_timeout;
-    let mut batches: HashMap<StoreId, Vec<RestoredRecord>> = HashMap::new();
-    let mut last_progress = Instant::now();
-    while !remaining.is_empty() {
+    let mut done = vec![false; queues.len()];
+    while done.iter().any(|d| !d) {
         if cancel.load(Ordering::Relaxed) {
+            drop(queues);
+            close_in_background(consumer);
             return Err(RuntimeError::Cancelled);
         }
-        if last_progress.elapsed() > BARRIER_STALL {
-            // Nothing readable for a while although the barrier was committed:
-            // a broker may hold a committed transaction back (the local test
-            // broker does when transaction ends race). A new barrier transaction
-            // gives it another chance to apply, and a later end to read to.
-            let stalled: Vec<(StoreId, String)> = remaining
-                .iter()
-                .map(|(topic, (id, _))| (*id, topic.clone()))
-                .collect();
-            tracing::warn!(%task, topics = ?stalled.iter().map(|s| &s.1).collect::<Vec<_>>(), "restore stalled; writing a new barrier");
-            let fresh = write_barriers(cfg, task, &stalled, producer, delivery)?;
-            for ((_, topic), b) in stalled.iter().zip(fresh) {
-                if let Some(entry) = remaining.get_mut(topic) {
-                    entry.1 = b;
+        let mut idle = true;
+        for (i, (topic, id, next, queue, batch)) in queues.iter_mut().enumerate() {
+            while !done[i] {
+                let Some(msg) = queue.poll(Duration::ZERO) else {
+                    break;
+                };
+                idle = false;
+                match msg {
+                    Ok(m) => {
+                        if let Some(key) = m.key() {
+                            batch.push((key.to_vec(), m.payload().map(<[u8]>::to_vec)));
+                        }
+                        *next = m.offset() + 1;
+                        if batch.len() >= BATCH {
+                            state.apply_restored(*id, &std::mem::take(batch), &mut stats)?;
+                            // A restore interrupted from here on starts again here.
+                            state.restored_to(*id, *next)?;
+                        }
+                    }
+                    Err(KafkaError::PartitionEOF(_)) => {
+                        state.apply_restored(*id, &std::mem::take(batch), &mut stats)?;
+                        state.finish_restore(*id, *next)?;
+                        done[i] = true;
+                    }
+                    Err(e) if RuntimeError::from(e.clone()).retriable() => {
+                        tracing::debug!(%task, topic, error = %e, "restore: retriable consumer error");
+                    }
+                    Err(e) => return Err(e.into()),
                 }
             }
-            last_progress = Instant::now();
         }
-        if Instant::now() > deadline {
-            return Err(RuntimeError::Other(format!(
-                "task {task}: restore did not reach the end of {:?} within {:?}",
-                remaining.keys().collect::<Vec<_>>(),
-                cfg.restore_timeout
-            )));
-        }
-        let Some(msg) = consumer.poll(Duration::from_millis(100)) else {
-            continue;
-        };
-        let msg = msg?;
-        last_progress = Instant::now();
-        let Some(&(id, barrier)) = remaining.get(msg.topic()) else {
-            continue;
-        };
-        let is_barrier = msg
-            .headers()
-            .is_some_and(|h| h.iter().any(|h| h.key == BARRIER_HEADER));
-        if msg.offset() < barrier && !is_barrier {
-            if let Some(key) = msg.key() {
-                batches
-                    .entry(id)
-                    .or_default()
-                    .push((key.to_vec(), msg.payload().map(<[u8]>::to_vec)));
+        if idle {
+            // Serves the consumer's own events (errors, logs) while waiting;
+            // its records all go to the partition queues.
+            match consumer.poll(Duration::from_millis(50)) {
+                Some(Err(e)) => tracing::debug!(%task, error = %e, "restore consumer"),
+                Some(Ok(m)) => {
+                    return Err(RuntimeError::Other(format!(
+                        "restore of {}: a record reached the consumer's own queue",
+                        m.topic()
+                    )))
+                }
+                None => {}
             }
-            if batches.get(&id).is_some_and(|b| b.len() >= 10_000) {
-                let batch = batches.remove(&id).unwrap_or_default();
-                state.apply_restored(id, &batch, &mut stats)?;
-            }
-        }
-        if msg.offset() >= barrier {
-            let batch = batches.remove(&id).unwrap_or_default();
-            state.apply_restored(id, &batch, &mut stats)?;
-            state.finish_restore(id, barrier + 1)?;
-            remaining.remove(msg.topic());
         }
     }
+    drop(queues);
     // The task need not wait for the consumer to close to start processing.
     close_in_background(consumer);
     Ok(stats)
 }
 
-/// Writes a barrier record to each changelog partition and returns their
-/// offsets, in `stores` order.
-fn write_barriers(
-    cfg: &StreamsConfig,
-    task: TaskId,
-    stores: &[(StoreId, String)],
-    producer: &TrackedProducer,
-    delivery: &DeliveryState,
-) -> Result<Vec<i64>, RuntimeError> {
-    use rdkafka::producer::Producer;
-    let eos = cfg.guarantee == Guarantee::ExactlyOnce;
-    let timeout = Duration::from_secs(30);
-    if eos {
-        producer.begin_transaction()?;
+/// The restore consumer's context: reaching a partition's end is what the
+/// restore waits for, not an error to log (librdkafka reports it through the
+/// error callback too).
+struct RestoreContext;
+
+impl rdkafka::ClientContext for RestoreContext {
+    fn error(&self, error: KafkaError, reason: &str) {
+        match error {
+            KafkaError::PartitionEOF(_) => tracing::trace!(reason, "changelog end reached"),
+            e => tracing::warn!(error = %e, reason, "restore consumer"),
+        }
     }
-    let headers = vec![(BARRIER_HEADER.to_string(), task.to_string().into_bytes())];
-    let mut receivers = Vec::new();
-    for (_, topic) in stores {
-        let (tx, rx) = std::sync::mpsc::channel();
-        send(
-            producer,
-            topic,
-            Some(task.partition),
-            Some(BARRIER_KEY),
-            Some(b""),
-            None,
-            &headers,
-            DeliveryTag::Barrier(tx),
-        )?;
-        receivers.push(rx);
-    }
-    // Under at-least-once the producer is shared by every task: flushing it
-    // would wait for their traffic too. The barriers' own acknowledgements
-    // are all a restore waits for.
-    if eos {
-        commit_transaction(producer, delivery, timeout)?;
-    }
-    receivers
-        .into_iter()
-        .map(|rx| match rx.recv_timeout(timeout) {
-            Ok(Ok(offset)) => Ok(offset),
-            Ok(Err(e)) => Err(RuntimeError::Other(format!(
-                "task {task}: restore barrier failed: {e}"
-            ))),
-            Err(_) => Err(RuntimeError::Other(format!(
-                "task {task}: restore barrier not acknowledged"
-            ))),
-        })
-        .collect()
 }
 
-#[cfg(test)]
-mod tests {
-    use std::sync::atomic::AtomicBool;
+impl rdkafka::consumer::ConsumerContext for RestoreContext {}
 
-    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-    use rdkafka::client::DefaultClientContext;
-    use rdkafka::ClientConfig;
-
-    use super::*;
-    use crate::runtime::kafka::create_producer;
-
-    fn unique(p: &str) -> String {
-        format!("{p}-{}", &uuid::Uuid::new_v4().simple().to_string()[..10])
-    }
-
-    #[test]
-    fn a_barrier_waits_for_its_own_acknowledgement_not_for_other_tasks_traffic() {
-        // At-least-once tasks share one producer. Another task's steady
-        // output keeps that producer's queue from ever running empty, so a
-        // barrier that waited for a flush of the producer would run into its
-        // timeout (and stop the instance); it waits for its own record only.
-        let bootstrap = std::env::var("SLUICE_TEST_BOOTSTRAP").expect(
-            "SLUICE_TEST_BOOTSTRAP is not set: run the tests with `make test`, which starts the broker",
-        );
-        let (changelog, busy) = (unique("barrier-changelog"), unique("barrier-busy"));
-        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-            .set("bootstrap.servers", &bootstrap)
-            .create()
-            .unwrap();
-        let new = [
-            NewTopic::new(&changelog, 1, TopicReplication::Fixed(1)),
-            NewTopic::new(&busy, 1, TopicReplication::Fixed(1)),
-        ];
-        futures::executor::block_on(admin.create_topics(&new, &AdminOptions::new())).unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        let cfg = StreamsConfig::new(&unique("barrier-app"), &bootstrap, dir.path());
-        assert_eq!(cfg.guarantee, Guarantee::AtLeastOnce);
-        let (producer, delivery) = create_producer(&cfg, None).unwrap();
-        let other = TaskId {
-            subtopology: 0,
-            partition: 1,
-        };
-        let stop = AtomicBool::new(false);
-        let value = vec![b'x'; 2_000];
-        let result = std::thread::scope(|s| {
-            s.spawn(|| {
-                while !stop.load(Ordering::Relaxed) {
-                    let sent = send(
-                        &producer,
-                        &busy,
-                        Some(0),
-                        None,
-                        Some(&value),
-                        None,
-                        &Vec::new(),
-                        DeliveryTag::Output(other),
-                    );
-                    if sent.is_err() {
-                        // The queue is full: the traffic stays steady.
-                        std::thread::sleep(Duration::from_millis(1));
-                    }
+/// The start and end of a changelog partition (the end as the consumer's
+/// isolation level sees it), asked again while it fails retriably.
+fn watermarks(
+    consumer: &BaseConsumer<RestoreContext>,
+    topic: &str,
+    partition: i32,
+    cancel: &AtomicBool,
+) -> Result<(i64, i64), RuntimeError> {
+    loop {
+        match consumer.fetch_watermarks(topic, partition, WATERMARK_TIMEOUT) {
+            Ok(w) => return Ok(w),
+            Err(e) => {
+                let e = RuntimeError::from(e);
+                if !e.retriable() {
+                    return Err(e);
                 }
-            });
-            std::thread::sleep(Duration::from_millis(500));
-            let task = TaskId {
-                subtopology: 0,
-                partition: 0,
-            };
-            let result = write_barriers(
-                &cfg,
-                task,
-                &[(StoreId(0), changelog.clone())],
-                &producer,
-                &delivery,
-            );
-            stop.store(true, Ordering::Relaxed);
-            result
-        });
-        let offsets = result.expect("the barrier was acknowledged during the other traffic");
-        assert_eq!(offsets.len(), 1);
-        assert!(offsets[0] >= 0, "{offsets:?}");
+                if cancel.load(Ordering::Relaxed) {
+                    return Err(RuntimeError::Cancelled);
+                }
+                tracing::warn!(topic, partition, error = %e, "changelog end not known yet; asking again");
+            }
+        }
     }
 }

@@ -3,7 +3,6 @@
 //! at-least-once), then the local state.
 
 use super::*;
-use crate::runtime::partitions::{self, PartitionCounts, Written};
 
 impl Engine {
     /// True when a task's producer was fenced by a newer one with its
@@ -49,23 +48,13 @@ impl Engine {
         let app = self.cfg.application_id.clone();
         let metrics = self.metrics.clone();
         let threads = self.cfg.processing_threads;
-        let placing = self.overlap();
         let tasks: Vec<&mut ActiveTask> = self
             .tasks
             .values_mut()
             .filter(|t| ids.contains(&t.core.id))
             .collect();
-        let results = commit_eos(tasks, &meta, &app, &metrics, threads, &placing)?;
+        let results = commit_eos(tasks, &meta, &app, &metrics, threads)?;
         self.settle(consumer, results)
-    }
-
-    /// Which transactions a commit may overlap (see [`Overlap`]).
-    fn overlap(&self) -> Overlap {
-        if self.cfg.parallel_commits {
-            Overlap::Always
-        } else {
-            Overlap::Disjoint(self.partition_counts.clone())
-        }
     }
 
     /// Acts on the outcomes of exactly-once commits: a fenced task, or one
@@ -81,7 +70,10 @@ impl Engine {
             let Err(e) = result else { continue };
             let fenced = e.fenced() || self.producer_fenced(id);
             match e {
-                e if fenced || e.task_migrated() => {
+                // A delivery that failed inside the transaction (the broker
+                // refused a record, or it timed out) leaves the transaction
+                // to abort: as a migrated task, the task starts over.
+                e if fenced || e.task_migrated() || e.delivery_failed() => {
                     tracing::warn!(task = %id, error = %e, "task fenced or its transaction must abort: closing it dirty and rejoining");
                     if fenced {
                         // Nothing to abort: a fenced producer cannot end its
@@ -120,10 +112,11 @@ impl Engine {
     }
 
     /// The periodic commit, called every tick (`due`: the interval elapsed or
-    /// a task asked). At-least-once commits every task at once. Exactly-once
-    /// commits a round: a task at a time (every task together with
-    /// `parallel_commits`) on a commit thread, while the driver goes on
-    /// processing the others; the interval runs from the end of a round.
+    /// a task asked). At-least-once commits every task at once on the driver
+    /// thread. Exactly-once moves every task to a commit thread, which runs
+    /// their transactions side by side, while the driver goes on polling
+    /// (records and completions for those tasks wait); the interval runs from
+    /// the end of the commit.
     pub(super) fn commit_periodically(
         &mut self,
         consumer: &DriverConsumer,
@@ -153,20 +146,12 @@ impl Engine {
         self.start_commit(consumer)
     }
 
-    /// Moves the next tasks of the round to a commit thread.
+    /// Moves the tasks of the round to a commit thread.
     fn start_commit(&mut self, consumer: &DriverConsumer) -> Result<(), RuntimeError> {
-        let take = if self.cfg.parallel_commits {
-            self.round.len()
-        } else {
-            1
-        };
-        let mut tasks = Vec::new();
-        while tasks.len() < take {
-            let Some(id) = self.round.pop() else { break };
-            if let Some(t) = self.tasks.remove(&id) {
-                tasks.push(t);
-            }
-        }
+        let tasks: Vec<ActiveTask> = std::mem::take(&mut self.round)
+            .into_iter()
+            .filter_map(|id| self.tasks.remove(&id))
+            .collect();
         if tasks.is_empty() {
             return Ok(());
         }
@@ -177,7 +162,6 @@ impl Engine {
         let app = self.cfg.application_id.clone();
         let metrics = self.metrics.clone();
         let threads = self.cfg.processing_threads;
-        let overlap = self.overlap();
         let wake = self.wake_tx.clone();
         let handle = std::thread::Builder::new()
             .name("sluice-commit".into())
@@ -188,7 +172,7 @@ impl Engine {
                         flush_task(task, &metrics, true)?;
                     }
                     let refs: Vec<&mut ActiveTask> = tasks.iter_mut().collect();
-                    commit_eos(refs, &meta, &app, &metrics, threads, &overlap)
+                    commit_eos(refs, &meta, &app, &metrics, threads)
                 })();
                 let _ = wake.try_send(());
                 (tasks, result)
@@ -249,7 +233,13 @@ impl Engine {
         };
         let app = self.cfg.application_id.clone();
         let threads = self.cfg.processing_threads;
-        flush(&producer, &delivery, FLUSH_TIMEOUT).map_err(RuntimeError::Other)?;
+        let deadline = Instant::now() + self.cfg.max_poll_interval / 2;
+        let flush_all = || {
+            retrying("flushing the producer", deadline, || {
+                flush(&producer, &delivery, FLUSH_TIMEOUT).map_err(RuntimeError::Other)
+            })
+        };
+        flush_all()?;
         let prepared: Vec<(TaskOffsets, bool)> =
             in_parallel(self.tasks_mut(ids), threads, |task| {
                 let prepared = task.core.prepare_commit(false);
@@ -262,7 +252,7 @@ impl Engine {
             .iter()
             .any(|((_, o), changed)| *changed || !o.is_empty());
         let work: Vec<(TaskId, Vec<(usize, i64)>)> = prepared.into_iter().map(|(w, _)| w).collect();
-        flush(&producer, &delivery, FLUSH_TIMEOUT).map_err(RuntimeError::Other)?;
+        flush_all()?;
         if working {
             failpoint("alos_after_changelog_flush");
         }
@@ -270,13 +260,13 @@ impl Engine {
         // changelogs: a progress record read back implies its state was
         // written (without transactions nothing else orders them).
         let progress: Vec<bool> = in_parallel(self.tasks_mut(ids), threads, |task| {
-            let rec = task.core.write_progress(false);
+            let rec = task.core.write_progress();
             let some = rec.is_some();
             send_changelog(task, &app, rec.into_iter().collect())?;
             Ok(some)
         })?;
         if progress.contains(&true) {
-            flush(&producer, &delivery, FLUSH_TIMEOUT).map_err(RuntimeError::Other)?;
+            flush_all()?;
         }
         if working {
             failpoint("alos_before_offset_commit");
@@ -304,8 +294,13 @@ impl Engine {
             }
         }
         if tpl.count() > 0 {
-            if let Err(e) = consumer.commit(&tpl, CommitMode::Sync) {
-                let e = RuntimeError::from(e);
+            // A coordinator moving or a request timing out is retried.
+            let committed = retrying("committing offsets", deadline, || {
+                consumer
+                    .commit(&tpl, CommitMode::Sync)
+                    .map_err(RuntimeError::from)
+            });
+            if let Err(e) = committed {
                 if !e.task_migrated() {
                     return Err(e);
                 }
@@ -331,14 +326,16 @@ struct EosCommit<'a> {
     changelog: Vec<sluice_state::ChangelogRecord>,
     offsets: Vec<(usize, i64)>,
     outputs: Vec<OutputRecord>,
-    /// Nothing to commit: the task takes no step.
+    /// Nothing to commit to Kafka: the task takes no broker step (its local
+    /// state is still written: a store without changelog fills its write
+    /// cache with no offset moving).
     idle: bool,
     result: Result<(), RuntimeError>,
 }
 
 impl EosCommit<'_> {
-    /// Runs one step of the commit unless the task is idle or an earlier step
-    /// failed.
+    /// Runs one broker step of the commit unless the task is idle or an
+    /// earlier step failed.
     fn step(&mut self, f: impl FnOnce(&mut Self) -> Result<(), RuntimeError>) {
         if !self.idle && self.result.is_ok() {
             self.result = f(self);
@@ -346,116 +343,74 @@ impl EosCommit<'_> {
     }
 }
 
-/// Which tasks' transactions may be open at the same time.
-pub(super) enum Overlap {
-    /// Every task's (every write of a task goes to its own partition
-    /// number: `parallel_commits`).
-    Always,
-    /// Those that write no partition in common, found by placing each
-    /// keyed output on its partition before it is sent.
-    Disjoint(Arc<PartitionCounts>),
-}
-
 /// Commits tasks' transactions. Each task's own work — preparing its commit
-/// (write cache to changelog records, progress record, placing its outputs),
-/// and after the commit its local state — runs side by side. The broker
-/// steps (outputs sent and the offsets added to the transaction, flushed,
-/// changelog records sent, flushed, commit) run for a group of tasks at a
-/// time, each step for every task of the group before the next step, so
-/// their round trips overlap; the commit requests themselves go one after
-/// another. A group's transactions share no partition, except with
-/// [`Overlap::Always`]: the test broker hides committed records from
-/// `read_committed` readers for good when a crash leaves two transactions
-/// open on one partition. Changelog partitions are the task's own. Returns
-/// each task's outcome (a task that failed took no step after its
-/// failure); an error of its own when a processing thread panicked.
+/// (write cache to changelog records, progress record), and after the commit
+/// its local state — runs side by side. The broker steps (outputs sent and
+/// the offsets added to the transaction, changelog records sent, flushed,
+/// commit) run for every task before the next step, so their round trips
+/// overlap. Returns each task's outcome (a task that failed took no step
+/// after its failure); an error of its own when a processing thread
+/// panicked.
 pub(super) fn commit_eos(
     tasks: Vec<&mut ActiveTask>,
     meta: &rdkafka::consumer::ConsumerGroupMetadata,
     app: &str,
     metrics: &EngineMetrics,
     threads: usize,
-    overlap: &Overlap,
 ) -> Result<Vec<TaskOutcome>, RuntimeError> {
     let started = Instant::now();
-    // Placing outputs only serves grouping: a lone task is a group alone.
-    let grouping = tasks.len() > 1;
-    let prepared = in_parallel(tasks, threads, |task| {
-        let prepared = task.core.prepare_commit(true);
-        let mut outputs = task.core.take_output();
-        let written = match overlap {
-            Overlap::Disjoint(counts) if grouping => counts.place(&mut outputs, &task.producer),
-            _ => Written::new(),
-        };
-        Ok((task, prepared, outputs, written))
-    })?;
-    // Groups of tasks whose transactions share no partition (first fit).
-    let mut groups: Vec<(Vec<EosCommit<'_>>, Written)> = Vec::new();
-    for (task, PreparedCommit { changelog, offsets }, outputs, written) in prepared {
+    let mut commits = in_parallel(tasks, threads, |task| {
+        let PreparedCommit { changelog, offsets } = task.core.prepare_commit(true);
+        let outputs = task.core.take_output();
         let idle =
             offsets.is_empty() && changelog.is_empty() && outputs.is_empty() && !task.txn_open;
-        let c = EosCommit {
+        Ok(EosCommit {
             task,
             changelog,
             offsets,
             outputs,
             idle,
             result: Ok(()),
-        };
-        let fits = |(_, w): &&mut (Vec<EosCommit<'_>>, Written)| match overlap {
-            Overlap::Always => true,
-            Overlap::Disjoint(_) => !partitions::overlap(w, &written),
-        };
-        let g = match groups.iter_mut().enumerate().find(|(_, g)| fits(g)) {
-            Some((g, _)) => g,
-            None => {
-                groups.push((Vec::new(), Written::new()));
-                groups.len() - 1
-            }
-        };
-        groups[g].0.push(c);
-        for (topic, ps) in written {
-            groups[g].1.entry(topic).or_default().extend(ps);
-        }
-    }
-    for (group, _) in &mut groups {
-        broker_steps(group, meta, app, metrics);
-    }
+        })
+    })?;
+    broker_steps(&mut commits, meta, app, metrics);
     let brokered = started.elapsed();
-    let items: Vec<&mut EosCommit<'_>> =
-        groups.iter_mut().flat_map(|(g, _)| g.iter_mut()).collect();
-    let tasks = items.len();
-    in_parallel(items, threads, |c| {
-        c.step(|c| {
+    let tasks = commits.len();
+    in_parallel(commits.iter_mut().collect(), threads, |c| {
+        if c.result.is_ok() {
             let id = c.task.core.id;
             let next = c.task.delivery.take_changelog_next(id);
-            c.task.core.finish_commit(&c.offsets, &next)?;
+            c.result = c
+                .task
+                .core
+                .finish_commit(&c.offsets, &next)
+                .map_err(RuntimeError::from);
             c.task
                 .core
                 .ctx
                 .output_ends
                 .extend(c.task.delivery.take_output_next(id));
-            metrics.commits.inc();
-            Ok(())
-        });
+            if !c.idle {
+                metrics.commits.inc();
+            }
+        }
         Ok(())
     })?;
     tracing::trace!(
         tasks,
-        groups = groups.len(),
         broker_ms = brokered.as_millis() as u64,
         total_ms = started.elapsed().as_millis() as u64,
         "transactions committed"
     );
-    Ok(groups
+    Ok(commits
         .into_iter()
-        .flat_map(|(g, _)| g)
         .map(|c| (c.task.core.id, c.result))
         .collect())
 }
 
 /// The broker steps of exactly-once commits, each for every task given
-/// before the next.
+/// before the next. Retriable failures (a request timing out, the
+/// coordinator moving) are retried within the transaction's timeout.
 fn broker_steps(
     commits: &mut [EosCommit<'_>],
     meta: &rdkafka::consumer::ConsumerGroupMetadata,
@@ -464,11 +419,14 @@ fn broker_steps(
 ) {
     // The tests' crash points are reached only inside a transaction.
     let working = commits.iter().any(|c| !c.idle);
+    let deadline = Instant::now() + TXN_TIMEOUT;
     let flush_all = |commits: &mut [EosCommit<'_>]| {
         for c in commits.iter_mut() {
             c.step(|c| {
-                flush(&c.task.producer, &c.task.delivery, FLUSH_TIMEOUT)
-                    .map_err(RuntimeError::Other)
+                retrying("flushing a transaction", deadline, || {
+                    flush(&c.task.producer, &c.task.delivery, FLUSH_TIMEOUT)
+                        .map_err(RuntimeError::Other)
+                })
             });
         }
     };
@@ -483,15 +441,16 @@ fn broker_steps(
             // their way (they commit with it, or not at all).
             if !c.offsets.is_empty() {
                 let tpl = offsets_tpl(&c.task.core, &c.offsets)?;
-                c.task
-                    .producer
-                    .send_offsets_to_transaction(&tpl, meta, TXN_TIMEOUT)?;
+                retrying("adding offsets to a transaction", deadline, || {
+                    c.task
+                        .producer
+                        .send_offsets_to_transaction(&tpl, meta, TXN_REQUEST_TIMEOUT)
+                        .map_err(RuntimeError::from)
+                })?;
             }
             Ok(())
         });
     }
-    // Outputs first: a changelog record visible to a reader implies the
-    // outputs that preceded it are visible too.
     flush_all(commits);
     if working {
         failpoint("eos_after_output_flush");
@@ -507,7 +466,12 @@ fn broker_steps(
     }
     for c in commits.iter_mut() {
         c.step(|c| {
-            c.task.producer.commit_transaction(TXN_TIMEOUT)?;
+            retrying("committing a transaction", deadline, || {
+                c.task
+                    .producer
+                    .commit_transaction(TXN_REQUEST_TIMEOUT)
+                    .map_err(RuntimeError::from)
+            })?;
             c.task.txn_open = false;
             Ok(())
         });
@@ -576,9 +540,8 @@ pub(super) fn send_outputs(
     flush_counters(task, metrics);
     if eos {
         // Held until the commit: a task's transaction is open only while it
-        // commits, so an instance's transactions never overlap (some brokers
-        // delay a commit while an overlapping transaction is open), and a crash
-        // between commits leaves no transaction behind.
+        // commits, and a crash between commits leaves no transaction behind
+        // for the next owner to abort.
         if task.core.ctx.out.len() >= MAX_HELD_OUTPUTS {
             task.core.ctx.commit_requested = true;
         }

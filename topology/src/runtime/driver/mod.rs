@@ -34,6 +34,7 @@ use super::queries::LocalTasks;
 use super::restore::restore_task;
 use super::{now_ms, AppState, AppStatus, IntakeControl, RuntimeError};
 use crate::context::CompletionMsg;
+use crate::offsets::StartAt;
 use crate::record::OutputRecord;
 use crate::task::{Input, PreparedCommit, TaskCore};
 use crate::{TaskId, Topology, TopologyError};
@@ -47,7 +48,12 @@ use commit::*;
 use intake::*;
 use rebalance::*;
 
+/// How long a transaction's steps are retried when they fail in a way Kafka
+/// calls retriable.
 const TXN_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long one transactional request (offsets, commit) waits before it is
+/// retried.
+const TXN_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// librdkafka's prefetch per input partition (overridable by client properties).
 const PREFETCH_KBYTES_PER_PARTITION: &str = "16384";
 const FLUSH_TIMEOUT: Duration = Duration::from_secs(60);
@@ -104,7 +110,7 @@ impl ActiveTask {
     /// Whether a new record of `slot` may be processed now: nothing older waits
     /// in its backlog and its in-flight records are under `max`.
     fn has_room(&self, slot: usize, max: usize) -> bool {
-        self.backlog[slot].is_empty() && self.core.trackers[slot].in_flight() < max
+        self.backlog[slot].is_empty() && self.core.has_room(slot, max)
     }
 
     /// True when the task's write cache holds `max` dirty entries or more
@@ -166,7 +172,7 @@ impl ActiveTask {
     ) -> Result<(), RuntimeError> {
         self.core.drain_done();
         for slot in 0..self.backlog.len() {
-            while self.core.trackers[slot].in_flight() < max {
+            while self.core.has_room(slot, max) {
                 let Some(msg) = self.backlog[slot].pop_front() else {
                     break;
                 };
@@ -264,6 +270,8 @@ struct PendingTask {
     cancel: Arc<AtomicBool>,
     buffered: Vec<OwnedMessage>,
     partitions: Vec<Tp>,
+    /// Where reading each input topic starts.
+    starts: HashMap<String, StartAt>,
 }
 
 /// Everything the driver and the rebalance callbacks share.
@@ -285,9 +293,6 @@ struct Engine {
     suspended: BTreeMap<TaskId, ActiveTask>,
     pending: BTreeMap<TaskId, PendingTask>,
     shared_producer: Option<(Arc<TrackedProducer>, Arc<DeliveryState>)>,
-    /// Partition counts of the topics tasks write (exactly-once commits place
-    /// keyed outputs themselves; see `commit::commit_eos`).
-    partition_counts: Arc<super::partitions::PartitionCounts>,
     /// Partitions paused in the consumer. Each stays listed until resumed:
     /// by `update_pauses`, or at its revocation (librdkafka would keep the
     /// pause across a later assignment of the same partition).
@@ -308,6 +313,10 @@ struct Engine {
     /// When the current round began.
     round_started: Option<Instant>,
     last_punctuate: Instant,
+    /// When consumed repartition records were last deleted, and the admin
+    /// client that does it (made on first use).
+    last_purge: Instant,
+    admin: Option<rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext>>,
     status: Arc<AppStatus>,
     /// This instance's tasks and their state readers, for interactive queries.
     local: Arc<LocalTasks>,
@@ -354,7 +363,8 @@ impl ConsumerContext for DriverContext {
         );
         match err {
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
-                set_start_positions(consumer, tpl, self.reset);
+                let resume = self.engine.lock().resume_positions(tpl);
+                set_start_positions(consumer, tpl, self.reset, &resume);
                 let assigned = if cooperative {
                     consumer.incremental_assign(tpl)
                 } else {
@@ -472,7 +482,6 @@ impl Driver {
             suspended: BTreeMap::new(),
             pending: BTreeMap::new(),
             shared_producer,
-            partition_counts: Default::default(),
             paused: HashSet::new(),
             queues: HashMap::new(),
             drains: 0,
@@ -483,6 +492,8 @@ impl Driver {
             round: Vec::new(),
             round_started: None,
             last_punctuate: Instant::now(),
+            last_purge: Instant::now(),
+            admin: None,
             status,
             local,
             intake,
@@ -689,6 +700,10 @@ impl Engine {
         let cache_full = self.tasks.values().any(|t| t.cache_full(cache_max));
         let due = cache_full || self.last_commit.elapsed() >= self.cfg.commit_interval();
         self.commit_periodically(consumer, due)?;
+        if self.last_purge.elapsed() >= self.cfg.repartition_purge_interval {
+            self.last_purge = Instant::now();
+            self.purge_repartition_topics();
+        }
         self.update_pauses(consumer)?;
         for task in self.tasks.values_mut().chain(self.suspended.values_mut()) {
             task.count_in(&self.metrics);
@@ -759,6 +774,35 @@ impl Engine {
             .collect();
         in_parallel(tasks, threads, |task| flush_task(task, &metrics, eos))?;
         Ok(())
+    }
+
+    /// Deletes what this instance's tasks consumed and committed of their
+    /// repartition topics (they keep records until then, see `admin`).
+    fn purge_repartition_topics(&mut self) {
+        let mut tpl = TopicPartitionList::new();
+        for task in self.tasks.values() {
+            for (slot, tracker) in task.core.slots.iter().zip(&task.core.trackers) {
+                if let (true, Some(o)) = (slot.internal, tracker.last_committed()) {
+                    let _ =
+                        tpl.add_partition_offset(&slot.topic, slot.partition, Offset::Offset(o));
+                }
+            }
+        }
+        if tpl.count() == 0 {
+            return;
+        }
+        if self.admin.is_none() {
+            match client_config(&self.cfg).create() {
+                Ok(a) => self.admin = Some(a),
+                Err(e) => {
+                    tracing::debug!(error = %e, "no admin client to purge repartition topics");
+                    return;
+                }
+            }
+        }
+        if let Some(admin) = &self.admin {
+            super::admin::purge(admin, &tpl);
+        }
     }
 
     /// The tasks this instance runs (those on the commit thread included).
@@ -847,6 +891,27 @@ impl Engine {
         self.suspended.clear();
         self.publish_tasks();
         Ok(())
+    }
+}
+
+/// Runs `f` until it succeeds, fails in a way Kafka does not call
+/// retriable, or `deadline` passes (then its last error is returned). What is
+/// retried is logged with `what`.
+fn retrying<T>(
+    what: &str,
+    deadline: Instant,
+    mut f: impl FnMut() -> Result<T, RuntimeError>,
+) -> Result<T, RuntimeError> {
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        match f() {
+            Err(e) if e.retriable() && Instant::now() + backoff < deadline => {
+                tracing::warn!(error = %e, "{what} failed; retrying in {backoff:?}");
+                std::thread::sleep(backoff);
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+            other => return other,
+        }
     }
 }
 

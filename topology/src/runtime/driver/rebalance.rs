@@ -151,6 +151,29 @@ impl Engine {
         }
     }
 
+    /// Where the suspended tasks among the newly assigned partitions go on
+    /// reading: past every record each read (those still in flight there,
+    /// e.g. held by an operator, stay its own), not at the group's committed
+    /// offset.
+    pub(super) fn resume_positions(&self, tpl: &TopicPartitionList) -> HashMap<Tp, i64> {
+        let mut at = HashMap::new();
+        for e in tpl.elements() {
+            let Some(id) = self.task_of(e.topic(), e.partition()) else {
+                continue;
+            };
+            let Some(task) = self.suspended.get(&id).filter(|t| !t.core.is_abandoned()) else {
+                continue;
+            };
+            let Some(slot) = task.core.slot_of(e.topic()) else {
+                continue;
+            };
+            if let Some(next) = task.core.trackers[slot].next_to_read() {
+                at.insert((e.topic().to_string(), e.partition()), next);
+            }
+        }
+        at
+    }
+
     /// Assignment: resume suspended tasks that stayed here, close the others,
     /// and restore new ones (buffering their records meanwhile).
     pub(super) fn on_assign(
@@ -164,12 +187,19 @@ impl Engine {
         self.queues.clear();
         self.unsplit.clear();
         let mut by_task: BTreeMap<TaskId, Vec<Tp>> = BTreeMap::new();
+        let mut starts: HashMap<Tp, StartAt> = HashMap::new();
         for e in tpl.elements() {
             if let Some(id) = self.task_of(e.topic(), e.partition()) {
-                by_task
-                    .entry(id)
-                    .or_default()
-                    .push((e.topic().to_string(), e.partition()));
+                let tp = (e.topic().to_string(), e.partition());
+                // Where `set_start_positions` put it: the committed offset,
+                // or the reset policy's end when the group has none.
+                let start = match e.offset() {
+                    Offset::Offset(o) => StartAt::Committed(o),
+                    Offset::Beginning | Offset::End => StartAt::Reset,
+                    _ => StartAt::Unknown,
+                };
+                starts.insert(tp.clone(), start);
+                by_task.entry(id).or_default().push(tp);
             }
         }
         let gone: Vec<TaskId> = self
@@ -185,27 +215,14 @@ impl Engine {
                 drop(task);
             }
         }
-        let mut resume_at = TopicPartitionList::new();
         for (id, parts) in by_task {
             if self.tasks.contains_key(&id) || self.pending.contains_key(&id) {
                 continue;
             }
             if let Some(mut task) = self.suspended.remove(&id) {
                 if !task.core.is_abandoned() {
-                    // Continue exactly where this task left off: past every
-                    // record it read (those still in flight here, e.g. jobs an
-                    // operator holds, stay its own), not at the group's
-                    // committed offset, which can also lag a transaction whose
-                    // commit the broker has not applied yet.
-                    for (slot, tracker) in task.core.slots.iter().zip(&task.core.trackers) {
-                        if let Some(next) = tracker.next_to_read() {
-                            resume_at.add_partition_offset(
-                                &slot.topic,
-                                slot.partition,
-                                Offset::Offset(next),
-                            )?;
-                        }
-                    }
+                    // It goes on where it left off: `resume_positions` set
+                    // its partitions to start past every record it read.
                     self.tasks.insert(id, task);
                     continue;
                 }
@@ -216,21 +233,16 @@ impl Engine {
             // Not paused: librdkafka looks up the positions and fetches while
             // the task restores (a pause would hold the lookup back until the
             // resume); records wait in the split queues (`attach_queues`).
-            self.start_restore(id, parts);
-        }
-        if resume_at.count() > 0 {
-            // Positions, not commits: librdkafka starts fetching there.
-            // (Records below are skipped by the task in any case.)
-            match consumer.seek_partitions(resume_at, Duration::from_secs(10)) {
-                Ok(result) => {
-                    for e in result.elements() {
-                        if let Err(err) = e.error() {
-                            tracing::debug!(topic = e.topic(), partition = e.partition(), error = %err, "seek on resume failed");
-                        }
-                    }
-                }
-                Err(err) => tracing::debug!(error = %err, "seek on resume failed"),
-            }
+            let starts = parts
+                .iter()
+                .map(|tp| {
+                    (
+                        tp.0.clone(),
+                        starts.get(tp).copied().unwrap_or(StartAt::Unknown),
+                    )
+                })
+                .collect();
+            self.start_restore(id, parts, starts);
         }
         self.publish_tasks();
         Ok(())
@@ -248,16 +260,27 @@ pub(super) fn reset_offset(policy: Option<&str>) -> Option<Offset> {
     }
 }
 
-/// Sets where each newly assigned partition starts: at its committed offset,
-/// or at `reset` when it has none. librdkafka looks the same up when positions
-/// are left unset, but it starts a partition without a committed offset only
-/// after a 100 ms back-off, which every new group and new partition would
-/// pay. If the lookup fails, the positions stay unset and librdkafka decides.
+/// Sets where each newly assigned partition starts: where a resumed task
+/// left off (`resume`), else at its committed offset, or at `reset` when it
+/// has none. librdkafka looks the same up when positions are left unset, but
+/// it starts a partition without a committed offset only after a 100 ms
+/// back-off, which every new group and new partition would pay. If the lookup
+/// fails, the positions stay unset (but the resumed ones) and librdkafka
+/// decides.
 pub(super) fn set_start_positions(
     consumer: &BaseConsumer<DriverContext>,
     tpl: &mut TopicPartitionList,
     reset: Option<Offset>,
+    resume: &HashMap<Tp, i64>,
 ) {
+    for ((topic, partition), at) in resume {
+        if tpl
+            .set_partition_offset(topic, *partition, Offset::Offset(*at))
+            .is_err()
+        {
+            tracing::debug!(topic, partition, "cannot set a resumed task's position");
+        }
+    }
     let Some(reset) = reset else { return };
     let committed = match consumer.committed_offsets(tpl.clone(), COMMITTED_LOOKUP_TIMEOUT) {
         Ok(c) => c,
@@ -268,6 +291,9 @@ pub(super) fn set_start_positions(
     };
     let mut starts = Vec::new();
     for e in committed.elements() {
+        if resume.contains_key(&(e.topic().to_string(), e.partition())) {
+            continue;
+        }
         let start = match (e.error(), e.offset()) {
             (Ok(()), Offset::Offset(o)) if o >= 0 => Offset::Offset(o),
             (Ok(()), Offset::Invalid) => reset,

@@ -4,7 +4,12 @@
 use super::*;
 
 impl Engine {
-    pub(super) fn start_restore(&mut self, id: TaskId, partitions: Vec<Tp>) {
+    pub(super) fn start_restore(
+        &mut self,
+        id: TaskId,
+        partitions: Vec<Tp>,
+        starts: HashMap<String, StartAt>,
+    ) {
         let cancel = Arc::new(AtomicBool::new(false));
         let cfg = self.cfg.clone();
         let topology = self.topology.clone();
@@ -23,6 +28,7 @@ impl Engine {
                 cancel,
                 buffered: Vec::new(),
                 partitions,
+                starts,
             },
         );
     }
@@ -50,7 +56,8 @@ impl Engine {
                 }
             };
             let sub = &self.topology.subtopologies()[id.subtopology as usize];
-            let core = TaskCore::new(
+            let start = |topic: &str| p.starts.get(topic).copied().unwrap_or(StartAt::Unknown);
+            let mut core = TaskCore::new(
                 sub,
                 id.partition,
                 &self.cfg.application_id,
@@ -58,7 +65,9 @@ impl Engine {
                 self.runtime.clone(),
                 self.completions_tx.clone(),
                 &self.dlq_partitions,
+                &start,
             )?;
+            core.ctx.max_record_bytes = self.cfg.max_record_bytes();
             let mut task = ActiveTask::new(
                 core,
                 restored.producer,
@@ -97,12 +106,29 @@ fn init_task(
         None => {
             let txn_id = format!("{}-{}", cfg.application_id, id);
             let (p, d) = create_producer(cfg, Some(&txn_id))?;
-            // Fences whatever transaction a previous owner of this task left open.
+            // Fences whatever transaction a previous owner of this task left
+            // open (the broker aborts it). Asked again while it fails
+            // retriably: the coordinator may be moving, or the previous
+            // owner's transaction still aborting.
             let topic = sub
                 .source_topics(&cfg.application_id)
                 .pop()
                 .unwrap_or_default();
-            init_transactions(&p, &topic, TXN_TIMEOUT)?;
+            loop {
+                match init_transactions(&p, &topic, TXN_TIMEOUT) {
+                    Ok(()) => break,
+                    Err(e) => {
+                        let e = RuntimeError::from(e);
+                        if !e.retriable() {
+                            return Err(e);
+                        }
+                        if cancel.load(Ordering::Relaxed) {
+                            return Err(RuntimeError::Cancelled);
+                        }
+                        tracing::warn!(task = %id, error = %e, "fencing the previous owner failed; trying again");
+                    }
+                }
+            }
             (p, d)
         }
     };
@@ -112,7 +138,7 @@ fn init_task(
         let dir = cfg.state_dir.join(&cfg.application_id).join(id.to_string());
         let mut state = TaskState::open(&dir, sub.stores(), env)?;
         let restore_started = Instant::now();
-        let stats = restore_task(cfg, id, &mut state, &producer, &delivery, cancel)?;
+        let stats = restore_task(cfg, id, &mut state, cancel)?;
         metrics.observe_restore(restore_started.elapsed());
         metrics.restore_records.inc_by(stats.records);
         tracing::info!(task = %id, records = stats.records, "restored");
