@@ -32,12 +32,13 @@ free_port() {
   python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
 }
 
+# The JVM's options. The heap stays small: the tests' traffic is light, and
+# the machine is shared with the build and the tests.
+java_opts=(-Xms256m -Xmx1g -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -Djava.awt.headless=true
+  -Dlog4j2.configurationFile="$dir/log4j2.properties" -Dkafka.logs.dir="$dir" -cp "$libs/*")
+
 kafka_java() {
-  # The heap stays small: the tests' traffic is light, and the machine is
-  # shared with the build and the tests.
-  java -Xms256m -Xmx1g -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -Djava.awt.headless=true \
-    -Dlog4j2.configurationFile="$dir/log4j2.properties" -Dkafka.logs.dir="$dir" \
-    -cp "$libs/*" "$@"
+  java "${java_opts[@]}" "$@"
 }
 
 # A CA, a server certificate for 127.0.0.1 signed by it, and a second CA.
@@ -144,7 +145,8 @@ EOF
 }
 
 launch() {
-  kafka_java kafka.Kafka "$dir/server.properties" >>"$dir/stdout.log" 2>&1 &
+  # exec: the pid recorded is the broker's own (a kill reaches the JVM).
+  (exec java "${java_opts[@]}" kafka.Kafka "$dir/server.properties") >>"$dir/stdout.log" 2>&1 &
   echo $! >"$dir/pid"
   if ! wait_ready; then
     tail -n 50 "$dir/server.log" "$dir/stdout.log" >&2 2>/dev/null || true

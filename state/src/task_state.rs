@@ -1313,6 +1313,27 @@ mod tests {
         assert_eq!(st.restore_offset(kv), 0);
     }
 
+    /// A restore interrupted (a crash, a revocation) goes on from its last
+    /// checkpoint: what it applied before survives, and is not read again.
+    #[test]
+    fn an_interrupted_restore_goes_on_from_its_last_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = RocksEnv::new(Default::default());
+        let mut st = TaskState::open(dir.path(), &specs(), &env).unwrap();
+        let kv = st.store_id("kv").unwrap();
+        let mut stats = RestoreStats::default();
+        let first: Vec<(Vec<u8>, Option<Vec<u8>>)> = (0..100u8)
+            .map(|i| (vec![i], Some(encode_value(&[i]))))
+            .collect();
+        st.apply_restored(kv, &first, &mut stats).unwrap();
+        st.restored_to(kv, 100).unwrap();
+        // Dies before the restore ends.
+        drop(st);
+        let st = TaskState::open(dir.path(), &specs(), &env).unwrap();
+        assert_eq!(st.restore_offset(kv), 100, "the next restore starts there");
+        assert_eq!(st.get(kv, &[42]).unwrap().unwrap().value, [42]);
+    }
+
     #[test]
     fn committed_entries_are_read_from_the_record_cache_within_its_budget() {
         let dir = tempfile::tempdir().unwrap();

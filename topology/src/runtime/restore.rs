@@ -60,7 +60,10 @@ pub(crate) fn restore_task(
         .set("enable.partition.eof", "true")
         .set("auto.offset.reset", "earliest")
         .set("fetch.max.bytes", "52428800")
-        .set("max.partition.fetch.bytes", "10485760");
+        .set("max.partition.fetch.bytes", "10485760")
+        // A fetch at the end comes back at once (the end is what the restore
+        // waits for), not after the broker's default half-second wait.
+        .set("fetch.wait.max.ms", "10");
     if cfg.guarantee == Guarantee::ExactlyOnce {
         c.set("isolation.level", "read_committed");
     }
@@ -98,11 +101,17 @@ pub(crate) fn restore_task(
     // partition number) tells which store is restored; split before the
     // assignment, so no record or event of theirs reaches the consumer's own
     // queue first.
+    // Their records' arrival wakes the loop below.
+    let (wake_tx, wake) = crossbeam_channel::bounded::<()>(1);
     let mut queues = Vec::with_capacity(remaining.len());
     for (topic, id, from) in remaining {
-        let queue = consumer
+        let mut queue = consumer
             .split_partition_queue(&topic, task.partition)
             .ok_or_else(|| RuntimeError::Other(format!("cannot read {topic} on its own queue")))?;
+        let tx = wake_tx.clone();
+        queue.set_nonempty_callback(move || {
+            let _ = tx.try_send(());
+        });
         queues.push((topic, id, from, queue, Vec::<RestoredRecord>::new()));
     }
     consumer.assign(&tpl)?;
@@ -145,9 +154,10 @@ pub(crate) fn restore_task(
             }
         }
         if idle {
-            // Serves the consumer's own events (errors, logs) while waiting;
-            // its records all go to the partition queues.
-            match consumer.poll(Duration::from_millis(50)) {
+            // Waits for a queue to fill, serving the consumer's own events
+            // (errors, logs) meanwhile; its records all go to the queues.
+            let _ = wake.recv_timeout(Duration::from_millis(50));
+            match consumer.poll(Duration::ZERO) {
                 Some(Err(e)) => tracing::debug!(%task, error = %e, "restore consumer"),
                 Some(Ok(m)) => {
                     return Err(RuntimeError::Other(format!(
@@ -173,7 +183,10 @@ struct RestoreContext;
 impl rdkafka::ClientContext for RestoreContext {
     fn error(&self, error: KafkaError, reason: &str) {
         match error {
-            KafkaError::PartitionEOF(_) => tracing::trace!(reason, "changelog end reached"),
+            KafkaError::PartitionEOF(_)
+            | KafkaError::Global(rdkafka::error::RDKafkaErrorCode::PartitionEOF) => {
+                tracing::trace!(reason, "changelog end reached")
+            }
             e => tracing::warn!(error = %e, reason, "restore consumer"),
         }
     }

@@ -113,10 +113,10 @@ impl Engine {
 
     /// The periodic commit, called every tick (`due`: the interval elapsed or
     /// a task asked). At-least-once commits every task at once on the driver
-    /// thread. Exactly-once moves every task to a commit thread, which runs
-    /// their transactions side by side, while the driver goes on polling
-    /// (records and completions for those tasks wait); the interval runs from
-    /// the end of the commit.
+    /// thread. Exactly-once commits a round: one task at a time moves to a
+    /// commit thread, which runs its whole commit, while the driver goes on
+    /// processing the others (a task's records and completions wait while it
+    /// commits); the interval runs from the end of a round.
     pub(super) fn commit_periodically(
         &mut self,
         consumer: &DriverConsumer,
@@ -146,14 +146,15 @@ impl Engine {
         self.start_commit(consumer)
     }
 
-    /// Moves the tasks of the round to a commit thread.
+    /// Moves the next task of the round to a commit thread (the others go on
+    /// processing meanwhile: every task committing at once stops them all).
     fn start_commit(&mut self, consumer: &DriverConsumer) -> Result<(), RuntimeError> {
-        let tasks: Vec<ActiveTask> = std::mem::take(&mut self.round)
-            .into_iter()
-            .filter_map(|id| self.tasks.remove(&id))
-            .collect();
-        if tasks.is_empty() {
-            return Ok(());
+        let mut tasks = Vec::with_capacity(1);
+        while tasks.is_empty() {
+            let Some(id) = self.round.pop() else {
+                return Ok(());
+            };
+            tasks.extend(self.tasks.remove(&id));
         }
         let meta = consumer
             .group_metadata()
