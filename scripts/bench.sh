@@ -4,9 +4,18 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-area="${1:?usage: bench.sh engine|llm|batching|usage}"
+area="${1:?usage: bench.sh engine|llm|batching|usage|peer}"
 "$root/scripts/setup.sh"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/sluice/target}"
+if [ "$area" = peer ]; then
+  # The Kafka Streams peer (benches/peers/kafka-streams): compiled, with its
+  # runtime jars beside it, by Maven from Maven Central (checksums verified).
+  peer="$root/benches/peers/kafka-streams"
+  rm -rf "$peer/target"
+  mvn -B -q --strict-checksums -f "$peer/pom.xml" compile dependency:copy-dependencies \
+    || { echo "bench: Maven could not build the Kafka Streams peer" >&2; exit 1; }
+  export SLUICE_BENCH_KSTREAMS_CP="$peer/target/classes:$peer/target/libs/*"
+fi
 cargo build --release --bench "$area"
 name="bench-$$"
 bootstrap="$("$root/scripts/broker.sh" start "$name")"
