@@ -92,6 +92,14 @@ share.coordinator.state.topic.min.isr=1
 # so one a crashed producer left open is aborted within a minute.
 group.initial.rebalance.delay.ms=0
 transaction.max.timeout.ms=60000
+# The consumer group protocol (KIP-848) takes its session timeout and heartbeat
+# interval from the broker (defaults 45 s and 5 s): as short here as the
+# classic protocol's session_timeout_ms in the tests' configs (6 s), so a
+# killed instance's partitions move as soon under either protocol.
+group.consumer.min.session.timeout.ms=2000
+group.consumer.session.timeout.ms=6000
+group.consumer.min.heartbeat.interval.ms=500
+group.consumer.heartbeat.interval.ms=1000
 EOF
   if [ "$tls" = 1 ]; then
     cat >>"$dir/server.properties" <<EOF

@@ -71,6 +71,16 @@ MUST_REFUSE = [
     ),
     ("a grace period shorter than the drain", {"terminationGracePeriodSeconds": 10}, "drain"),
     (
+        "a drain longer than the rebalance timeout",
+        {"config": {"kafka": {"max_poll_interval_ms": 60000}}},
+        "max_poll_interval_ms",
+    ),
+    (
+        "configToml with group_instance_id",
+        {"configToml": '[kafka]\nbootstrap_servers = "k:9092"\ngroup_instance_id = "a"\n[llm]\n'},
+        "group_instance_id",
+    ),
+    (
         "KEDA SASL without credentials",
         {"autoscaling": {"enabled": True, "kafka": {"sasl": "plaintext"}}},
         "kafkaSasl",
@@ -303,6 +313,12 @@ def check_fit(manifests: dict[str, list[dict]], values: dict[str, Any]) -> list[
             or (url is not None and env_names.index("POD_NAME") > env_names.index("SLUICE_HTTP__ADVERTISED_URL"))
         ):
             problems.append("POD_NAME must come from metadata.name, before SLUICE_HTTP__ADVERTISED_URL")
+        # Static membership: each pod is its own group.instance.id.
+        gid = next((e.get("value") for e in env if e["name"] == "SLUICE_KAFKA__GROUP_INSTANCE_ID"), None)
+        if gid != "$(POD_NAME)" or env_names.index("POD_NAME") > env_names.index("SLUICE_KAFKA__GROUP_INSTANCE_ID"):
+            problems.append("SLUICE_KAFKA__GROUP_INSTANCE_ID must be $(POD_NAME), after POD_NAME")
+    if isinstance(kafka, dict) and "group_instance_id" in kafka:
+        problems.append(f"{config_path.name}: [kafka] group_instance_id is fixed in the shared file; each pod must set its own")
 
     # Ports and probes.
     ports = {p.get("name"): p["containerPort"] for p in c.get("ports", [])}
@@ -342,7 +358,11 @@ def check_fit(manifests: dict[str, list[dict]], values: dict[str, Any]) -> list[
         problems.append("privilege escalation is not disabled")
 
     # Shutdown: the grace period covers the drain of in-flight calls.
-    drain_s = -(-int(cfg.get("app", {}).get("drain_timeout_ms", 30000)) // 1000)
+    drain_ms = cfg.get("app", {}).get("drain_timeout_ms")
+    if drain_ms is None:
+        models = cfg.get("llm", {}).get("models", [])
+        drain_ms = max([int(m.get("timeout_ms", 60000)) for m in models] or [0]) + 5000
+    drain_s = -(-int(drain_ms) // 1000)
     grace = spec.get("terminationGracePeriodSeconds", 30)
     if grace < drain_s:
         problems.append(f"terminationGracePeriodSeconds {grace} < drain_timeout {drain_s}s")

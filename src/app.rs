@@ -102,7 +102,7 @@ pub async fn run_pipeline(
         .application_server
         .clone()
         .unwrap_or_else(|| format!("http://{bound}"));
-    let app = StreamsApp::new(topology, streams, engine_metrics)
+    let app = StreamsApp::new(topology, streams, engine_metrics.clone())
         .with_runtime(tokio::runtime::Handle::current())
         .with_intake(intake)
         .start()
@@ -139,6 +139,11 @@ pub async fn run_pipeline(
     }
     result?;
     joined?;
+    // The calls the drains gave up on (made again by their next owner), for
+    // the log and for whoever supervises the process.
+    let abandoned = engine_metrics.calls_abandoned();
+    tracing::info!(calls_abandoned = abandoned, "stopped");
+    println!("STOPPED calls_abandoned={abandoned}");
     Ok(())
 }
 

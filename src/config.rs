@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use sluice_topology::runtime::{Guarantee, KeyPartitioner, StreamsConfig};
+use sluice_topology::runtime::{GroupProtocol, Guarantee, KeyPartitioner, StreamsConfig};
 use sluice_topology::RocksSettings;
 
 use crate::accounting::{default_windows, Budgets, Quotas, UsageUpdates, WindowSpec};
@@ -88,8 +88,11 @@ pub struct AppSection {
     pub commit_interval_ms: Option<u64>,
     /// Tasks in flight per input partition before the partition is paused.
     pub max_in_flight_per_partition: usize,
-    /// How long a rebalance waits for in-flight calls before abandoning them (ms).
-    pub drain_timeout_ms: u64,
+    /// How long a revocation or a shutdown waits for in-flight calls before
+    /// abandoning them (ms). Default: the longest model `timeout_ms` plus
+    /// [`DRAIN_MARGIN_MS`], so a call under way when its partition moves is
+    /// answered rather than made again.
+    pub drain_timeout_ms: Option<u64>,
     /// Threads that process tasks side by side (default: the number of cores).
     pub processing_threads: Option<usize>,
     /// RocksDB block cache shared by all tasks, MiB.
@@ -109,7 +112,7 @@ impl Default for AppSection {
             guarantee: Guarantee::ExactlyOnce,
             commit_interval_ms: None,
             max_in_flight_per_partition: 1000,
-            drain_timeout_ms: 30_000,
+            drain_timeout_ms: None,
             processing_threads: None,
             rocksdb_block_cache_mb: 64,
             rocksdb_write_buffer_mb: 32,
@@ -124,7 +127,18 @@ impl Default for AppSection {
 pub struct KafkaSection {
     /// Bootstrap servers, comma-separated.
     pub bootstrap_servers: String,
-    /// Consumer group session timeout, ms.
+    /// The consumer group protocol: `consumer` (KIP-848, brokers 4.0 and
+    /// later; incremental rebalances) or `classic` (eager rebalances).
+    #[serde(default = "default_group_protocol")]
+    pub group_protocol: GroupProtocol,
+    /// Static membership: this instance's `group.instance.id` (the Helm chart
+    /// sets the pod's name). An instance restarting under the same id within
+    /// the session timeout gets its partitions back without a rebalance.
+    #[serde(default)]
+    pub group_instance_id: Option<String>,
+    /// Consumer group session timeout, ms (the classic protocol's; under the
+    /// consumer protocol the broker's `group.consumer.session.timeout.ms`
+    /// decides).
     #[serde(default = "default_session_timeout_ms")]
     pub session_timeout_ms: u64,
     /// Maximum time between polls, ms.
@@ -189,6 +203,14 @@ impl KafkaSection {
         Ok(())
     }
 }
+
+fn default_group_protocol() -> GroupProtocol {
+    GroupProtocol::Consumer
+}
+
+/// What the default drain timeout adds to the longest model timeout: the
+/// answer's handling and the batch window.
+pub const DRAIN_MARGIN_MS: u64 = 5_000;
 
 fn default_session_timeout_ms() -> u64 {
     10_000
@@ -555,6 +577,26 @@ impl Config {
                 "must be at least 1, or -1 for the cluster's default",
             ));
         }
+        if self.drain_timeout_ms() >= self.kafka.max_poll_interval_ms {
+            // A revocation drains inside the rebalance, which must end within
+            // max.poll.interval.ms (the broker's rebalance timeout).
+            return Err(ConfigError::new(
+                "app.drain_timeout_ms",
+                format!(
+                    "{} ms (set, or the longest model timeout_ms plus {DRAIN_MARGIN_MS}) must be below kafka.max_poll_interval_ms ({} ms)",
+                    self.drain_timeout_ms(),
+                    self.kafka.max_poll_interval_ms
+                ),
+            ));
+        }
+        if let Some(id) = &self.kafka.group_instance_id {
+            if id.trim().is_empty() || id.chars().any(char::is_whitespace) {
+                return Err(ConfigError::new(
+                    "kafka.group_instance_id",
+                    "must be a non-empty id without spaces",
+                ));
+            }
+        }
         if self.kafka.session_timeout_ms >= self.kafka.max_poll_interval_ms {
             return Err(ConfigError::new(
                 "kafka.session_timeout_ms",
@@ -655,6 +697,20 @@ impl Config {
         Ok(())
     }
 
+    /// The drain timeout: `[app] drain_timeout_ms`, or the longest model
+    /// timeout plus [`DRAIN_MARGIN_MS`].
+    pub fn drain_timeout_ms(&self) -> u64 {
+        self.app.drain_timeout_ms.unwrap_or_else(|| {
+            self.llm
+                .models
+                .iter()
+                .map(|m| m.timeout_ms)
+                .max()
+                .unwrap_or(0)
+                + DRAIN_MARGIN_MS
+        })
+    }
+
     /// The engine configuration.
     pub fn streams(&self) -> StreamsConfig {
         let mut s = StreamsConfig::new(
@@ -665,10 +721,12 @@ impl Config {
         s.guarantee = self.app.guarantee;
         s.commit_interval = self.app.commit_interval_ms.map(Duration::from_millis);
         s.max_in_flight_per_partition = self.app.max_in_flight_per_partition;
-        s.drain_timeout = Duration::from_millis(self.app.drain_timeout_ms);
+        s.drain_timeout = Duration::from_millis(self.drain_timeout_ms());
         if let Some(n) = self.app.processing_threads {
             s.processing_threads = n;
         }
+        s.group_protocol = self.kafka.group_protocol;
+        s.group_instance_id = self.kafka.group_instance_id.clone();
         s.session_timeout = Duration::from_millis(self.kafka.session_timeout_ms);
         s.max_poll_interval = Duration::from_millis(self.kafka.max_poll_interval_ms);
         s.transaction_timeout = Duration::from_millis(self.kafka.transaction_timeout_ms);
@@ -949,6 +1007,44 @@ input = 150000
             text,
             env.iter().map(|(k, v)| (k.to_string(), v.to_string())),
         )
+    }
+
+    #[test]
+    fn the_drain_follows_the_longest_model_timeout_unless_set() {
+        let c = load(MINIMAL, &[]).unwrap();
+        assert_eq!(c.drain_timeout_ms(), 60_000 + DRAIN_MARGIN_MS);
+        assert_eq!(c.streams().drain_timeout, Duration::from_millis(65_000));
+        let longer = MINIMAL.replace(
+            "provider = \"sim\"\n",
+            "provider = \"sim\"\ntimeout_ms = 120000\n",
+        );
+        assert_eq!(load(&longer, &[]).unwrap().drain_timeout_ms(), 125_000);
+        let set = load(MINIMAL, &[("SLUICE_APP__DRAIN_TIMEOUT_MS", "1000")]).unwrap();
+        assert_eq!(set.drain_timeout_ms(), 1000);
+        // A drain the rebalance cannot wait for is refused, naming the key.
+        let err = load(MINIMAL, &[("SLUICE_KAFKA__MAX_POLL_INTERVAL_MS", "60000")]).unwrap_err();
+        assert_eq!(err.key, "app.drain_timeout_ms", "{err:?}");
+    }
+
+    #[test]
+    fn group_protocol_and_static_membership() {
+        let c = load(MINIMAL, &[]).unwrap();
+        assert_eq!(c.streams().group_protocol, GroupProtocol::Consumer);
+        assert_eq!(c.streams().group_instance_id, None);
+        let c = load(
+            MINIMAL,
+            &[
+                ("SLUICE_KAFKA__GROUP_PROTOCOL", "classic"),
+                ("SLUICE_KAFKA__GROUP_INSTANCE_ID", "sluice-2"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.streams().group_protocol, GroupProtocol::Classic);
+        assert_eq!(c.streams().group_instance_id.as_deref(), Some("sluice-2"));
+        let err = load(MINIMAL, &[("SLUICE_KAFKA__GROUP_INSTANCE_ID", "a b")]).unwrap_err();
+        assert_eq!(err.key, "kafka.group_instance_id", "{err:?}");
+        let err = load(MINIMAL, &[("SLUICE_KAFKA__GROUP_PROTOCOL", "eager")]).unwrap_err();
+        assert!(err.to_string().contains("group_protocol"), "{err}");
     }
 
     #[test]

@@ -487,11 +487,18 @@ fn twenty_second_calls_cause_no_rebalance_and_no_duplicate_call() {
     )
     .unwrap();
     let p = Pipeline::new(sim, UNBATCHED);
-    // max.poll.interval at 10 s (session timeout must stay below it).
-    p.edit_config(&[(
-        "session_timeout_ms = 6000",
-        "session_timeout_ms = 6000\nmax_poll_interval_ms = 10000",
-    )]);
+    // max.poll.interval at 10 s (the session timeout and the drain must
+    // stay below it).
+    p.edit_config(&[
+        (
+            "session_timeout_ms = 6000",
+            "session_timeout_ms = 6000\nmax_poll_interval_ms = 10000",
+        ),
+        (
+            "max_in_flight_per_partition = 2000",
+            "max_in_flight_per_partition = 2000\ndrain_timeout_ms = 8000",
+        ),
+    ]);
     let mut app = p.start("slow");
     let tasks: Vec<Task> = (0..4)
         .map(|i| Task::new(i, "classify", "acme", "normal"))

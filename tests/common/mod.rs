@@ -143,7 +143,7 @@ impl Proc {
         let _ = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status();
-        let deadline = Instant::now() + Duration::from_secs(60);
+        let deadline = Instant::now() + Duration::from_secs(90);
         while Instant::now() < deadline {
             if let Ok(Some(_)) = self.child.try_wait() {
                 break;

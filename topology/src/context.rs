@@ -98,10 +98,12 @@ impl Spawner {
 
     /// Cancels every pending call; their records stay unfinished (their
     /// tokens are dropped without being reported by the closed task).
-    pub(crate) fn abort_all(&mut self) {
+    pub(crate) fn abort_all(&mut self) -> usize {
+        let n = self.pending.len();
         for (_, p) in self.pending.drain() {
             p.abort.abort();
         }
+        n
     }
 
     pub(crate) fn handle(&self) -> &tokio::runtime::Handle {

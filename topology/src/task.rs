@@ -613,11 +613,12 @@ impl TaskCore {
     /// Abandons in-flight work: pending async calls are cancelled, and no
     /// record still in flight will ever count as finished, so nothing past the
     /// first of them is committed. The task must be restored afresh to run again.
-    pub(crate) fn abandon(&mut self) {
+    /// Returns how many calls it cancelled.
+    pub(crate) fn abandon(&mut self) -> usize {
         self.ctx
             .abandoned
             .store(true, std::sync::atomic::Ordering::Release);
-        self.ctx.spawner.abort_all();
+        self.ctx.spawner.abort_all()
     }
 
     /// True once [`TaskCore::abandon`] was called.

@@ -126,12 +126,29 @@ The configuration as Sluice will read it, as JSON: configToml parsed, or the
 {{- end }}
 
 {{/*
-Seconds Sluice may spend draining in-flight calls at shutdown ([app] drain_timeout_ms).
+Milliseconds Sluice may spend draining in-flight calls at a revocation or a
+shutdown: [app] drain_timeout_ms, or, as Sluice derives it when unset, the
+longest model timeout_ms (60000 when a model sets none) plus 5000.
+*/}}
+{{- define "sluice.drainMs" -}}
+{{- $cfg := include "sluice.effectiveConfig" . | fromJson }}
+{{- $ms := dig "app" "drain_timeout_ms" nil $cfg }}
+{{- if kindIs "invalid" $ms }}
+{{- $longest := 0 }}
+{{- range (dig "llm" "models" list $cfg) }}
+{{- $t := int64 (dig "timeout_ms" 60000 .) }}
+{{- if gt $t $longest }}{{ $longest = $t }}{{ end }}
+{{- end }}
+{{- $ms = add $longest 5000 }}
+{{- end }}
+{{- int64 $ms }}
+{{- end }}
+
+{{/*
+The drain in whole seconds.
 */}}
 {{- define "sluice.drainSeconds" -}}
-{{- $cfg := include "sluice.effectiveConfig" . | fromJson }}
-{{- $ms := dig "app" "drain_timeout_ms" 30000 $cfg }}
-{{- div (add (int64 $ms) 999) 1000 }}
+{{- div (add (include "sluice.drainMs" . | int64) 999) 1000 }}
 {{- end }}
 
 {{/*
@@ -164,6 +181,9 @@ validation where a mistake would otherwise only show as a crash-looping pod.
 {{- $http := get $cfg "http" | default dict }}
 {{- if hasKey $http "advertised_url" }}
 {{- fail "configToml: remove [http] advertised_url; the chart sets it per pod (SLUICE_HTTP__ADVERTISED_URL)" }}
+{{- end }}
+{{- if hasKey (get $cfg "kafka" | default dict) "group_instance_id" }}
+{{- fail "configToml: remove [kafka] group_instance_id; the chart sets it per pod (SLUICE_KAFKA__GROUP_INSTANCE_ID)" }}
 {{- end }}
 {{- $listen := get $http "listen" | default "0.0.0.0:8080" }}
 {{- if not (hasSuffix (printf ":%d" (int .Values.http.port)) $listen) }}
@@ -237,6 +257,11 @@ validation where a mistake would otherwise only show as a crash-looping pod.
 {{- if and .Values.autoscaling.kafka.caKey (not (include "sluice.secretName" .)) }}
 {{- fail "autoscaling.kafka.caKey needs a Secret: set secrets.existingSecret or secrets.data" }}
 {{- end }}
+{{- end }}
+{{- $maxPoll := int64 (dig "kafka" "max_poll_interval_ms" 300000 $cfg) }}
+{{- $drain := include "sluice.drainMs" . | int64 }}
+{{- if ge $drain $maxPoll }}
+{{- fail (printf "config.app.drain_timeout_ms (%d ms; when unset, the longest model timeout_ms plus 5000) must be below config.kafka.max_poll_interval_ms (%d ms): a revocation drains inside the rebalance" $drain $maxPoll) }}
 {{- end }}
 {{- $_ := include "sluice.terminationGracePeriodSeconds" . }}
 {{- end }}

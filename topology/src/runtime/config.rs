@@ -33,6 +33,27 @@ impl Guarantee {
     }
 }
 
+/// The consumer group protocol, and with it how rebalances move partitions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GroupProtocol {
+    /// Kafka's consumer protocol (KIP-848, brokers 4.0 and later): the
+    /// broker assigns partitions with its `range` assignor (sticky, and
+    /// co-partitioning: partition `p` of every input topic goes to the same
+    /// instance, as a task needs) and a rebalance revokes only the partitions
+    /// that move, so every other task keeps running, its calls in flight.
+    /// The session timeout is the group's (the broker's
+    /// `group.consumer.session.timeout.ms`, or the group config
+    /// `consumer.session.timeout.ms`), not `session_timeout`.
+    Consumer,
+    /// The classic protocol with the eager `range` assignor: every rebalance
+    /// revokes every partition of every instance (tasks that stay are
+    /// suspended and resumed). For brokers older than 4.0. The
+    /// cooperative-sticky assignor is not offered: it does not keep a task's
+    /// partitions of different topics together.
+    Classic,
+}
+
 /// Everything the runtime needs besides the topology.
 #[derive(Clone, Debug)]
 pub struct StreamsConfig {
@@ -72,7 +93,15 @@ pub struct StreamsConfig {
     pub repartition_purge_interval: Duration,
     /// Extra retention of windowed changelogs beyond the store retention.
     pub windowed_changelog_extra_retention: Duration,
-    /// Consumer group session timeout.
+    /// The consumer group protocol.
+    pub group_protocol: GroupProtocol,
+    /// Static membership (`group.instance.id`): an instance that leaves and
+    /// comes back under the same id within the session timeout gets its
+    /// partitions back without a rebalance (a pod's name in a StatefulSet).
+    /// At most one running instance may use an id.
+    pub group_instance_id: Option<String>,
+    /// Consumer group session timeout (the classic protocol's; under the
+    /// consumer protocol the broker's group config decides).
     pub session_timeout: Duration,
     /// Maximum interval between polls before the member is evicted.
     pub max_poll_interval: Duration,
@@ -128,6 +157,8 @@ impl StreamsConfig {
             repartition_partitions: None,
             repartition_purge_interval: Duration::from_secs(30),
             windowed_changelog_extra_retention: Duration::from_secs(24 * 3600),
+            group_protocol: GroupProtocol::Consumer,
+            group_instance_id: None,
             session_timeout: Duration::from_secs(45),
             max_poll_interval: Duration::from_secs(300),
             transaction_timeout: Duration::from_secs(60),
@@ -207,6 +238,11 @@ impl StreamsConfig {
         }
         if self.session_timeout >= self.max_poll_interval {
             return bad("session_timeout", "must be below max_poll_interval");
+        }
+        if let Some(id) = &self.group_instance_id {
+            if id.is_empty() || id.chars().any(char::is_whitespace) {
+                return bad("group_instance_id", "must be a non-empty id without spaces");
+            }
         }
         if let Some(server) = &self.application_server {
             if server.is_empty() || server.chars().any(char::is_whitespace) {

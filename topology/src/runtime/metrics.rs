@@ -19,6 +19,9 @@ pub mod names {
     pub const PAUSED: &str = "sluice_paused_partitions";
     /// Rebalances seen by this instance.
     pub const REBALANCES: &str = "sluice_rebalances_total";
+    /// Async calls abandoned (cancelled unfinished: a drain timeout, a task
+    /// closed dirty or at a stop); their records are processed again.
+    pub const CALLS_ABANDONED: &str = "sluice_calls_abandoned_total";
     /// Time to restore a task.
     pub const RESTORE_SECONDS: &str = "sluice_restore_seconds";
     /// Changelog records restored.
@@ -50,6 +53,7 @@ pub struct EngineMetrics {
     pub(crate) in_flight: IntGauge,
     pub(crate) paused: IntGauge,
     pub(crate) rebalances: IntCounter,
+    pub(crate) calls_abandoned: IntCounter,
     pub(crate) restore_seconds: Histogram,
     pub(crate) restore_records: IntCounter,
     pub(crate) commits: IntCounter,
@@ -81,6 +85,10 @@ impl EngineMetrics {
             in_flight: IntGauge::new(names::IN_FLIGHT, "Input records received and not finished")?,
             paused: IntGauge::new(names::PAUSED, "Input partitions paused for backpressure")?,
             rebalances: IntCounter::new(names::REBALANCES, "Rebalances seen")?,
+            calls_abandoned: IntCounter::new(
+                names::CALLS_ABANDONED,
+                "Async calls abandoned unfinished (their records are processed again)",
+            )?,
             restore_seconds: Histogram::with_opts(
                 HistogramOpts::new(names::RESTORE_SECONDS, "Time to restore a task's state")
                     .buckets(vec![0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0, 600.0]),
@@ -125,6 +133,7 @@ impl EngineMetrics {
         registry.register(Box::new(m.in_flight.clone()))?;
         registry.register(Box::new(m.paused.clone()))?;
         registry.register(Box::new(m.rebalances.clone()))?;
+        registry.register(Box::new(m.calls_abandoned.clone()))?;
         registry.register(Box::new(m.restore_seconds.clone()))?;
         registry.register(Box::new(m.restore_records.clone()))?;
         registry.register(Box::new(m.commits.clone()))?;
@@ -186,6 +195,11 @@ impl EngineMetrics {
     /// Rebalances seen so far.
     pub fn rebalance_count(&self) -> u64 {
         self.rebalances.get()
+    }
+
+    /// Async calls abandoned so far.
+    pub fn calls_abandoned(&self) -> u64 {
+        self.calls_abandoned.get()
     }
 
     /// Records consumed so far.

@@ -47,7 +47,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 
-pub use config::{Guarantee, StreamsConfig};
+pub use config::{GroupProtocol, Guarantee, StreamsConfig};
 pub use instances::InstanceClaim;
 pub use kafka::close_in_background;
 pub use metrics::EngineMetrics;

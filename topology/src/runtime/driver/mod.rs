@@ -24,7 +24,7 @@ use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{ClientContext, Message, Offset, TopicPartitionList};
 use sluice_state::{RocksEnv, TaskState};
 
-use super::config::{Guarantee, StreamsConfig};
+use super::config::{GroupProtocol, Guarantee, StreamsConfig};
 use super::kafka::{
     client_config, create_producer, flush, init_transactions, send, DeliveryState, DeliveryTag,
     TrackedProducer,
@@ -332,6 +332,9 @@ pub(crate) struct DriverContext {
     /// Where a partition without a committed offset starts (`auto.offset.reset`);
     /// `None` leaves it to librdkafka.
     reset: Option<Offset>,
+    /// Whether the current rebalance is incremental (only the partitions that
+    /// move are revoked or assigned), as librdkafka reports it.
+    incremental: AtomicBool,
 }
 
 impl ClientContext for DriverContext {
@@ -361,6 +364,7 @@ impl ConsumerContext for DriverContext {
             consumer.rebalance_protocol(),
             RebalanceProtocol::Cooperative
         );
+        self.incremental.store(cooperative, Ordering::Relaxed);
         match err {
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
                 let resume = self.engine.lock().resume_positions(tpl);
@@ -396,8 +400,9 @@ impl ConsumerContext for DriverContext {
 
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(tpl) = rebalance {
+            let incremental = self.incremental.load(Ordering::Relaxed);
             let mut engine = self.engine.lock();
-            if let Err(e) = engine.on_revoke(consumer, tpl) {
+            if let Err(e) = engine.on_revoke(consumer, tpl, incremental) {
                 engine.fail(e);
             }
         }
@@ -406,8 +411,9 @@ impl ConsumerContext for DriverContext {
     fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         match rebalance {
             Rebalance::Assign(tpl) => {
+                let incremental = self.incremental.load(Ordering::Relaxed);
                 let mut engine = self.engine.lock();
-                if let Err(e) = engine.on_assign(consumer, tpl) {
+                if let Err(e) = engine.on_assign(consumer, tpl, incremental) {
                     engine.fail(e);
                 }
             }
@@ -502,17 +508,10 @@ impl Driver {
         }));
 
         let mut c = client_config(&cfg);
-        let session_ms = cfg.session_timeout.as_millis();
         c.set("group.id", &app)
             .set("enable.auto.commit", "false")
             .set("enable.auto.offset.store", "false")
             .set("auto.offset.reset", "earliest")
-            .set("partition.assignment.strategy", "range")
-            .set("session.timeout.ms", session_ms.to_string())
-            .set(
-                "heartbeat.interval.ms",
-                (session_ms / 3).max(100).to_string(),
-            )
             .set(
                 "max.poll.interval.ms",
                 cfg.max_poll_interval.as_millis().to_string(),
@@ -527,6 +526,7 @@ impl Driver {
                     Guarantee::AtLeastOnce => "read_uncommitted",
                 },
             );
+        set_group_protocol(&mut c, &cfg);
         for (k, v) in &cfg.consumer_overrides {
             c.set(k, v);
         }
@@ -535,6 +535,7 @@ impl Driver {
             engine: engine.clone(),
             metrics,
             reset,
+            incremental: AtomicBool::new(false),
         })?;
         consumer.set_nonempty_callback(waker(&wake_tx));
         Ok(Driver {
@@ -882,7 +883,8 @@ impl Engine {
         }
         for (_, mut t) in std::mem::take(&mut self.tasks) {
             t.count_in(&self.metrics);
-            t.core.abandon();
+            let n = t.core.abandon();
+            self.metrics.calls_abandoned.inc_by(n as u64);
             if t.txn_open {
                 let _ = t.producer.abort_transaction(TXN_TIMEOUT);
                 self.metrics.aborted.inc();

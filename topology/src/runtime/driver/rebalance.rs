@@ -7,13 +7,20 @@ use super::*;
 impl Engine {
     /// Revocation: stop intake of the revoked tasks, drain their in-flight work,
     /// commit, and suspend them until the assignment that follows.
+    /// Under an incremental protocol the revoked partitions leave this
+    /// instance (the others stay, their tasks running): their tasks close
+    /// after the commit. Under the eager protocol every partition is revoked
+    /// and tasks are suspended, to resume if they come back.
     pub(super) fn on_revoke(
         &mut self,
         consumer: &DriverConsumer,
         tpl: &TopicPartitionList,
+        incremental: bool,
     ) -> Result<(), RuntimeError> {
         self.metrics.rebalances.inc();
-        self.status.set(AppState::Rebalancing);
+        if !incremental {
+            self.status.set(AppState::Rebalancing);
+        }
         // A commit on the commit thread ends first: its tasks come back.
         self.collect_commit(consumer, true)?;
         self.round.clear();
@@ -78,6 +85,11 @@ impl Engine {
         self.commit_tasks(consumer, &ids)?;
         for id in ids {
             if let Some(mut task) = self.tasks.remove(&id) {
+                if incremental {
+                    tracing::info!(task = %id, "task moved to another instance");
+                    task.count_in(&self.metrics);
+                    continue;
+                }
                 // Queued records are read again from the committed position.
                 for q in &mut task.backlog {
                     q.clear();
@@ -99,7 +111,8 @@ impl Engine {
                 continue;
             };
             task.count_in(&self.metrics);
-            task.core.abandon();
+            let n = task.core.abandon();
+            self.metrics.calls_abandoned.inc_by(n as u64);
             if task.txn_open {
                 if let Err(e) = task.producer.abort_transaction(ABORT_TIMEOUT) {
                     tracing::debug!(task = %id, error = %e, "abort of a closed task's transaction failed");
@@ -137,7 +150,8 @@ impl Engine {
                 );
                 for id in ids {
                     if let Some(t) = self.tasks.get_mut(id) {
-                        t.core.abandon();
+                        let n = t.core.abandon();
+                        self.metrics.calls_abandoned.inc_by(n as u64);
                     }
                 }
                 return Ok(());
@@ -175,17 +189,23 @@ impl Engine {
     }
 
     /// Assignment: resume suspended tasks that stayed here, close the others,
-    /// and restore new ones (buffering their records meanwhile).
+    /// and restore new ones (buffering their records meanwhile). Under an
+    /// incremental protocol `tpl` holds only the partitions added; the tasks
+    /// already here go on.
     pub(super) fn on_assign(
         &mut self,
         consumer: &DriverConsumer,
         tpl: &TopicPartitionList,
+        incremental: bool,
     ) -> Result<(), RuntimeError> {
         self.joined = true;
         self.collect_commit(consumer, true)?;
-        // An assignment forwards every partition to the consumer's queue again.
-        self.queues.clear();
-        self.unsplit.clear();
+        // An assignment forwards its partitions to the consumer's queue again.
+        for e in tpl.elements() {
+            let tp = (e.topic().to_string(), e.partition());
+            self.queues.remove(&tp);
+            self.unsplit.remove(&tp);
+        }
         let mut by_task: BTreeMap<TaskId, Vec<Tp>> = BTreeMap::new();
         let mut starts: HashMap<Tp, StartAt> = HashMap::new();
         for e in tpl.elements() {
@@ -205,7 +225,7 @@ impl Engine {
         let gone: Vec<TaskId> = self
             .suspended
             .keys()
-            .filter(|id| !by_task.contains_key(id))
+            .filter(|id| !incremental && !by_task.contains_key(id))
             .copied()
             .collect();
         for id in gone {
@@ -217,6 +237,9 @@ impl Engine {
         }
         for (id, parts) in by_task {
             if self.tasks.contains_key(&id) || self.pending.contains_key(&id) {
+                // A co-partitioning assignor hands a task's partitions over
+                // together; one arriving alone joins nothing.
+                tracing::warn!(task = %id, partitions = ?parts, "partitions assigned apart from their task's others");
                 continue;
             }
             if let Some(mut task) = self.suspended.remove(&id) {
@@ -246,6 +269,32 @@ impl Engine {
         }
         self.publish_tasks();
         Ok(())
+    }
+}
+
+/// The group settings of the main consumer for the configured protocol. The
+/// consumer protocol takes neither the session timeout nor the heartbeat
+/// interval (the broker's group config decides them) nor an assignment
+/// strategy (the broker assigns).
+pub(super) fn set_group_protocol(c: &mut rdkafka::ClientConfig, cfg: &StreamsConfig) {
+    match cfg.group_protocol {
+        GroupProtocol::Consumer => {
+            c.set("group.protocol", "consumer")
+                .set("group.remote.assignor", "range");
+        }
+        GroupProtocol::Classic => {
+            let session_ms = cfg.session_timeout.as_millis();
+            c.set("group.protocol", "classic")
+                .set("partition.assignment.strategy", "range")
+                .set("session.timeout.ms", session_ms.to_string())
+                .set(
+                    "heartbeat.interval.ms",
+                    (session_ms / 3).max(100).to_string(),
+                );
+        }
+    }
+    if let Some(id) = &cfg.group_instance_id {
+        c.set("group.instance.id", id);
     }
 }
 
