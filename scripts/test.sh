@@ -13,6 +13,10 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/sluice/target}"
 echo "test: building (release profile, target dir $CARGO_TARGET_DIR)"
 cargo build --release --workspace --all-targets
 
+# The Java clients of tests/java_interop.rs (built once per machine).
+SLUICE_TEST_JAVA_CP="$("$root/scripts/build-java-tests.sh")"
+export SLUICE_TEST_JAVA_CP
+
 name="test-$$"
 trap '"$root/scripts/broker.sh" stop "$name"; echo "test: wall time $((SECONDS - started)) s"' EXIT
 bootstrap="$("$root/scripts/broker.sh" start "$name" --tls)"
