@@ -134,7 +134,7 @@ fn restore(bootstrap: &str, app_id: &str, topic: &str, state: &std::path::Path) 
 fn main() {
     let bootstrap =
         std::env::var("SLUICE_BENCH_BOOTSTRAP").expect("run through `make bench-engine`");
-    let n = env_usize("SLUICE_BENCH_RECORDS", 400_000);
+    let n = env_usize("SLUICE_BENCH_RECORDS", 2_000_000);
     // SLUICE_BENCH_LOG=<filter> shows the engine's log (stderr).
     if let Ok(filter) = std::env::var("SLUICE_BENCH_LOG") {
         tracing_subscriber::fmt()
@@ -160,18 +160,24 @@ fn main() {
     eprintln!("produced {n} records in {:.2}s", t.elapsed().as_secs_f64());
 
     let dir = tempfile::tempdir().unwrap();
-    // SLUICE_BENCH_ONLY=async runs only the async rounds (for profiling).
-    if std::env::var("SLUICE_BENCH_ONLY").as_deref() == Ok("async") {
+    // SLUICE_BENCH_ONLY=alos|eos|async runs only those rounds (for profiling).
+    if let Ok(only) = std::env::var("SLUICE_BENCH_ONLY") {
+        let (guarantee, counting) = match only.as_str() {
+            "alos" => (Guarantee::AtLeastOnce, Counting::Direct),
+            "eos" => (Guarantee::ExactlyOnce, Counting::Direct),
+            "async" => (Guarantee::ExactlyOnce, Counting::BehindAsync),
+            other => panic!("SLUICE_BENCH_ONLY={other}: alos, eos or async"),
+        };
         for round in 0..3 {
             let (rps, _) = aggregate(
                 &bootstrap,
                 &topic,
                 n,
-                Guarantee::ExactlyOnce,
-                Counting::BehindAsync,
-                &dir.path().join(format!("async-{round}")),
+                guarantee,
+                counting,
+                &dir.path().join(format!("{only}-{round}")),
             );
-            println!("async_eos_rps={rps:.0}");
+            println!("{only}_rps={rps:.0}");
         }
         return;
     }

@@ -1209,7 +1209,7 @@ fn crash_points(shape: Shape, guarantee: &str, points: &[(&str, Promise)]) {
 }
 
 const EOS_POINTS: [(&str, Promise); 3] = [
-    ("eos_after_output_flush", Promise::Exact),
+    ("eos_before_flush", Promise::Exact),
     ("eos_after_changelog_flush", Promise::Exact),
     ("eos_after_commit_before_local", Promise::Exact),
 ];

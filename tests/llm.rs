@@ -801,8 +801,8 @@ fn crash_inside_a_commit(failpoint: &str) -> (Pipeline, App) {
 }
 
 #[test]
-fn a_crash_after_results_were_written_answers_no_task_twice() {
-    let (_p, mut app) = crash_inside_a_commit("eos_after_output_flush:3");
+fn a_crash_with_results_sent_not_yet_flushed_answers_no_task_twice() {
+    let (_p, mut app) = crash_inside_a_commit("eos_before_flush:3");
     app.proc.stop();
 }
 

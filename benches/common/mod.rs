@@ -25,6 +25,10 @@ pub fn raw_read(bootstrap: &str, topic: &str, n: usize, split: bool) -> f64 {
         .set("bootstrap.servers", bootstrap)
         .set("group.id", format!("bench-raw-{}", uuid::Uuid::new_v4()))
         .set("enable.auto.commit", "false")
+        // As the engine's consumer: fetched again 10 ms after its queue was
+        // full, not librdkafka's default second (which leaves the queues
+        // empty for most of it once fetching outpaces reading).
+        .set("fetch.queue.backoff.ms", "10")
         .create()
         .expect("consumer");
     let mut tpl = TopicPartitionList::new();

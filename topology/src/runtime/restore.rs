@@ -63,7 +63,14 @@ pub(crate) fn restore_task(
         .set("max.partition.fetch.bytes", "10485760")
         // A fetch at the end comes back at once (the end is what the restore
         // waits for), not after the broker's default half-second wait.
-        .set("fetch.wait.max.ms", "10");
+        .set("fetch.wait.max.ms", "10")
+        // Fetching again soon after the queue was full (see the driver's
+        // consumer): the restore applies in batches and must not wait a
+        // second for the next fetch.
+        .set(
+            "fetch.queue.backoff.ms",
+            super::driver::FETCH_QUEUE_BACKOFF_MS,
+        );
     if cfg.guarantee == Guarantee::ExactlyOnce {
         c.set("isolation.level", "read_committed");
     }

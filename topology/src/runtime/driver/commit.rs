@@ -345,9 +345,9 @@ impl EosCommit<'_> {
 }
 
 /// Commits tasks' transactions. Each task's own work — preparing its commit
-/// (write cache to changelog records, progress record), and after the commit
-/// its local state — runs side by side. The broker steps (outputs sent and
-/// the offsets added to the transaction, changelog records sent, flushed,
+/// (write cache to changelog records, progress record), sending its outputs
+/// and changelog records, and after the commit its local state — runs side
+/// by side. The broker steps (offsets added to the transaction, one flush,
 /// commit) run for every task before the next step, so their round trips
 /// overlap. Returns each task's outcome (a task that failed took no step
 /// after its failure); an error of its own when a processing thread
@@ -374,7 +374,7 @@ pub(super) fn commit_eos(
             result: Ok(()),
         })
     })?;
-    broker_steps(&mut commits, meta, app, metrics);
+    broker_steps(&mut commits, meta, app, metrics, threads)?;
     let brokered = started.elapsed();
     let tasks = commits.len();
     in_parallel(commits.iter_mut().collect(), threads, |c| {
@@ -410,58 +410,60 @@ pub(super) fn commit_eos(
 }
 
 /// The broker steps of exactly-once commits, each for every task given
-/// before the next. Retriable failures (a request timing out, the
-/// coordinator moving) are retried within the transaction's timeout.
+/// before the next. A transaction's records (outputs, changelog, progress)
+/// are sent on the processing threads first; the offsets join the
+/// transaction while they are on their way (round trips to the coordinators
+/// that overlap their delivery); one flush, then the commit. Retriable
+/// failures (a request timing out, the coordinator moving) are retried
+/// within the transaction's timeout.
 fn broker_steps(
     commits: &mut [EosCommit<'_>],
     meta: &rdkafka::consumer::ConsumerGroupMetadata,
     app: &str,
     metrics: &EngineMetrics,
-) {
+    threads: usize,
+) -> Result<(), RuntimeError> {
     // The tests' crash points are reached only inside a transaction.
     let working = commits.iter().any(|c| !c.idle);
     let deadline = Instant::now() + TXN_TIMEOUT;
-    let flush_all = |commits: &mut [EosCommit<'_>]| {
-        for c in commits.iter_mut() {
-            c.step(|c| {
-                retrying("flushing a transaction", deadline, || {
-                    flush(&c.task.producer, &c.task.delivery, FLUSH_TIMEOUT)
-                        .map_err(RuntimeError::Other)
-                })
-            });
-        }
-    };
-    for c in commits.iter_mut() {
+    in_parallel(commits.iter_mut().collect(), threads, |c| {
         c.step(|c| {
             if !c.task.txn_open {
                 c.task.producer.begin_transaction()?;
                 c.task.txn_open = true;
             }
             produce_outputs(c.task, metrics, std::mem::take(&mut c.outputs))?;
-            // The offsets join the transaction while the outputs are on
-            // their way (they commit with it, or not at all).
-            if !c.offsets.is_empty() {
-                let tpl = offsets_tpl(&c.task.core, &c.offsets)?;
-                retrying("adding offsets to a transaction", deadline, || {
-                    c.task
-                        .producer
-                        .send_offsets_to_transaction(&tpl, meta, TXN_REQUEST_TIMEOUT)
-                        .map_err(RuntimeError::from)
-                })?;
+            send_changelog(c.task, app, std::mem::take(&mut c.changelog))
+        });
+        Ok(())
+    })?;
+    for c in commits.iter_mut() {
+        c.step(|c| {
+            if c.offsets.is_empty() {
+                return Ok(());
             }
-            Ok(())
+            let tpl = offsets_tpl(&c.task.core, &c.offsets)?;
+            retrying("adding offsets to a transaction", deadline, || {
+                c.task
+                    .producer
+                    .send_offsets_to_transaction(&tpl, meta, TXN_REQUEST_TIMEOUT)
+                    .map_err(RuntimeError::from)
+            })
         });
     }
-    flush_all(commits);
     if working {
-        failpoint("eos_after_output_flush");
-    }
-    for c in commits.iter_mut() {
-        c.step(|c| send_changelog(c.task, app, std::mem::take(&mut c.changelog)));
+        failpoint("eos_before_flush");
     }
     // The commit's own flush (see `kafka::commit_transaction`), with the
     // tests' crash point between it and the commit.
-    flush_all(commits);
+    for c in commits.iter_mut() {
+        c.step(|c| {
+            retrying("flushing a transaction", deadline, || {
+                flush(&c.task.producer, &c.task.delivery, FLUSH_TIMEOUT)
+                    .map_err(RuntimeError::Other)
+            })
+        });
+    }
     if working {
         failpoint("eos_after_changelog_flush");
     }
@@ -480,6 +482,7 @@ fn broker_steps(
     if working {
         failpoint("eos_after_commit_before_local");
     }
+    Ok(())
 }
 
 pub(super) fn offsets_tpl(

@@ -56,6 +56,12 @@ const TXN_TIMEOUT: Duration = Duration::from_secs(60);
 const TXN_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// librdkafka's prefetch per input partition (overridable by client properties).
 const PREFETCH_KBYTES_PER_PARTITION: &str = "16384";
+/// How long librdkafka waits before fetching a partition again once its
+/// prefetch is full (overridable by client properties). Its default, a
+/// second, leaves a partition's queue empty for most of that second whenever
+/// fetching outpaces processing: the engine's rate halved. Checking again
+/// every 10 ms keeps the queue filled at no measurable cost.
+pub(super) const FETCH_QUEUE_BACKOFF_MS: &str = "10";
 const FLUSH_TIMEOUT: Duration = Duration::from_secs(60);
 /// Completions handed over at once from which tasks take theirs side by side
 /// (below it, starting threads costs more than it saves).
@@ -519,6 +525,7 @@ impl Driver {
             .set("statistics.interval.ms", "5000")
             // Split partition queues apply the prefetch bound per partition.
             .set("queued.max.messages.kbytes", PREFETCH_KBYTES_PER_PARTITION)
+            .set("fetch.queue.backoff.ms", FETCH_QUEUE_BACKOFF_MS)
             .set(
                 "isolation.level",
                 match cfg.guarantee {
