@@ -370,17 +370,22 @@ where
                 ctx.counters.late_dropped += 1;
                 continue;
             }
-            let stored = ctx
-                .state()
-                .window_get(self.store, &key_bytes, window.start)?;
-            let current = match stored {
-                Some(s) => from_bincode(&s.value)
-                    .map_err(|e| ProcessError::Fatal(format!("corrupt window value: {e}")))?,
-                None => (self.init)(),
-            };
+            // Read, changed and written back in one write-cache lookup; the
+            // aggregate stays decoded there until the commit encodes it.
+            let init = &self.init;
+            let cached =
+                ctx.state_mut()
+                    .window_update(self.store, &key_bytes, window.start, |stored| {
+                        let current = match stored {
+                            Some(s) => from_bincode(&s.value)
+                                .map_err(|e| format!("corrupt window value: {e}"))?,
+                            None => init(),
+                        };
+                        Ok(CachedAggregate(Some(current)))
+                    })?;
+            let current = cached.0.take().expect("an aggregate between updates");
             let updated = (self.agg)(&rec.key, &rec.value, current);
-            ctx.state_mut()
-                .window_put(self.store, &key_bytes, window.start, &to_bincode(&updated));
+            cached.0 = Some(updated.clone());
             let out = || Record {
                 key: Windowed {
                     key: rec.key.clone(),
@@ -448,6 +453,25 @@ where
         ctx: &mut TaskCtx,
     ) -> Result<bool, ProcessError> {
         self.out.resume(node, id, bytes, ctx)
+    }
+}
+
+/// A windowed aggregate kept decoded in the task's write cache between
+/// commits (encoded with bincode at the commit). Empty only while an update
+/// holds it.
+struct CachedAggregate<A>(Option<A>);
+
+impl<A: Serialize + Send + 'static> sluice_state::CachedValue for CachedAggregate<A> {
+    fn encode(&self) -> Vec<u8> {
+        to_bincode(self.0.as_ref().expect("an aggregate between updates"))
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
     }
 }
 
