@@ -46,7 +46,7 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::fmt::Debug;
 use std::hash::Hash;
 use std::io::{BufRead, BufReader};
@@ -55,7 +55,6 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use chrono::TimeZone;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError as RdKafkaError;
 use rdkafka::message::Timestamp;
@@ -64,7 +63,7 @@ use sluice::accounting::{
     default_windows, AccountStreamExt, Accounting, AccountingSettings, TenantUsage, UsageRecord,
     WindowUsage,
 };
-use sluice::envelope::{Route, TaskResult};
+use sluice::envelope::TaskResult;
 use sluice::examples::windowed_count;
 use sluice::kafka::{create_topics, produce, OutRecord};
 use sluice_topology::runtime::metrics::names;
@@ -76,6 +75,9 @@ use sluice_topology::{JsonCodec, SourceOptions, StreamBuilder, StringCodec, Wind
 // The plain read (`raw_read`) is not used: this bench compares two engines.
 #[allow(dead_code)]
 mod common;
+#[path = "common/results.rs"]
+mod results;
+use results::task_results;
 
 use common::{env_usize, PARTITIONS};
 
@@ -185,35 +187,6 @@ fn expected_counts(n: usize, base: i64) -> HashMap<(String, i64), u64> {
             .or_default() += 1;
     }
     counts
-}
-
-/// bench-usage's dataset: `n` results of `tenants` tenants (two models,
-/// cached tokens), completed over the last ten minutes, keyed by tenant.
-fn task_results(n: usize, tenants: usize, now: i64) -> impl Iterator<Item = TaskResult> {
-    (0..n).map(move |i| {
-        let tokens = 100 + (i % 900) as u64;
-        let at = now - 600_000 + (i as i64 * 600_000) / n as i64;
-        TaskResult {
-            task_id: format!("task-{i}"),
-            task_type: "classify".into(),
-            tenant_id: format!("tenant-{}", (i * 7919) % tenants),
-            success: true,
-            completed_at: chrono::Utc.timestamp_millis_opt(at).unwrap(),
-            processing_ms: 40,
-            model: if i % 5 == 0 { "large" } else { "small" }.into(),
-            route: Route::default(),
-            input_tokens: tokens,
-            output_tokens: tokens / 3,
-            cached_tokens: tokens / 4,
-            cost_micros: tokens as i64 * 7,
-            attempts: 1,
-            batch_id: None,
-            output: serde_json::json!({ "label": "news" }),
-            error_code: None,
-            error_message: None,
-            metadata: BTreeMap::new(),
-        }
-    })
 }
 
 /// A usage window's identity: tenant, window size name, window start.

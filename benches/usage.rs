@@ -19,17 +19,17 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use chrono::TimeZone;
 use sluice::accounting::{default_windows, AccountStreamExt, Accounting, AccountingSettings};
-use sluice::envelope::{Route, TaskResult};
+use sluice::envelope::TaskResult;
 use sluice::kafka::{create_topics, produce, OutRecord};
 use sluice_topology::runtime::{AppState, EngineMetrics, Guarantee, StreamsApp, StreamsConfig};
 use sluice_topology::{JsonCodec, SourceOptions, StreamBuilder, StringCodec};
 
 mod common;
+#[path = "common/results.rs"]
+mod results;
 
 use common::{env_usize, raw_read, PARTITIONS};
 
@@ -44,36 +44,11 @@ fn unique(what: &str) -> String {
 fn produce_results(bootstrap: &str, topic: &str, n: usize, tenants: usize) {
     create_topics(bootstrap, &[(topic, PARTITIONS, &[])]).unwrap();
     let now = chrono::Utc::now().timestamp_millis();
-    let records = (0..n).map(|i| {
-        let tenant = format!("tenant-{}", (i * 7919) % tenants);
-        let tokens = 100 + (i % 900) as u64;
-        let at = now - 600_000 + (i as i64 * 600_000) / n as i64;
-        let result = TaskResult {
-            task_id: format!("task-{i}"),
-            task_type: "classify".into(),
-            tenant_id: tenant.clone(),
-            success: true,
-            completed_at: chrono::Utc.timestamp_millis_opt(at).unwrap(),
-            processing_ms: 40,
-            model: if i % 5 == 0 { "large" } else { "small" }.into(),
-            route: Route::default(),
-            input_tokens: tokens,
-            output_tokens: tokens / 3,
-            cached_tokens: tokens / 4,
-            cost_micros: tokens as i64 * 7,
-            attempts: 1,
-            batch_id: None,
-            output: serde_json::json!({ "label": "news" }),
-            error_code: None,
-            error_message: None,
-            metadata: BTreeMap::new(),
-        };
-        OutRecord {
-            key: Some(tenant.into_bytes()),
-            value: Some(serde_json::to_vec(&result).unwrap()),
-            timestamp: Some(at),
-            ..Default::default()
-        }
+    let records = results::task_results(n, tenants, now).map(|result| OutRecord {
+        key: Some(result.tenant_id.clone().into_bytes()),
+        value: Some(serde_json::to_vec(&result).unwrap()),
+        timestamp: Some(result.completed_at.timestamp_millis()),
+        ..Default::default()
     });
     let t = Instant::now();
     produce(bootstrap, topic, records).unwrap();
