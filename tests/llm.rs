@@ -341,8 +341,15 @@ fn a_hold_leaves_with_the_task_whose_jobs_it_held() {
     // A's intake. B joins and, sorting first in the group, takes partition 0:
     // the parked jobs' task moves to B. A's hold must go with it (A has
     // nothing left that would ever probe the provider), while B holds.
+    // The classic protocol's range assignment sorts members by client id;
+    // the consumer protocol's broker-side assignment does not promise which
+    // member gets which partition.
     let sim = SimConfig::from_json_value(serde_json::json!({ "status_override": 401 })).unwrap();
     let p = Pipeline::new(sim, "");
+    p.edit_config(&[(
+        "session_timeout_ms = 6000",
+        "session_timeout_ms = 6000\ngroup_protocol = \"classic\"",
+    )]);
     let mut a = p.start("hold-a");
     let tenants: Vec<String> = (0..100)
         .map(|i| format!("tenant-{i}"))

@@ -179,6 +179,14 @@ fn settle(p: &Pipeline, tasks: &[Task], members: &mut [Member]) -> (u64, f64) {
         tasks.len(),
         results.len()
     );
+    // All at once, as a scale to zero: their drains overlap, instead of each
+    // stop moving tasks onto members that stop next (with eager rebalances
+    // and 30 s drains, one stop after another took more than 90 s each).
+    for m in members.iter() {
+        if let Some(app) = &m.app {
+            app.proc.terminate();
+        }
+    }
     for m in members.iter_mut() {
         m.stop(p);
     }

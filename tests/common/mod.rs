@@ -139,6 +139,13 @@ impl Proc {
     }
 
     /// Sends SIGTERM and waits; returns the parsed `STATS` line.
+    /// Sends SIGTERM without waiting (see [`Proc::stop`]).
+    pub fn terminate(&self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+    }
+
     pub fn stop(&mut self) -> serde_json::Value {
         let _ = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
