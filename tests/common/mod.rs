@@ -138,7 +138,6 @@ impl Proc {
         let _ = self.child.wait();
     }
 
-    /// Sends SIGTERM and waits; returns the parsed `STATS` line.
     /// Sends SIGTERM without waiting (see [`Proc::stop`]).
     pub fn terminate(&self) {
         let _ = Command::new("kill")
@@ -146,10 +145,9 @@ impl Proc {
             .status();
     }
 
+    /// Sends SIGTERM and waits; returns the parsed `STATS` line.
     pub fn stop(&mut self) -> serde_json::Value {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
+        self.terminate();
         let deadline = Instant::now() + Duration::from_secs(90);
         while Instant::now() < deadline {
             if let Ok(Some(_)) = self.child.try_wait() {

@@ -113,6 +113,13 @@ impl ActiveTask {
         }
     }
 
+    /// Abandons the task's in-flight calls (see [`TaskCore::abandon`]),
+    /// counting them in `sluice_calls_abandoned_total`.
+    fn abandon(&mut self, metrics: &EngineMetrics) {
+        let n = self.core.abandon();
+        metrics.calls_abandoned.inc_by(n as u64);
+    }
+
     /// Whether a new record of `slot` may be processed now: nothing older waits
     /// in its backlog and its in-flight records are under `max`.
     fn has_room(&self, slot: usize, max: usize) -> bool {
@@ -890,8 +897,7 @@ impl Engine {
         }
         for (_, mut t) in std::mem::take(&mut self.tasks) {
             t.count_in(&self.metrics);
-            let n = t.core.abandon();
-            self.metrics.calls_abandoned.inc_by(n as u64);
+            t.abandon(&self.metrics);
             if t.txn_open {
                 let _ = t.producer.abort_transaction(TXN_TIMEOUT);
                 self.metrics.aborted.inc();

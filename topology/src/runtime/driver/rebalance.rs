@@ -111,8 +111,7 @@ impl Engine {
                 continue;
             };
             task.count_in(&self.metrics);
-            let n = task.core.abandon();
-            self.metrics.calls_abandoned.inc_by(n as u64);
+            task.abandon(&self.metrics);
             if task.txn_open {
                 if let Err(e) = task.producer.abort_transaction(ABORT_TIMEOUT) {
                     tracing::debug!(task = %id, error = %e, "abort of a closed task's transaction failed");
@@ -150,8 +149,7 @@ impl Engine {
                 );
                 for id in ids {
                     if let Some(t) = self.tasks.get_mut(id) {
-                        let n = t.core.abandon();
-                        self.metrics.calls_abandoned.inc_by(n as u64);
+                        t.abandon(&self.metrics);
                     }
                 }
                 return Ok(());
