@@ -17,7 +17,12 @@ impl Engine {
         tpl: &TopicPartitionList,
         incremental: bool,
     ) -> Result<(), RuntimeError> {
-        self.metrics.rebalances.inc();
+        // An eager rebalance starts with every partition revoked; under an
+        // incremental protocol an instance sees a rebalance as a change of its
+        // assignment: partitions revoked here, or added in `on_assign`.
+        if !incremental || tpl.count() > 0 {
+            self.metrics.rebalances.inc();
+        }
         if !incremental {
             self.status.set(AppState::Rebalancing);
         }
@@ -196,6 +201,12 @@ impl Engine {
         tpl: &TopicPartitionList,
         incremental: bool,
     ) -> Result<(), RuntimeError> {
+        // Partitions added to an instance that had joined already (an eager
+        // rebalance was counted at its revocation; the first assignment is
+        // the join, not a rebalance).
+        if incremental && self.joined && tpl.count() > 0 {
+            self.metrics.rebalances.inc();
+        }
         self.joined = true;
         self.collect_commit(consumer, true)?;
         // An assignment forwards its partitions to the consumer's queue again.
