@@ -160,13 +160,34 @@ fn main() {
     eprintln!("produced {n} records in {:.2}s", t.elapsed().as_secs_f64());
 
     let dir = tempfile::tempdir().unwrap();
-    // SLUICE_BENCH_ONLY=alos|eos|async runs only those rounds (for profiling).
+    // SLUICE_BENCH_ONLY=alos|eos|async|restore runs only those rounds (for
+    // profiling; restore: one exactly-once count, then three restores of it).
     if let Ok(only) = std::env::var("SLUICE_BENCH_ONLY") {
+        if only == "restore" {
+            let (_, app) = aggregate(
+                &bootstrap,
+                &topic,
+                n,
+                Guarantee::ExactlyOnce,
+                Counting::Direct,
+                &dir.path().join("eos"),
+            );
+            for round in 0..3 {
+                let (rps, _) = restore(
+                    &bootstrap,
+                    &app,
+                    &topic,
+                    &dir.path().join(format!("restore-{round}")),
+                );
+                println!("restore_rps={rps:.0}");
+            }
+            return;
+        }
         let (guarantee, counting) = match only.as_str() {
             "alos" => (Guarantee::AtLeastOnce, Counting::Direct),
             "eos" => (Guarantee::ExactlyOnce, Counting::Direct),
             "async" => (Guarantee::ExactlyOnce, Counting::BehindAsync),
-            other => panic!("SLUICE_BENCH_ONLY={other}: alos, eos or async"),
+            other => panic!("SLUICE_BENCH_ONLY={other}: alos, eos, async or restore"),
         };
         for round in 0..3 {
             let (rps, _) = aggregate(

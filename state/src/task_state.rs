@@ -306,7 +306,7 @@ pub struct TaskState {
     cache_fill: Arc<AtomicUsize>,
     /// Least time between checkpoints, and when the last one was written.
     checkpoint_interval: std::time::Duration,
-    last_checkpoint: Option<std::time::Instant>,
+    last_checkpoint: std::time::Instant,
     /// Commits since the last checkpoint moved its offsets.
     checkpoint_behind: bool,
 }
@@ -363,7 +363,10 @@ impl TaskState {
             cache_budget,
             cache_fill,
             checkpoint_interval: env.checkpoint_interval(),
-            last_checkpoint: None,
+            // The checkpoint just read is the state's durable point: the
+            // next one follows an interval later (a restore or the first
+            // commits do not wait for a WAL sync; closing writes one).
+            last_checkpoint: std::time::Instant::now(),
             checkpoint_behind: false,
         };
         for (i, spec) in specs.iter().enumerate() {
@@ -796,9 +799,7 @@ impl TaskState {
             }
             self.checkpoint_behind = true;
         }
-        let due = self
-            .last_checkpoint
-            .is_none_or(|t| t.elapsed() >= self.checkpoint_interval);
+        let due = self.last_checkpoint.elapsed() >= self.checkpoint_interval;
         if self.checkpoint_behind && due {
             self.write_checkpoint()?;
         }
@@ -847,7 +848,7 @@ impl TaskState {
     fn write_checkpoint(&mut self) -> Result<(), StateError> {
         self.db.flush_wal(true).map_err(|e| self.rocks_err(e))?;
         self.checkpoint.store(&self.dir)?;
-        self.last_checkpoint = Some(std::time::Instant::now());
+        self.last_checkpoint = std::time::Instant::now();
         self.checkpoint_behind = false;
         Ok(())
     }
@@ -892,8 +893,14 @@ impl TaskState {
         stats: &mut RestoreStats,
     ) -> Result<(), StateError> {
         let cf = self.cf(id);
+        // In key order: RocksDB's memtable inserts a run of ascending keys
+        // from where the last insert was, instead of searching from the
+        // top. The sort is stable, so of two records of one key the later
+        // still wins.
+        let mut sorted: Vec<&(Vec<u8>, Option<Vec<u8>>)> = records.iter().collect();
+        sorted.sort_by(|a, b| a.0.cmp(&b.0));
         let mut batch = WriteBatch::default();
-        for (k, v) in records {
+        for (k, v) in sorted {
             match v {
                 Some(v) => batch.put_cf(cf, k, v),
                 None => batch.delete_cf(cf, k),
@@ -911,10 +918,12 @@ impl TaskState {
         Ok(())
     }
 
-    /// Notes a restore in progress: the store holds its changelog up to
-    /// `next_offset`. The checkpoint follows at most every checkpoint
-    /// interval, so a restore that is interrupted (a crash, a revocation)
-    /// starts again near where it stopped instead of from the beginning.
+    /// Notes a restore in progress or finished: the store holds its
+    /// changelog up to `next_offset`. The checkpoint follows at most every
+    /// checkpoint interval (and when the state closes), so a restore that is
+    /// interrupted (a crash, a revocation) starts again near where it stopped
+    /// instead of from the beginning; a finished restore does not wait for a
+    /// WAL sync.
     pub fn restored_to(&mut self, id: StoreId, next_offset: i64) -> Result<(), StateError> {
         let name = &self.stores[id.0].spec.name;
         if self.checkpoint.offsets.get(name) == Some(&next_offset) {
@@ -922,20 +931,11 @@ impl TaskState {
         }
         self.checkpoint.offsets.insert(name.clone(), next_offset);
         self.checkpoint_behind = true;
-        let due = self
-            .last_checkpoint
-            .is_none_or(|t| t.elapsed() >= self.checkpoint_interval);
+        let due = self.last_checkpoint.elapsed() >= self.checkpoint_interval;
         if due {
             self.write_checkpoint()?;
         }
         Ok(())
-    }
-
-    /// Marks a store restored up to `next_offset` in its changelog.
-    pub fn finish_restore(&mut self, id: StoreId, next_offset: i64) -> Result<(), StateError> {
-        let name = self.stores[id.0].spec.name.clone();
-        self.checkpoint.offsets.insert(name, next_offset);
-        self.write_checkpoint()
     }
 }
 
@@ -1254,8 +1254,9 @@ mod tests {
         // Written after the last checkpoint: may be lost, and is not claimed.
         st.put(kv, b"c".to_vec(), b"3");
         st.commit_local(&HashMap::new()).unwrap();
-        // A checkpoint is due only after the interval: the next commit's
-        // offsets wait in memory (and are written when the state closes).
+        // A checkpoint is due only an interval after the last one (or the
+        // opening): the commits' offsets wait in memory (and are written
+        // when the state closes).
         let throttled = tempfile::tempdir().unwrap();
         let mut t = TaskState::open(
             throttled.path(),
@@ -1269,7 +1270,7 @@ mod tests {
         t.commit_local(&HashMap::from([(kv, 2)])).unwrap();
         assert!(matches!(
             Checkpoint::load(throttled.path()),
-            LoadedCheckpoint::Found(cp) if cp.offsets["kv"] == 1
+            LoadedCheckpoint::Missing
         ));
         drop(t);
         assert!(matches!(
@@ -1303,7 +1304,7 @@ mod tests {
             &mut stats,
         )
         .unwrap();
-        st.finish_restore(kv, 3).unwrap();
+        st.restored_to(kv, 3).unwrap();
         assert_eq!(stats.records, 3);
         assert_eq!(st.get(kv, b"a").unwrap(), None);
         assert_eq!(st.get(kv, b"b").unwrap().unwrap().value, [9]);

@@ -168,7 +168,7 @@ impl TopologyTestDriver {
                         .collect();
                     let mut stats = sluice_state::RestoreStats::default();
                     state.apply_restored(id, &records, &mut stats)?;
-                    state.finish_restore(id, records.len() as i64)?;
+                    state.restored_to(id, records.len() as i64)?;
                 }
                 Some(state)
             };

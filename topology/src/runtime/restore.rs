@@ -16,7 +16,7 @@ use std::time::Duration;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
 use rdkafka::{Message, Offset, TopicPartitionList};
-use sluice_state::{RestoreStats, StoreId, TaskState};
+use sluice_state::{RestoreStats, StoreId, StoreSpec, TaskState};
 
 /// A changelog record as restored: key and value (or tombstone).
 type RestoredRecord = (Vec<u8>, Option<Vec<u8>>);
@@ -30,16 +30,20 @@ use crate::{TaskId, Topology};
 const BATCH: usize = 10_000;
 /// How long a watermark look-up waits before it is tried again.
 const WATERMARK_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long connecting a restore consumer ahead of its restore may wait for
+/// a changelog's leader (the restore itself waits as long as it takes).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// Restores the changelogged stores of one task. Returns what was applied.
-pub(crate) fn restore_task(
+/// A task's restore consumer.
+pub(crate) type RestoreConsumer = Arc<BaseConsumer<RestoreContext>>;
+
+/// The changelogged stores of a task's sub-topology and their changelogs.
+pub(crate) fn changelogs<'a>(
     cfg: &StreamsConfig,
-    task: TaskId,
-    state: &mut TaskState,
-    cancel: &AtomicBool,
-) -> Result<RestoreStats, RuntimeError> {
-    let stores: Vec<(StoreId, String)> = state
-        .specs()
+    specs: impl IntoIterator<Item = &'a StoreSpec>,
+) -> Vec<(StoreId, String)> {
+    specs
+        .into_iter()
         .enumerate()
         .filter(|(_, s)| s.changelogged)
         .map(|(i, s)| {
@@ -48,11 +52,31 @@ pub(crate) fn restore_task(
                 Topology::changelog_topic(&cfg.application_id, &s.name),
             )
         })
-        .collect();
-    let mut stats = RestoreStats::default();
-    if stores.is_empty() {
-        return Ok(stats);
+        .collect()
+}
+
+/// Creates a restore consumer and connects it to the leaders of a task's
+/// changelog partitions (a watermark look-up each), so the restore itself
+/// starts connected. Called while the task fences its previous owner: what
+/// it learns is not used (the restore looks the ends up again once the
+/// previous owner can no longer commit). `None` when the consumer cannot
+/// be created; the restore then reports why.
+pub(crate) fn connect_restore_consumer(
+    cfg: &StreamsConfig,
+    changelogs: &[(StoreId, String)],
+    partition: i32,
+) -> Option<RestoreConsumer> {
+    if changelogs.is_empty() {
+        return None;
     }
+    let consumer = create_restore_consumer(cfg).ok()?;
+    for (_, topic) in changelogs {
+        let _ = consumer.fetch_watermarks(topic, partition, CONNECT_TIMEOUT);
+    }
+    Some(consumer)
+}
+
+fn create_restore_consumer(cfg: &StreamsConfig) -> Result<RestoreConsumer, RuntimeError> {
     let mut c = client_config(cfg);
     c.set("group.id", format!("{}-restore", cfg.application_id))
         .set("enable.auto.commit", "false")
@@ -74,8 +98,28 @@ pub(crate) fn restore_task(
     if cfg.guarantee == Guarantee::ExactlyOnce {
         c.set("isolation.level", "read_committed");
     }
-    let consumer: Arc<BaseConsumer<RestoreContext>> =
-        Arc::new(c.create_with_context(RestoreContext)?);
+    Ok(Arc::new(c.create_with_context(RestoreContext)?))
+}
+
+/// Restores the changelogged stores of one task, with `consumer` if one was
+/// connected beforehand (see [`connect_restore_consumer`]). Returns what was
+/// applied.
+pub(crate) fn restore_task(
+    cfg: &StreamsConfig,
+    task: TaskId,
+    state: &mut TaskState,
+    consumer: Option<RestoreConsumer>,
+    cancel: &AtomicBool,
+) -> Result<RestoreStats, RuntimeError> {
+    let stores = changelogs(cfg, state.specs());
+    let mut stats = RestoreStats::default();
+    if stores.is_empty() {
+        return Ok(stats);
+    }
+    let consumer = match consumer {
+        Some(c) => c,
+        None => create_restore_consumer(cfg)?,
+    };
     let mut tpl = TopicPartitionList::new();
     // Per changelog being restored: its store and the next offset to apply.
     let mut remaining: Vec<(String, StoreId, i64)> = Vec::new();
@@ -90,7 +134,7 @@ pub(crate) fn restore_task(
             from = 0;
         }
         if from >= high {
-            state.finish_restore(*id, from)?;
+            state.restored_to(*id, from)?;
             continue;
         }
         // Below the start, records were deleted by retention (expired
@@ -150,7 +194,7 @@ pub(crate) fn restore_task(
                     }
                     Err(KafkaError::PartitionEOF(_)) => {
                         state.apply_restored(*id, &std::mem::take(batch), &mut stats)?;
-                        state.finish_restore(*id, *next)?;
+                        state.restored_to(*id, *next)?;
                         done[i] = true;
                     }
                     Err(e) if RuntimeError::from(e.clone()).retriable() => {
@@ -185,7 +229,7 @@ pub(crate) fn restore_task(
 /// The restore consumer's context: reaching a partition's end is what the
 /// restore waits for, not an error to log (librdkafka reports it through the
 /// error callback too).
-struct RestoreContext;
+pub(crate) struct RestoreContext;
 
 impl rdkafka::ClientContext for RestoreContext {
     fn error(&self, error: KafkaError, reason: &str) {

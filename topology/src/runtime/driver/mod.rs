@@ -31,7 +31,7 @@ use super::kafka::{
 };
 use super::metrics::EngineMetrics;
 use super::queries::LocalTasks;
-use super::restore::restore_task;
+use super::restore::{self, restore_task};
 use super::{now_ms, AppState, AppStatus, IntakeControl, RuntimeError};
 use crate::context::CompletionMsg;
 use crate::offsets::StartAt;

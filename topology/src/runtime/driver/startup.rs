@@ -101,48 +101,34 @@ fn init_task(
 ) -> Result<Restored, RuntimeError> {
     let started = Instant::now();
     let sub = &topology.subtopologies()[id.subtopology as usize];
-    let (producer, delivery) = match shared {
-        Some(p) => p,
-        None => {
-            let txn_id = format!("{}-{}", cfg.application_id, id);
-            let (p, d) = create_producer(cfg, Some(&txn_id))?;
-            // Fences whatever transaction a previous owner of this task left
-            // open (the broker aborts it). Asked again while it fails
-            // retriably: the coordinator may be moving, or the previous
-            // owner's transaction still aborting.
-            let topic = sub
-                .source_topics(&cfg.application_id)
-                .pop()
-                .unwrap_or_default();
-            loop {
-                match init_transactions(&p, &topic, TXN_TIMEOUT) {
-                    Ok(()) => break,
-                    Err(e) => {
-                        let e = RuntimeError::from(e);
-                        if !e.retriable() {
-                            return Err(e);
-                        }
-                        if cancel.load(Ordering::Relaxed) {
-                            return Err(RuntimeError::Cancelled);
-                        }
-                        tracing::warn!(task = %id, error = %e, "fencing the previous owner failed; trying again");
-                    }
-                }
-            }
-            (p, d)
+    let changelogs = restore::changelogs(cfg, sub.stores());
+    let dir = cfg.state_dir.join(&cfg.application_id).join(id.to_string());
+    // The restore consumer connects while the task fences its previous
+    // owner and opens its state, so the restore starts connected.
+    let (fenced, opened, consumer) = std::thread::scope(|s| {
+        let connecting =
+            s.spawn(|| restore::connect_restore_consumer(cfg, &changelogs, id.partition));
+        let fenced = match shared {
+            Some(p) => Ok(p),
+            None => fence(cfg, sub, id, cancel),
+        };
+        let opened = match &fenced {
+            Ok(_) if !sub.stores().is_empty() => TaskState::open(&dir, sub.stores(), env).map(Some),
+            _ => Ok(None),
+        };
+        (fenced, opened, connecting.join().ok().flatten())
+    });
+    let (producer, delivery) = fenced?;
+    let state = match opened? {
+        None => None,
+        Some(mut state) => {
+            let restore_started = Instant::now();
+            let stats = restore_task(cfg, id, &mut state, consumer, cancel)?;
+            metrics.observe_restore(restore_started.elapsed());
+            metrics.restore_records.inc_by(stats.records);
+            tracing::info!(task = %id, records = stats.records, "restored");
+            Some(state)
         }
-    };
-    let state = if sub.stores().is_empty() {
-        None
-    } else {
-        let dir = cfg.state_dir.join(&cfg.application_id).join(id.to_string());
-        let mut state = TaskState::open(&dir, sub.stores(), env)?;
-        let restore_started = Instant::now();
-        let stats = restore_task(cfg, id, &mut state, cancel)?;
-        metrics.observe_restore(restore_started.elapsed());
-        metrics.restore_records.inc_by(stats.records);
-        tracing::info!(task = %id, records = stats.records, "restored");
-        Some(state)
     };
     tracing::debug!(task = %id, elapsed = ?started.elapsed(), "task initialised");
     Ok(Restored {
@@ -150,4 +136,42 @@ fn init_task(
         producer,
         delivery,
     })
+}
+
+/// Creates a task's transactional producer and fences whatever transaction
+/// a previous owner of the task left open (the broker aborts it).
+fn fence(
+    cfg: &StreamsConfig,
+    sub: &crate::topology::SubTopology,
+    id: TaskId,
+    cancel: &AtomicBool,
+) -> Result<(Arc<TrackedProducer>, Arc<DeliveryState>), RuntimeError> {
+    {
+        let txn_id = format!("{}-{}", cfg.application_id, id);
+        let (p, d) = create_producer(cfg, Some(&txn_id))?;
+        // Fences whatever transaction a previous owner of this task left
+        // open (the broker aborts it). Asked again while it fails
+        // retriably: the coordinator may be moving, or the previous
+        // owner's transaction still aborting.
+        let topic = sub
+            .source_topics(&cfg.application_id)
+            .pop()
+            .unwrap_or_default();
+        loop {
+            match init_transactions(&p, &topic, TXN_TIMEOUT) {
+                Ok(()) => break,
+                Err(e) => {
+                    let e = RuntimeError::from(e);
+                    if !e.retriable() {
+                        return Err(e);
+                    }
+                    if cancel.load(Ordering::Relaxed) {
+                        return Err(RuntimeError::Cancelled);
+                    }
+                    tracing::warn!(task = %id, error = %e, "fencing the previous owner failed; trying again");
+                }
+            }
+        }
+        Ok((p, d))
+    }
 }
