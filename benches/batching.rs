@@ -74,8 +74,10 @@ limiter = {{ initial_rps = 1000000, max_rps = 1000000, max_concurrency = 512 }}
 input = 150000
 output = 600000
 
+# Its 16 tenants are one company's services, which may share prompts.
 [batching]
 enabled = {batched}
+across_tenants = true
 
 [http]
 listen = "127.0.0.1:0"

@@ -284,14 +284,29 @@ impl PromptBuilder {
     }
 }
 
-/// Content lines that look like an item marker get a leading space, so one item's text can
-/// never open another item.
+/// Fresh ids for the `n` items of a batch: random, unique within the batch, never reused, so
+/// a task's text (written before its batch existed) cannot name another item of its batch,
+/// nor forge an answer to one.
+pub fn batch_item_ids(n: usize) -> Vec<String> {
+    let mut seen = HashSet::with_capacity(n);
+    let mut ids = Vec::with_capacity(n);
+    while ids.len() < n {
+        let id = format!("{:08x}", rand::random::<u32>());
+        if seen.insert(id.clone()) {
+            ids.push(id);
+        }
+    }
+    ids
+}
+
+/// Content lines that could read as an item marker get a leading space, so one item's text
+/// can never open another item: every line starting with `#` after any indentation (the
+/// marker in any case or spacing, `###item`, `### ITEM`, and heading-like look-alikes).
 fn escape_item_markers(content: &str) -> String {
-    let marker = lines::ITEM.trim_end();
     content
         .split('\n')
         .map(|l| {
-            if l.trim_start().starts_with(marker) {
+            if l.trim_start().starts_with('#') {
                 format!(" {l}")
             } else {
                 l.to_string()

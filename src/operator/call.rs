@@ -90,7 +90,7 @@ impl LlmProcessor {
 
     /// The batch request of `items`, or `None` when they cannot share one.
     fn batch_call(&self, id: String, items: &[Item]) -> Option<BatchCall> {
-        let ids: Vec<String> = (1..=items.len()).map(|i| i.to_string()).collect();
+        let ids = crate::llm::prompt::batch_item_ids(items.len());
         let pairs: Vec<(String, &crate::envelope::TaskEnvelope)> = ids
             .iter()
             .cloned()

@@ -1,5 +1,12 @@
-//! `micro_batch`: small tasks of one (model, task type, prompt) share a
-//! provider call.
+//! `micro_batch`: small tasks of one (tenant, model, task type, prompt) share
+//! a provider call.
+//!
+//! A batch holds one tenant's tasks: one tenant's text never reaches the
+//! model while it answers another tenant's task (an instruction in one item
+//! could otherwise change a neighbour's answer). `across_tenants = true`
+//! lets tenants share batches, for deployments whose tenants are one
+//! company's services; tenants with a hard quota still batch alone (a
+//! batch's usage then stays within their own reservations).
 //!
 //! A window opens with its first task and is flushed `window_ms` after it
 //! (a timer: an async call of its own, so the flush wakes the engine at
@@ -41,6 +48,10 @@ pub struct BatchingConfig {
     pub max_item_tokens: u64,
     /// Task types never batched.
     pub exclude_task_types: Vec<String>,
+    /// Whether tasks of different tenants may share a batch (and so a
+    /// prompt). Only for deployments whose tenants may see each other's
+    /// text (one company's services).
+    pub across_tenants: bool,
 }
 
 impl Default for BatchingConfig {
@@ -52,6 +63,7 @@ impl Default for BatchingConfig {
             max_tokens: 8_192,
             max_item_tokens: 512,
             exclude_task_types: Vec::new(),
+            across_tenants: false,
         }
     }
 }
@@ -209,13 +221,15 @@ impl MicroBatcher {
         // word limit, schema) are the same.
         let lines = self.step.prompts.task_lines(&task.task.envelope).ok()?;
         let mut key = format!("{}\n{ty}\n{}", task.model, lines.join("\n"));
-        // A tenant with a hard quota shares calls only with itself, so each
+        // A tenant's tasks share calls only with their own, unless tenants
+        // may share prompts; a tenant with a hard quota always does, so each
         // batch's usage stays within its own reservations.
-        if self
-            .step
-            .isolated
-            .as_ref()
-            .is_some_and(|f| f(task.task.tenant()))
+        if !cfg.across_tenants
+            || self
+                .step
+                .isolated
+                .as_ref()
+                .is_some_and(|f| f(task.task.tenant()))
         {
             key.push_str("\ntenant:");
             key.push_str(task.task.tenant());

@@ -10,7 +10,7 @@
 //! let b = StreamBuilder::new();
 //! tasks(&b, &source)?                // decoded tasks; poison → the topic's dead-letter topic
 //!     .route(&router)                // each task with its model, tier and reason
-//!     .micro_batch(&batching)        // small tasks of one (model, task type) share a call
+//!     .micro_batch(&batching)        // small tasks of one (tenant, model, task type) share a call
 //!     .invoke_llm(&llm)              // results keyed by task id
 //!     .account(&accounting)          // per-tenant windows → ai.usage.tenant
 //!     .to_results(&results);         // ai.results.completed / ai.results.failed

@@ -154,6 +154,74 @@ fn with_batching_off_every_task_is_its_own_call() {
     assert_eq!(s.sim.stats().requests_total, 10);
 }
 
+/// A summarize task of `tenant` whose text says whose it is.
+fn summarize_task(i: usize, tenant: &str) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "taskId": format!("{tenant}-{i}"),
+        "taskType": "summarize",
+        "tenantId": tenant,
+        "requesterId": "svc",
+        "submittedAt": "2026-12-01T10:00:00Z",
+        "payload": { "content": format!("{tenant} private text {i}"), "maxWords": 20 },
+    }))
+    .unwrap()
+}
+
+/// Runs 20 tasks of each of two tenants, interleaved, through the pipeline;
+/// returns the tenants found in each batch, after checking that every task
+/// got its own answer.
+fn batches_of_two_tenants(extra: &str) -> Vec<std::collections::BTreeSet<String>> {
+    let mut s = setup(extra);
+    for i in 0..20 {
+        for tenant in ["alpha", "beta"] {
+            s.driver
+                .pipe_raw(
+                    "ai.tasks.summarize",
+                    Some(tenant.as_bytes()),
+                    Some(&summarize_task(i, tenant)),
+                    0,
+                )
+                .unwrap();
+        }
+    }
+    assert_eq!(s.driver.wait_for_async(Duration::from_secs(20)).unwrap(), 0);
+    let done = results(s.driver.read_output("ai.results.completed"));
+    assert_eq!(done.len(), 40);
+    let mut batches: HashMap<String, std::collections::BTreeSet<String>> = HashMap::new();
+    for r in done.values() {
+        assert!(r.success, "{r:?}");
+        let (tenant, i) = r.task_id.split_once('-').unwrap();
+        assert_eq!(r.tenant_id, tenant);
+        assert_eq!(
+            r.output.as_str(),
+            Some(format!("{tenant} private text {i}").as_str()),
+            "each task its own answer"
+        );
+        let batch = r.batch_id.clone().expect("batched");
+        batches
+            .entry(batch)
+            .or_default()
+            .insert(r.tenant_id.clone());
+    }
+    batches.into_values().collect()
+}
+
+#[test]
+fn a_batch_holds_one_tenants_tasks_unless_tenants_may_share() {
+    let batches = batches_of_two_tenants("");
+    assert!(batches.len() >= 2);
+    assert!(
+        batches.iter().all(|tenants| tenants.len() == 1),
+        "a batch mixed tenants: {batches:?}"
+    );
+    // A single-company deployment lets its services share prompts.
+    let batches = batches_of_two_tenants("[batching]\nacross_tenants = true\n");
+    assert!(
+        batches.iter().any(|tenants| tenants.len() == 2),
+        "tenants never shared a batch: {batches:?}"
+    );
+}
+
 const QUOTA_WINDOW_MS: i64 = 6_000;
 
 /// Waits for the start of the next quota window (plus a little).
