@@ -68,8 +68,7 @@ impl RateLimitInfo {
         };
         let precise = text(RETRY_AFTER_MS)
             .and_then(|v| v.parse::<f64>().ok())
-            .filter(|ms| ms.is_finite() && *ms >= 0.0)
-            .map(|ms| Duration::from_secs_f64(ms / 1000.0));
+            .and_then(|ms| seconds(ms / 1000.0));
         info.retry_after = precise.or_else(|| {
             let raw = text(RETRY_AFTER)?;
             let after = parse_retry_after(raw)?;
@@ -124,7 +123,7 @@ pub fn parse_reset_duration(s: &str) -> Option<Duration> {
         return None;
     }
     if let Ok(secs) = s.parse::<f64>() {
-        return (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs));
+        return seconds(secs);
     }
     let mut total = 0.0_f64;
     let mut rest = s;
@@ -152,17 +151,30 @@ pub fn parse_reset_duration(s: &str) -> Option<Duration> {
         total += value * scale;
         rest = &rest[unit_end..];
     }
-    total.is_finite().then(|| Duration::from_secs_f64(total))
+    seconds(total)
 }
 
 /// `Retry-After`: delta seconds (integer or decimal) or an HTTP date.
 fn parse_retry_after(s: &str) -> Option<Duration> {
     if let Ok(secs) = s.parse::<f64>() {
-        return (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs));
+        return seconds(secs);
     }
     let when = chrono::DateTime::parse_from_rfc2822(s).ok()?;
     let delta = when.with_timezone(&chrono::Utc) - chrono::Utc::now();
-    Some(delta.to_std().unwrap_or(Duration::ZERO))
+    Some(delta.to_std().unwrap_or(Duration::ZERO).min(MAX_WAIT))
+}
+
+/// The longest wait a header can ask for: a provider's daily quota resets within a day, and
+/// every wait read from a header stays in `Instant` arithmetic's range.
+pub const MAX_WAIT: Duration = Duration::from_secs(86_400);
+
+/// A wait in seconds as a provider wrote it: `None` when negative or not a number, at most
+/// [`MAX_WAIT`] however large (a header never panics the client).
+fn seconds(secs: f64) -> Option<Duration> {
+    if secs.is_nan() || secs < 0.0 {
+        return None;
+    }
+    Some(Duration::try_from_secs_f64(secs).map_or(MAX_WAIT, |d| d.min(MAX_WAIT)))
 }
 
 #[cfg(test)]

@@ -10,12 +10,13 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use crossbeam_channel::Sender;
+use futures::FutureExt;
 use rustc_hash::FxHashMap;
 use sluice_state::{Position, StoreId, TaskState};
 
 use crate::derived::{DerivedTracker, Resumable};
 use crate::node::{Data, Forward};
-use crate::offsets::{Finished, Origin, RecordToken};
+use crate::offsets::{Done, Origin, RecordToken};
 use crate::record::{OutputRecord, Record};
 use crate::{ProcessError, TaskId};
 
@@ -26,6 +27,17 @@ pub(crate) struct CompletionMsg {
     pub(crate) node: usize,
     pub(crate) call: u64,
     pub(crate) output: Box<dyn Any + Send>,
+}
+
+/// The output of an async call whose future panicked, with the panic's message.
+pub(crate) struct CallPanicked(pub(crate) String);
+
+fn panic_message(panic: &(dyn Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
 }
 
 struct Pending {
@@ -69,12 +81,19 @@ impl Spawner {
         let tx = self.tx.clone();
         let task = self.task;
         let join = self.handle.spawn(async move {
-            let output = fut.await;
+            // A future that panics still completes its call: its records are
+            // dead-lettered, never left in flight (commits would stop) nor
+            // counted as handled.
+            let output: Box<dyn Any + Send> =
+                match std::panic::AssertUnwindSafe(fut).catch_unwind().await {
+                    Ok(output) => Box::new(output),
+                    Err(panic) => Box::new(CallPanicked(panic_message(panic.as_ref()))),
+                };
             let _ = tx.send(CompletionMsg {
                 task,
                 node,
                 call,
-                output: Box::new(output),
+                output,
             });
         });
         self.pending.insert(
@@ -165,7 +184,7 @@ pub struct TaskCtx {
     /// Records operators derived, in flight or to store (see `crate::derived`).
     pub(crate) derived: DerivedTracker,
     /// Where finished records are reported (to the task).
-    pub(crate) done: Sender<Finished>,
+    pub(crate) done: Sender<Done>,
     /// The largest record the producers send (their `message.max.bytes`).
     pub(crate) max_record_bytes: usize,
     /// Set when the task abandons its work (see `TaskCore::abandon`).
@@ -177,7 +196,7 @@ impl TaskCtx {
         task: TaskId,
         state: Option<TaskState>,
         spawner: Spawner,
-        done: Sender<Finished>,
+        done: Sender<Done>,
     ) -> Self {
         let stores = state
             .as_ref()

@@ -36,6 +36,16 @@ pub(crate) enum Finished {
     Derived(u64),
 }
 
+/// What a dropped token tells its task.
+pub(crate) enum Done {
+    /// The record is finished.
+    Finished(Finished),
+    /// An async call's future panicked while it held the record: the task
+    /// dead-letters it (the token keeps it in flight until then), never
+    /// counts it as handled.
+    Panicked(Arc<RecordToken>),
+}
+
 /// Keeps one record "in flight" while alive. Clones travel with the record
 /// through operators (and async calls); when the last one is dropped the
 /// record is finished and reported to its task.
@@ -44,7 +54,7 @@ pub struct RecordToken {
     /// The task's stream time once this record arrived (input order): the
     /// time its lateness is judged by, however late its async call ends.
     pub(crate) stream_time: i64,
-    done: Sender<Finished>,
+    done: Sender<Done>,
     silent: bool,
     /// Set when the task abandoned its in-flight work: such records must
     /// stay unfinished so their offsets are never committed.
@@ -61,7 +71,7 @@ impl RecordToken {
     pub(crate) fn new(
         origin: Origin,
         stream_time: i64,
-        done: Sender<Finished>,
+        done: Sender<Done>,
         abandoned: Arc<AtomicBool>,
     ) -> Arc<Self> {
         Arc::new(RecordToken {
@@ -103,7 +113,27 @@ impl Drop for RecordToken {
             return;
         }
         // The receiver lives as long as the task; a closed task ignores this.
-        let _ = self.done.send(self.finished());
+        if std::thread::panicking() {
+            // Dropped while a call's future unwinds: the record was not
+            // handled. A token of its own carries it to the task.
+            let token = RecordToken {
+                origin: std::mem::replace(&mut self.origin, Origin::Derived { id: u64::MAX }),
+                stream_time: self.stream_time,
+                done: self.done.clone(),
+                silent: false,
+                abandoned: self.abandoned.clone(),
+            };
+            if let Err(crossbeam_channel::SendError(Done::Panicked(token))) =
+                self.done.send(Done::Panicked(Arc::new(token)))
+            {
+                // No task to tell (it is gone): the token must not try again.
+                if let Ok(mut token) = Arc::try_unwrap(token) {
+                    token.silent = true;
+                }
+            }
+            return;
+        }
+        let _ = self.done.send(Done::Finished(self.finished()));
     }
 }
 
@@ -807,7 +837,10 @@ mod tests {
         drop(tok);
         assert!(rx.try_recv().is_err());
         drop(held);
-        assert_eq!(rx.try_recv().unwrap(), Finished::Input(2, 7));
+        assert!(matches!(
+            rx.try_recv().unwrap(),
+            Done::Finished(Finished::Input(2, 7))
+        ));
     }
 
     #[test]

@@ -6,9 +6,10 @@
 //! on the tokio runtime, and its output comes back to [`Processor::complete`] on
 //! the task's thread — in completion order, not input order. The input record
 //! stays in flight (its offset uncommitted) until its completion was handled, so
-//! a crash never loses it. The runtime bounds in-flight records per partition by
-//! pausing the partition, and keeps polling meanwhile, so a slow call never costs
-//! a rebalance.
+//! a crash never loses it. A call whose future panics completes too: its
+//! records go to their dead-letter topic (category `panic`). The runtime
+//! bounds in-flight records per partition by pausing the partition, and keeps
+//! polling meanwhile, so a slow call never costs a rebalance.
 
 use std::future::Future;
 use std::marker::PhantomData;

@@ -11,11 +11,11 @@ use parking_lot::Mutex;
 use sluice_state::{ChangelogRecord, Position, StoreId, StoredValue, TaskState};
 
 use crate::codec::{from_bincode, to_bincode};
-use crate::context::{CompletionMsg, Spawner, TaskCtx};
+use crate::context::{CallPanicked, CompletionMsg, Spawner, TaskCtx};
 use crate::derived::Resumable;
 use crate::node::{CompletionTarget, Punctuation};
 use crate::offsets::{
-    Admission, Finished, OffsetTracker, Origin, RecordToken, StartAt, TaskProgress,
+    Admission, Done, Finished, OffsetTracker, Origin, RecordToken, StartAt, TaskProgress,
 };
 use crate::record::{Headers, OutputRecord, RawRecord};
 use crate::topology::{RawView, SourceNode, SubTopology};
@@ -160,7 +160,9 @@ pub(crate) struct TaskCore {
     targets: Vec<Arc<Mutex<dyn CompletionTarget>>>,
     pub(crate) slots: Vec<InputSlot>,
     pub(crate) trackers: Vec<OffsetTracker>,
-    done_rx: Receiver<Finished>,
+    done_rx: Receiver<Done>,
+    /// Records whose async call panicked, in flight until dead-lettered.
+    panicked: Vec<Arc<RecordToken>>,
     /// The store the task's progress record lives in.
     progress_store: Option<StoreId>,
     /// The progress record last written (an unchanged one is not written
@@ -256,6 +258,7 @@ impl TaskCore {
             trackers,
             slots,
             done_rx,
+            panicked: Vec::new(),
             progress_store,
             last_progress: restored,
         };
@@ -427,6 +430,9 @@ impl TaskCore {
         let Some(tokens) = self.ctx.spawner.finish(msg.call) else {
             return Ok(());
         };
+        if let Some(CallPanicked(message)) = msg.output.downcast_ref::<CallPanicked>() {
+            return self.call_panicked(message, tokens);
+        }
         let Some(target) = self.targets.get(msg.node).cloned() else {
             return Err(ProcessError::Fatal(format!(
                 "completion for unknown node {}",
@@ -440,6 +446,26 @@ impl TaskCore {
         self.ctx.current = None;
         drop(tokens);
         result
+    }
+
+    /// Dead-letters the records of a call whose future panicked: the record
+    /// it carried, and those its future held (dropped while it unwound,
+    /// which happens before its completion is sent).
+    fn call_panicked(
+        &mut self,
+        message: &str,
+        carried: Vec<Arc<RecordToken>>,
+    ) -> Result<(), ProcessError> {
+        self.drain_done();
+        let held = std::mem::take(&mut self.panicked);
+        tracing::error!(task = %self.id, records = carried.len() + held.len(), panic = message, "an async call panicked: dead-lettering its records");
+        for token in carried.into_iter().chain(held) {
+            self.ctx.current = Some(token);
+            let result = self.ctx.dead_letter("async call panicked", "panic", 1);
+            self.ctx.current = None;
+            result?;
+        }
+        Ok(())
     }
 
     /// See [`handle`].
@@ -476,12 +502,13 @@ impl TaskCore {
     pub(crate) fn drain_done(&mut self) {
         while let Ok(done) = self.done_rx.try_recv() {
             match done {
-                Finished::Input(slot, offset) => {
+                Done::Finished(Finished::Input(slot, offset)) => {
                     if let Some(t) = self.trackers.get_mut(slot) {
                         t.finished(offset);
                     }
                 }
-                Finished::Derived(id) => self.ctx.derived.finished(id),
+                Done::Finished(Finished::Derived(id)) => self.ctx.derived.finished(id),
+                Done::Panicked(token) => self.panicked.push(token),
             }
         }
     }

@@ -704,3 +704,85 @@ fn a_record_from_a_punctuation_can_be_dead_lettered() {
         Some(&b"-1"[..])
     );
 }
+
+/// Forwards each value after an async call that panics on `boom`: carried
+/// with the call (`spawn`), or held by the call's future (`spawn_detached`).
+struct PanicsOnBoom {
+    detached: bool,
+}
+
+impl Processor<String, String> for PanicsOnBoom {
+    type OutKey = String;
+    type OutValue = String;
+    type Output = (String, Option<sluice_topology::InFlight>);
+
+    fn process(
+        &mut self,
+        r: Record<String, String>,
+        ctx: &mut ProcessorContext<'_, String, String, Self::Output>,
+    ) -> Result<(), ProcessError> {
+        let held = if self.detached { ctx.hold() } else { None };
+        let call = async move {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            if r.value == "boom" {
+                panic!("a provider answered something unexpected");
+            }
+            (r.value, held)
+        };
+        if self.detached {
+            ctx.spawn_detached(call);
+        } else {
+            ctx.spawn(call);
+        }
+        Ok(())
+    }
+
+    fn complete(
+        &mut self,
+        (v, _held): Self::Output,
+        ctx: &mut ProcessorContext<'_, String, String, Self::Output>,
+    ) -> Result<(), ProcessError> {
+        ctx.forward(Record::new(v.clone(), v, 0))
+    }
+}
+
+/// A call whose future panics still completes: its record is dead-lettered
+/// (never left in flight, which would stop commits, nor counted as handled),
+/// and the records around it go on.
+#[test]
+fn a_call_that_panics_dead_letters_its_record_and_commits_go_on() {
+    for detached in [false, true] {
+        let b = StreamBuilder::new();
+        b.stream_with(
+            &["in"],
+            StringCodec,
+            StringCodec,
+            SourceOptions {
+                dead_letter_topic: Some("in.dlq".into()),
+            },
+        )
+        .process("call", &[], move || PanicsOnBoom { detached })
+        .to("out", StringCodec, StringCodec);
+        let mut d = TopologyTestDriver::new(b.build().unwrap()).unwrap();
+        for v in ["a", "boom", "b"] {
+            d.pipe_raw("in", Some(b"k"), Some(v.as_bytes()), 1).unwrap();
+        }
+        assert_eq!(
+            d.wait_for_async(Duration::from_secs(5)).unwrap(),
+            0,
+            "detached: {detached}"
+        );
+        let out: Vec<(String, String)> = d.read_typed("out", &StringCodec, &StringCodec).unwrap();
+        let mut values: Vec<&str> = out.iter().map(|(_, v)| v.as_str()).collect();
+        values.sort_unstable();
+        assert_eq!(values, ["a", "b"], "detached: {detached}");
+        let dlq = d.read_output("in.dlq");
+        assert_eq!(dlq.len(), 1, "detached: {detached}");
+        assert_eq!(dlq[0].value.as_deref(), Some(&b"boom"[..]));
+        assert_eq!(
+            header(&dlq[0].headers, dlq_headers::CATEGORY),
+            Some(&b"panic"[..])
+        );
+        assert_eq!(d.committable_offset("in"), Some(3), "detached: {detached}");
+    }
+}

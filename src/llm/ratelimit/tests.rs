@@ -89,3 +89,38 @@ fn rate_limit_headers_are_parsed() {
     let info = RateLimitInfo::from_headers(&headers(&[("x-ratelimit-remaining-requests", "many")]));
     assert!(info.is_empty());
 }
+
+/// No value a provider writes in a header panics the client: absurdly long waits are read
+/// as the longest wait there is, negative or unreadable ones are ignored.
+#[test]
+fn absurd_header_values_never_panic_and_stay_in_range() {
+    let huge = [
+        "1e20",
+        "99999999999999999999",
+        "1e308",
+        "inf",
+        "18446744073709551616",
+        "Fri, 31 Dec 9999 23:59:59 GMT",
+    ];
+    for v in huge {
+        let info = RateLimitInfo::from_headers(&headers(&[
+            ("retry-after", v),
+            ("retry-after-ms", v),
+            ("x-ratelimit-reset-requests", v),
+            ("x-ratelimit-reset-tokens", &format!("{v}h")),
+        ]));
+        for d in [info.retry_after, info.reset_requests]
+            .into_iter()
+            .chain([info.reset_tokens])
+            .flatten()
+        {
+            assert!(d <= MAX_WAIT, "{v}: {d:?}");
+        }
+        assert!(info.retry_after.is_some() || v.starts_with("inf"), "{v}");
+    }
+    assert_eq!(parse_reset_duration("99999999999h"), Some(MAX_WAIT));
+    assert_eq!(parse_reset_duration("1e400s"), None);
+    assert_eq!(parse_reset_duration("NaN"), None);
+    let info = RateLimitInfo::from_headers(&headers(&[("retry-after-ms", "-5")]));
+    assert_eq!(info.retry_after, None);
+}
