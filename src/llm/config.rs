@@ -120,6 +120,10 @@ fn default_timeout_ms() -> u64 {
     60_000
 }
 
+/// Reasoning tokens a `max_completion_tokens` model gets on top of each call's cap unless
+/// configured otherwise.
+pub const DEFAULT_REASONING_TOKENS: u32 = 4_096;
+
 /// How a model takes its completion token cap.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -147,6 +151,16 @@ pub struct ModelConfig {
     /// models).
     #[serde(default)]
     pub max_tokens_field: MaxTokensField,
+    /// Whether sampling parameters (`temperature`) are sent. Unset: yes for `max_tokens`
+    /// models, no for `max_completion_tokens` ones (reasoning models reject them with a
+    /// 400 every time).
+    #[serde(default)]
+    pub send_sampling: Option<bool>,
+    /// Completion tokens added to every call's cap for the model's hidden reasoning. Unset:
+    /// 0 for `max_tokens` models, [`DEFAULT_REASONING_TOKENS`] for `max_completion_tokens`
+    /// ones (a task's cap alone, classify's 16 tokens, would be spent before any answer).
+    #[serde(default)]
+    pub reasoning_tokens: Option<u32>,
     /// Per-call timeout in milliseconds (one attempt, not the retries).
     #[serde(default = "default_timeout_ms")]
     pub timeout_ms: u64,
@@ -166,10 +180,27 @@ impl ModelConfig {
             provider: provider.into(),
             upstream_model: None,
             max_tokens_field: MaxTokensField::default(),
+            send_sampling: None,
+            reasoning_tokens: None,
             timeout_ms: default_timeout_ms(),
             limiter: LimiterConfig::default(),
             breaker: BreakerConfig::default(),
         }
+    }
+
+    /// Whether the model is sent sampling parameters.
+    pub fn sends_sampling(&self) -> bool {
+        self.send_sampling
+            .unwrap_or(self.max_tokens_field == MaxTokensField::MaxTokens)
+    }
+
+    /// Completion tokens added to each call's cap for reasoning.
+    pub fn reasoning_budget(&self) -> u32 {
+        self.reasoning_tokens
+            .unwrap_or(match self.max_tokens_field {
+                MaxTokensField::MaxTokens => 0,
+                MaxTokensField::MaxCompletionTokens => DEFAULT_REASONING_TOKENS,
+            })
     }
 
     /// The id sent upstream.

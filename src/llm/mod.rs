@@ -58,6 +58,10 @@ pub struct ModelEndpoint {
     pub upstream_model: String,
     /// Whether the token cap goes in `max_completion_tokens`.
     pub max_completion_tokens: bool,
+    /// Whether sampling parameters (`temperature`) are sent.
+    pub send_sampling: bool,
+    /// Completion tokens added to each call's cap for hidden reasoning.
+    pub reasoning_tokens: u32,
     /// Timeout of one attempt.
     pub timeout: Duration,
     /// The provider hop.
@@ -85,6 +89,8 @@ impl ModelEndpoint {
             name: config.name.clone(),
             upstream_model: config.upstream().to_string(),
             max_completion_tokens: config.max_tokens_field == MaxTokensField::MaxCompletionTokens,
+            send_sampling: config.sends_sampling(),
+            reasoning_tokens: config.reasoning_budget(),
             timeout: config.timeout(),
             transport,
             limiter: AimdLimiter::new(config.limiter.clone()),
@@ -229,6 +235,17 @@ impl LlmClient {
             });
         };
         request.model = ep.upstream_model.clone();
+        if !ep.send_sampling {
+            request.temperature = None;
+        }
+        if ep.reasoning_tokens > 0 {
+            for cap in [&mut request.max_tokens, &mut request.max_completion_tokens]
+                .into_iter()
+                .flatten()
+            {
+                *cap = cap.saturating_add(ep.reasoning_tokens);
+            }
+        }
         if ep.max_completion_tokens {
             request.max_completion_tokens =
                 request.max_tokens.take().or(request.max_completion_tokens);
@@ -294,7 +311,8 @@ impl LlmClient {
         };
         let seconds = sent.elapsed().as_secs_f64();
         match result {
-            Ok(response) => {
+            Ok(mut response) => {
+                response.estimate_missing_usage(request);
                 let tokens = u32::try_from(response.usage.total()).unwrap_or(u32::MAX);
                 permit.record(Outcome::Success {
                     rate_limit: response.rate_limit,

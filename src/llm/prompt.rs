@@ -317,7 +317,7 @@ fn escape_item_markers(content: &str) -> String {
 }
 
 /// Strips a surrounding Markdown code fence, which models often add.
-fn strip_fence(s: &str) -> &str {
+pub(crate) fn strip_fence(s: &str) -> &str {
     let t = s.trim();
     let Some(rest) = t.strip_prefix("```") else {
         return t;

@@ -11,6 +11,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 struct Scripted {
     script: Mutex<VecDeque<Option<Result<ChatResponse, LlmError>>>>,
     calls: AtomicU32,
+    /// The requests sent, in order.
+    seen: Mutex<Vec<ChatRequest>>,
 }
 
 impl Scripted {
@@ -18,6 +20,7 @@ impl Scripted {
         Arc::new(Self {
             script: Mutex::new(items.into()),
             calls: AtomicU32::new(0),
+            seen: Mutex::default(),
         })
     }
 }
@@ -28,6 +31,7 @@ impl ChatTransport for Scripted {
         request: &'a ChatRequest,
     ) -> BoxFuture<'a, Result<ChatResponse, LlmError>> {
         assert_eq!(request.model, "upstream-small");
+        self.seen.lock().push(request.clone());
         self.calls.fetch_add(1, Ordering::SeqCst);
         let next = self.script.lock().pop_front().flatten();
         Box::pin(async move {
@@ -47,7 +51,9 @@ fn answer() -> Option<Result<ChatResponse, LlmError>> {
             completion_tokens: 5,
             cached_tokens: 0,
         },
+        usage_missing: false,
         finish_reason: Some("stop".into()),
+        refusal: None,
         rate_limit: RateLimitInfo::default(),
     }))
 }
@@ -66,10 +72,17 @@ fn status(code: u16, retry_after: Option<Duration>) -> Option<Result<ChatRespons
 }
 
 fn client(transport: Arc<Scripted>, breaker: BreakerConfig) -> (LlmClient, prometheus::Registry) {
+    client_with(transport, |cfg| cfg.breaker = breaker)
+}
+
+fn client_with(
+    transport: Arc<Scripted>,
+    configure: impl FnOnce(&mut ModelConfig),
+) -> (LlmClient, prometheus::Registry) {
     let mut cfg = ModelConfig::new("small", "sim");
     cfg.upstream_model = Some("upstream-small".into());
     cfg.timeout_ms = 2_000;
-    cfg.breaker = breaker;
+    configure(&mut cfg);
     let registry = prometheus::Registry::new();
     let metrics = LlmMetrics::register(&registry).unwrap();
     let retry = RetryPolicy {
@@ -267,4 +280,42 @@ fn from_config_wires_providers_and_rejects_unknown_ones() {
     cfg.models.push(ModelConfig::new("large", "nope"));
     let err = LlmClient::from_config(&cfg, &prometheus::Registry::new()).unwrap_err();
     assert_eq!(err.class(), ErrorClass::Config);
+}
+
+/// A reasoning model (`max_completion_tokens`) gets no sampling parameters and room to
+/// reason on top of the task's cap by default; per-model settings override both.
+#[tokio::test(start_paused = true)]
+async fn reasoning_models_get_no_temperature_and_room_to_reason() {
+    let sent = |configure: fn(&mut ModelConfig)| async move {
+        let t = Scripted::new(vec![answer()]);
+        let (c, _) = client_with(t.clone(), configure);
+        let mut req = request();
+        req.temperature = Some(0.0);
+        c.call("small", req, Priority::Normal).await.unwrap();
+        let seen = t.seen.lock()[0].clone();
+        (
+            seen.temperature,
+            seen.max_tokens,
+            seen.max_completion_tokens,
+        )
+    };
+    assert_eq!(sent(|_| {}).await, (Some(0.0), Some(16), None));
+    assert_eq!(
+        sent(|c| c.max_tokens_field = config::MaxTokensField::MaxCompletionTokens).await,
+        (None, None, Some(16 + config::DEFAULT_REASONING_TOKENS))
+    );
+    assert_eq!(
+        sent(|c| {
+            c.max_tokens_field = config::MaxTokensField::MaxCompletionTokens;
+            c.send_sampling = Some(true);
+            c.reasoning_tokens = Some(100);
+        })
+        .await,
+        (Some(0.0), None, Some(116))
+    );
+    assert_eq!(
+        sent(|c| c.reasoning_tokens = Some(2_000)).await,
+        (Some(0.0), Some(2_016), None),
+        "a reasoning model served through max_tokens (vLLM, DeepSeek) gets room too"
+    );
 }

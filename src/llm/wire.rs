@@ -86,13 +86,21 @@ impl ChatRequest {
     /// Worst-case token estimate used for limiter admission: about 4 characters per prompt
     /// token plus a small per-message overhead, plus the completion cap.
     pub fn estimated_tokens(&self) -> u32 {
-        let chars: usize = self.messages.iter().map(|m| m.content.len() + 16).sum();
-        let prompt = u32::try_from(chars.div_ceil(4)).unwrap_or(u32::MAX);
+        let prompt = u32::try_from(self.estimated_prompt_tokens()).unwrap_or(u32::MAX);
         prompt.saturating_add(
             self.max_tokens
                 .or(self.max_completion_tokens)
                 .unwrap_or(256),
         )
+    }
+}
+
+impl ChatRequest {
+    /// Estimated prompt tokens: about 4 characters per token plus a small per-message
+    /// overhead.
+    pub fn estimated_prompt_tokens(&self) -> u64 {
+        let chars: usize = self.messages.iter().map(|m| m.content.len() + 16).sum();
+        chars.div_ceil(4) as u64
     }
 }
 
@@ -117,49 +125,126 @@ impl Usage {
 /// A parsed chat completion.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChatResponse {
-    /// Text of the first choice.
+    /// Text of the first choice: its content (text parts joined), without a leading
+    /// `<think>…</think>` block; empty when the model said nothing (or only refused).
     pub content: String,
     /// Token usage.
     pub usage: Usage,
+    /// The provider did not report usage (missing or `null`): `usage` is zero here and
+    /// the client estimates it from the request and the answer.
+    pub usage_missing: bool,
     /// Why generation stopped (`stop`, `length`, …).
     pub finish_reason: Option<String>,
+    /// The model declined to answer (`message.refusal`).
+    pub refusal: Option<String>,
     /// Rate-limit headers of the response.
     pub rate_limit: RateLimitInfo,
+}
+
+impl ChatResponse {
+    /// Fills in usage the provider did not report, estimated from the request and the
+    /// answer (about 4 characters per token): tokens it billed still land on results.
+    pub fn estimate_missing_usage(&mut self, request: &ChatRequest) {
+        if !self.usage_missing {
+            return;
+        }
+        let answer = self.content.len() + self.refusal.as_ref().map_or(0, String::len);
+        self.usage = Usage {
+            prompt_tokens: request.estimated_prompt_tokens(),
+            completion_tokens: answer.div_ceil(4) as u64,
+            cached_tokens: 0,
+        };
+    }
+
+    /// Generation stopped at the completion token cap: the answer is cut short.
+    pub fn truncated(&self) -> bool {
+        self.finish_reason.as_deref() == Some("length")
+    }
 }
 
 #[derive(Deserialize)]
 struct WireResponse {
     #[serde(default)]
     choices: Vec<WireChoice>,
+    #[serde(default)]
     usage: Option<WireUsage>,
 }
 
 #[derive(Deserialize)]
 struct WireChoice {
+    #[serde(default)]
     message: Option<WireMessage>,
+    #[serde(default)]
     finish_reason: Option<String>,
 }
 
 #[derive(Deserialize)]
 struct WireMessage {
-    content: Option<String>,
+    /// A string, `null`, or an array of content parts (`{"type":"text","text":…}`).
+    #[serde(default)]
+    content: serde_json::Value,
+    #[serde(default)]
+    refusal: Option<String>,
 }
 
-#[derive(Deserialize)]
+/// Token counts; every field may be missing or `null`.
+#[derive(Deserialize, Default)]
 struct WireUsage {
     #[serde(default)]
-    prompt_tokens: u64,
+    prompt_tokens: Option<u64>,
     #[serde(default)]
-    completion_tokens: u64,
+    completion_tokens: Option<u64>,
+    #[serde(default)]
     prompt_tokens_details: Option<WireUsageDetails>,
+    /// DeepSeek's count of prompt tokens served from its cache.
+    #[serde(default)]
+    prompt_cache_hit_tokens: Option<u64>,
 }
 
 #[derive(Deserialize)]
 struct WireUsageDetails {
+    #[serde(default)]
     cached_tokens: Option<u64>,
 }
 
-/// Parses a 2xx body.
+/// The text of a message's `content`: a string, or the text parts of an array joined.
+fn content_text(content: &serde_json::Value) -> Option<String> {
+    match content {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Array(parts) => {
+            let texts: Vec<&str> = parts
+                .iter()
+                .filter(|p| {
+                    p.get("type")
+                        .and_then(serde_json::Value::as_str)
+                        .is_none_or(|t| t == "text" || t == "output_text")
+                })
+                .filter_map(|p| p.get("text").and_then(serde_json::Value::as_str))
+                .collect();
+            (!texts.is_empty()).then(|| texts.concat())
+        }
+        _ => None,
+    }
+}
+
+/// Removes a reasoning block the server left at the start of the content
+/// (`<think>…</think>`, as DeepSeek-R1 on Ollama, Groq's raw format or vLLM without a
+/// reasoning parser answer). An unclosed block is all reasoning: nothing is left.
+fn strip_think(content: &str) -> &str {
+    let trimmed = content.trim_start();
+    let Some(rest) = trimmed.strip_prefix("<think>") else {
+        return content;
+    };
+    match rest.find("</think>") {
+        Some(end) => rest[end + "</think>".len()..].trim_start(),
+        None => "",
+    }
+}
+
+/// Parses a 2xx body. Every shape OpenAI-compatible servers answer with is read: usage
+/// missing or `null`, content `null`, an array of parts or after a `<think>` block, a
+/// refusal, provider-specific cache counts. Only a body that is not a chat completion, or
+/// one without a choice, is malformed.
 pub fn parse_chat_body(body: &[u8], rate_limit: RateLimitInfo) -> Result<ChatResponse, LlmError> {
     let wire: WireResponse = serde_json::from_slice(body).map_err(|e| {
         LlmError::Malformed(format!(
@@ -172,27 +257,41 @@ pub fn parse_chat_body(body: &[u8], rate_limit: RateLimitInfo) -> Result<ChatRes
         .into_iter()
         .next()
         .ok_or_else(|| LlmError::Malformed("no choices".into()))?;
-    let usage = wire
-        .usage
-        .ok_or_else(|| LlmError::Malformed("no usage".into()))?;
-    let content = match choice.message.and_then(|m| m.content) {
-        Some(c) => c,
-        None if choice.finish_reason.as_deref() == Some("content_filter") => {
-            return Err(LlmError::ContentFiltered)
-        }
-        None => return Err(LlmError::Malformed("no message content".into())),
+    let (content, refusal) = match choice.message {
+        Some(m) => (
+            content_text(&m.content),
+            m.refusal.filter(|r| !r.is_empty()),
+        ),
+        None => (None, None),
     };
+    if content.is_none()
+        && refusal.is_none()
+        && choice.finish_reason.as_deref() == Some("content_filter")
+    {
+        return Err(LlmError::ContentFiltered);
+    }
+    let usage_missing = wire.usage.is_none();
+    let usage = wire.usage.unwrap_or_default();
+    let prompt_tokens = usage.prompt_tokens.unwrap_or(0);
+    let cached_tokens = usage
+        .prompt_tokens_details
+        .and_then(|d| d.cached_tokens)
+        .or(usage.prompt_cache_hit_tokens)
+        .unwrap_or(0)
+        .min(prompt_tokens);
     Ok(ChatResponse {
-        content,
+        content: strip_think(content.as_deref().unwrap_or_default()).to_string(),
         usage: Usage {
-            prompt_tokens: usage.prompt_tokens,
-            completion_tokens: usage.completion_tokens,
-            cached_tokens: usage
-                .prompt_tokens_details
-                .and_then(|d| d.cached_tokens)
-                .unwrap_or(0),
+            prompt_tokens,
+            completion_tokens: usage.completion_tokens.unwrap_or(0),
+            cached_tokens,
         },
+        usage_missing,
         finish_reason: choice.finish_reason,
+        refusal,
         rate_limit,
     })
 }
+
+#[cfg(test)]
+mod tests;

@@ -4,14 +4,13 @@
 
 use sluice_topology::{OutputRecord, ProcessError};
 
+use super::output;
 use super::trap::{self, Verdict};
-use super::{
-    idempotency_key, in_flight_key, now_ms, output_value, Ctx, Failure, Item, LlmProcessor,
-};
+use super::{idempotency_key, in_flight_key, now_ms, Ctx, Failure, Item, LlmProcessor};
 use crate::accounting::Amount;
 use crate::envelope::DlqCategory;
 use crate::llm::apportion::apportion_usage;
-use crate::llm::prompt::split_batch_answer;
+use crate::llm::prompt::{split_batch_answer, BatchSplitError};
 use crate::llm::{
     CallFailure, CallOutcome, ChatRequest, ErrorClass, Message, PermanentKind, ResponseFormat,
     Usage,
@@ -54,7 +53,9 @@ struct Answer {
     usage: Usage,
     /// Attempts the call took.
     attempts: u32,
-    output: serde_json::Value,
+    /// The task's output, or the error code and message of an answer that
+    /// cannot be one (a failed result, billed all the same).
+    output: Result<serde_json::Value, (&'static str, String)>,
     batch_id: Option<String>,
 }
 
@@ -334,17 +335,29 @@ impl LlmProcessor {
         mut job: Job,
         outcome: CallOutcome,
     ) -> Result<(), ProcessError> {
-        let usage = outcome.response.usage;
-        let content = &outcome.response.content;
+        let response = &outcome.response;
+        let usage = response.usage;
+        let content = &response.content;
         let Some(batch) = job.batch.take() else {
             let mut items = std::mem::take(&mut job.items);
             let Some(item) = items.pop() else {
                 return Ok(());
             };
+            let output = if let Some(refusal) = &response.refusal {
+                Err((output::REFUSED, format!("the model declined: {refusal}")))
+            } else if response.truncated() {
+                Err((
+                    output::TRUNCATED,
+                    "the answer reached the completion token cap".to_string(),
+                ))
+            } else {
+                output::task_output(&item.routed.task.envelope, output::Raw::Text(content))
+                    .map_err(|m| (output::INVALID_OUTPUT, m))
+            };
             let answer = Answer {
                 usage,
                 attempts: outcome.attempts,
-                output: output_value(&item.routed.task.envelope.task_type, content),
+                output,
                 batch_id: None,
             };
             return self.succeed(ctx, &job.model, item, answer);
@@ -355,13 +368,23 @@ impl LlmProcessor {
             .map(|i| estimated_tokens(&i.routed))
             .collect();
         let shares = apportion_usage(&usage, &sizes);
-        match split_batch_answer(content, &batch.ids) {
+        // A batch answer cut short or declined cannot be trusted item by
+        // item: each task is asked alone.
+        let split = if response.truncated() || response.refusal.is_some() {
+            Err(BatchSplitError::NotJson)
+        } else {
+            split_batch_answer(content, &batch.ids)
+        };
+        match split {
             Ok(outputs) => {
                 self.metrics()
                     .batch_calls_saved
                     .inc_by(job.items.len() as u64 - 1);
                 let items = std::mem::take(&mut job.items);
                 for ((item, (_, output)), share) in items.into_iter().zip(outputs).zip(shares) {
+                    let output =
+                        output::task_output(&item.routed.task.envelope, output::Raw::Item(output))
+                            .map_err(|m| (output::INVALID_OUTPUT, m));
                     let answer = Answer {
                         usage: share,
                         attempts: outcome.attempts,
@@ -449,7 +472,8 @@ impl LlmProcessor {
         })
     }
 
-    /// Forwards a task's completed result.
+    /// Forwards a task's result for an answered call: completed, or failed
+    /// when the answer cannot be its output; billed either way.
     fn succeed(
         &mut self,
         ctx: &mut Ctx<'_>,
@@ -465,14 +489,20 @@ impl LlmProcessor {
             .get(model)
             .copied()
             .unwrap_or_default();
-        let mut r = self.base_result(&item.routed, model, true);
+        let mut r = self.base_result(&item.routed, model, answer.output.is_ok());
         r.input_tokens = usage.prompt_tokens;
         r.output_tokens = usage.completion_tokens;
         r.cached_tokens = usage.cached_tokens.min(usage.prompt_tokens);
         r.cost_micros =
             super::cost_micros(&price, r.input_tokens, r.cached_tokens, r.output_tokens);
         r.attempts = item.routed.task.envelope.attempt_number - 1 + answer.attempts;
-        r.output = answer.output;
+        match answer.output {
+            Ok(output) => r.output = output,
+            Err((code, message)) => {
+                r.error_code = Some(code.to_string());
+                r.error_message = Some(message);
+            }
+        }
         r.batch_id = answer.batch_id;
         let m = match self.counters.get(model) {
             Some(m) => m,

@@ -29,6 +29,7 @@
 mod call;
 pub mod health;
 pub mod metrics;
+mod output;
 mod trap;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -672,16 +673,6 @@ pub fn cost_micros(price: &Price, input: u64, cached: u64, output: u64) -> i64 {
     ((total + 500_000) / 1_000_000) as i64
 }
 
-/// The `output` of a result: JSON for `extract` when the answer parses, else text.
-fn output_value(task_type: &str, content: &str) -> serde_json::Value {
-    if task_type == "extract" {
-        if let Ok(v) = serde_json::from_str::<serde_json::Value>(content) {
-            return v;
-        }
-    }
-    serde_json::Value::String(content.to_string())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -699,19 +690,6 @@ mod tests {
         assert_eq!(cost_micros(&Price::default(), 1000, 0, 1000), 0);
         assert_eq!(cost_micros(&p, 3, 0, 0), 0); // 0.45 rounds down
         assert_eq!(cost_micros(&p, 4, 0, 0), 1); // 0.6 rounds up
-    }
-
-    #[test]
-    fn extract_outputs_are_json_when_they_parse() {
-        assert_eq!(
-            output_value("extract", "{\"a\":1}"),
-            serde_json::json!({"a": 1})
-        );
-        assert_eq!(output_value("extract", "nope"), serde_json::json!("nope"));
-        assert_eq!(
-            output_value("summarize", "{\"a\":1}"),
-            serde_json::json!("{\"a\":1}")
-        );
     }
 
     #[test]

@@ -380,3 +380,121 @@ fn cached_tokens_are_priced_at_the_cached_rate_to_the_micro_dollar() {
         && u.cached_tokens == 1500
         && u.by_model["small"].cost_micros == 368));
 }
+
+/// A provider answering the way real servers do, chosen by the task's text:
+/// cut at the cap, a refusal, a word outside the labels, a reasoning block
+/// before the answer, no usage at all. Counts its calls.
+fn real_shapes_provider(
+    calls: std::sync::Arc<std::sync::atomic::AtomicU64>,
+) -> impl Fn(&tokio::runtime::Runtime) -> String {
+    move |rt| {
+        let calls = calls.clone();
+        let app = axum::Router::new().route(
+            "/v1/chat/completions",
+            axum::routing::post(move |axum::Json(req): axum::Json<serde_json::Value>| {
+                calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let text = req["messages"][1]["content"].as_str().unwrap_or("").to_string();
+                async move {
+                    let (content, finish, refusal) = if text.contains("cut") {
+                        (serde_json::json!("The quarterly"), "length", None)
+                    } else if text.contains("decline") {
+                        (serde_json::Value::Null, "stop", Some("I can't help with that."))
+                    } else if text.contains("weather") {
+                        (serde_json::json!("weather"), "stop", None)
+                    } else if text.contains("reasoner") {
+                        (serde_json::json!("<think>\nit is a match report\n</think>\n\nsports"), "stop", None)
+                    } else {
+                        (serde_json::json!("news"), "stop", None)
+                    };
+                    let mut body = serde_json::json!({
+                        "id": "chatcmpl-shapes", "object": "chat.completion", "created": 0, "model": "small",
+                        "choices": [{ "index": 0, "finish_reason": finish,
+                                      "message": { "role": "assistant", "content": content, "refusal": refusal } }],
+                        "usage": { "prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110 }
+                    });
+                    if text.contains("nousage") {
+                        body["usage"] = serde_json::Value::Null;
+                    }
+                    axum::Json(body)
+                }
+            }),
+        );
+        let listener = rt
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let addr = listener.local_addr().unwrap();
+        rt.spawn(async move { axum::serve(listener, app).await });
+        format!("http://{addr}/v1")
+    }
+}
+
+fn classify_text_task(id: &str, content: &str) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "taskId": id,
+        "taskType": "classify",
+        "tenantId": "acme",
+        "submittedAt": "2026-12-01T10:00:00Z",
+        "payload": { "content": content, "labels": ["news", "sports"] },
+    }))
+    .unwrap()
+}
+
+/// Truncated, refused and off-contract answers are failed results with their
+/// code, billed, neither retried nor dead-lettered; reasoning blocks and
+/// missing usage are read as answers.
+#[test]
+fn real_servers_answers_become_the_right_results_and_are_billed() {
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let provider = real_shapes_provider(calls.clone());
+    let mut s = setup_with("[batching]\nenabled = false\n", Some(&provider));
+    let tasks = [
+        ("ok", "markets rallied"),
+        ("cut", "cut this short"),
+        ("decline", "please decline"),
+        ("weather", "weather today"),
+        ("reasoner", "reasoner on a match"),
+        ("nousage", "nousage markets"),
+    ];
+    for (id, content) in tasks {
+        s.driver
+            .pipe_raw(
+                "ai.tasks.classify",
+                Some(b"acme"),
+                Some(&classify_text_task(id, content)),
+                0,
+            )
+            .unwrap();
+    }
+    assert_eq!(s.driver.wait_for_async(Duration::from_secs(20)).unwrap(), 0);
+    let done = results(s.driver.read_output("ai.results.completed"));
+    let failed = results(s.driver.read_output("ai.results.failed"));
+    assert_eq!(done.len() + failed.len(), tasks.len(), "one result each");
+    assert_eq!(
+        calls.load(std::sync::atomic::Ordering::SeqCst),
+        6,
+        "no retries"
+    );
+    assert!(s.driver.read_output("ai.tasks.classify.dlq").is_empty());
+    for (id, label) in [("ok", "news"), ("reasoner", "sports"), ("nousage", "news")] {
+        let r = &done[id];
+        assert!(r.success, "{r:?}");
+        assert_eq!(r.output, serde_json::json!(label), "{id}");
+    }
+    assert!(done["nousage"].input_tokens > 0 && done["nousage"].output_tokens > 0);
+    assert!(done["nousage"].cost_micros > 0, "estimated usage is billed");
+    for (id, code) in [
+        ("cut", "truncated"),
+        ("decline", "refused"),
+        ("weather", "invalid_output"),
+    ] {
+        let r = &failed[id];
+        assert!(!r.success);
+        assert_eq!(r.error_code.as_deref(), Some(code), "{id}");
+        assert_eq!(
+            (r.input_tokens, r.output_tokens),
+            (100, 10),
+            "{id} is billed"
+        );
+        assert!(r.cost_micros > 0);
+    }
+}

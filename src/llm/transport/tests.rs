@@ -229,7 +229,6 @@ async fn error_answers_are_classified() {
         ("gone", ErrorClass::Config),
         ("unavailable", ErrorClass::Transient),
         ("malformed", ErrorClass::Malformed),
-        ("no-usage", ErrorClass::Malformed),
         (
             "filtered",
             ErrorClass::Permanent(PermanentKind::ContentPolicy),
@@ -239,6 +238,13 @@ async fn error_answers_are_classified() {
         let err = p.chat(&request(model)).await.unwrap_err();
         assert_eq!(err.class(), class, "{model}: {err:?}");
     }
+    // An answer without usage is an answer (its usage is estimated by the
+    // client), not a malformed body.
+    let answered = p.chat(&request("no-usage")).await.unwrap();
+    assert_eq!(
+        (answered.content.as_str(), answered.usage_missing),
+        ("x", true)
+    );
     let err = p.chat(&request("vllm")).await.unwrap_err();
     match err {
         LlmError::Status {
