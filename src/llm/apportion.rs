@@ -70,6 +70,46 @@ pub fn apportion_usage(usage: &Usage, sizes: &[u64]) -> Vec<Usage> {
         .collect()
 }
 
+/// Splits a micro-batch's usage over its items as it was spent: prompt tokens
+/// by each item's own text (`own_prompts`) plus an equal share of the prompt
+/// they share (`shared_prompt`, the instructions); completion tokens by each
+/// item's answer (`answers`, e.g. its length) when the answer was split, else
+/// like the prompt; cached tokens follow the prompt shares. Every figure sums
+/// exactly to the batch's.
+pub fn apportion_batch_usage(
+    usage: &Usage,
+    own_prompts: &[u64],
+    shared_prompt: u64,
+    answers: Option<&[u64]>,
+) -> Vec<Usage> {
+    let n = own_prompts.len() as u64;
+    // n × (own + shared / n), kept in integers.
+    let prompt_weights: Vec<u64> = own_prompts
+        .iter()
+        .map(|own| own.saturating_mul(n).saturating_add(shared_prompt))
+        .collect();
+    let prompt = apportion(usage.prompt_tokens, &prompt_weights);
+    let completion = apportion(usage.completion_tokens, answers.unwrap_or(&prompt_weights));
+    let cached_total = usage.cached_tokens.min(usage.prompt_tokens);
+    let cached = if cached_total == 0 {
+        vec![0; own_prompts.len()]
+    } else {
+        apportion(cached_total, &prompt)
+    };
+    prompt
+        .into_iter()
+        .zip(completion)
+        .zip(cached)
+        .map(
+            |((prompt_tokens, completion_tokens), cached_tokens)| Usage {
+                prompt_tokens,
+                completion_tokens,
+                cached_tokens,
+            },
+        )
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use rand::rngs::StdRng;

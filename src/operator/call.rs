@@ -9,13 +9,12 @@ use super::trap::{self, Verdict};
 use super::{idempotency_key, in_flight_key, now_ms, Ctx, Failure, Item, LlmProcessor};
 use crate::accounting::Amount;
 use crate::envelope::DlqCategory;
-use crate::llm::apportion::apportion_usage;
-use crate::llm::prompt::{split_batch_answer, BatchSplitError};
+use crate::llm::apportion::apportion_batch_usage;
+use crate::llm::prompt::{lines, split_batch_answer, BatchSplitError};
 use crate::llm::{
     CallFailure, CallOutcome, ChatRequest, ErrorClass, Message, PermanentKind, ResponseFormat,
     Usage,
 };
-use crate::pipeline::batch::estimated_tokens;
 
 /// One provider call: a task, or a micro-batch of tasks.
 pub(super) struct Job {
@@ -51,6 +50,9 @@ struct BatchCall {
 /// A task's share of a successful call.
 struct Answer {
     usage: Usage,
+    /// The task's share of a batch call's cost (shares sum to the call's
+    /// cost); `None` for a call of its own (priced from its usage).
+    cost_micros: Option<i64>,
     /// Attempts the call took.
     attempts: u32,
     /// The task's output, or the error code and message of an answer that
@@ -356,18 +358,27 @@ impl LlmProcessor {
             };
             let answer = Answer {
                 usage,
+                cost_micros: None,
                 attempts: outcome.attempts,
                 output,
                 batch_id: None,
             };
             return self.succeed(ctx, &job.model, item, answer);
         };
-        let sizes: Vec<u64> = job
+        // Each item's own prompt text; the rest of the prompt (instructions,
+        // framing) is shared.
+        let own: Vec<u64> = job
             .items
             .iter()
-            .map(|i| estimated_tokens(&i.routed))
+            .zip(&batch.ids)
+            .map(|(i, id)| {
+                (i.routed.task.envelope.payload.content.len() + lines::ITEM.len() + id.len() + 2)
+                    as u64
+            })
             .collect();
-        let shares = apportion_usage(&usage, &sizes);
+        let whole: usize = batch.request.messages.iter().map(|m| m.content.len()).sum();
+        let shared = (whole as u64).saturating_sub(own.iter().sum());
+        let price = self.price(&job.model);
         // A batch answer cut short or declined cannot be trusted item by
         // item: each task is asked alone.
         let split = if response.truncated() || response.refusal.is_some() {
@@ -380,13 +391,23 @@ impl LlmProcessor {
                 self.metrics()
                     .batch_calls_saved
                     .inc_by(job.items.len() as u64 - 1);
+                // Completion tokens go by each item's answer.
+                let answers: Vec<u64> = outputs
+                    .iter()
+                    .map(|(id, o)| (id.len() + o.to_string().len() + 16) as u64)
+                    .collect();
+                let shares = apportion_batch_usage(&usage, &own, shared, Some(&answers));
+                let costs = super::apportion_cost(&price, &shares);
                 let items = std::mem::take(&mut job.items);
-                for ((item, (_, output)), share) in items.into_iter().zip(outputs).zip(shares) {
+                for (((item, (_, output)), share), cost) in
+                    items.into_iter().zip(outputs).zip(shares).zip(costs)
+                {
                     let output =
                         output::task_output(&item.routed.task.envelope, output::Raw::Item(output))
                             .map_err(|m| (output::INVALID_OUTPUT, m));
                     let answer = Answer {
                         usage: share,
+                        cost_micros: Some(cost),
                         attempts: outcome.attempts,
                         output,
                         batch_id: Some(batch.id.clone()),
@@ -401,10 +422,13 @@ impl LlmProcessor {
                 // share into its result.
                 tracing::warn!(batch = %batch.id, error = %e, "batch answer unusable; calling per task");
                 self.metrics().batch_fallbacks.inc();
+                let shares = apportion_batch_usage(&usage, &own, shared, None);
+                let costs = super::apportion_cost(&price, &shares);
                 let mut again = Vec::with_capacity(job.items.len());
-                for (mut item, share) in job.items.into_iter().zip(shares) {
+                for ((mut item, share), cost) in job.items.into_iter().zip(shares).zip(costs) {
                     item.extra = add_usage(item.extra, share);
-                    if self.reserve_spoiled(ctx, &item, &job.model, share)? {
+                    item.extra_cost_micros += cost;
+                    if self.reserve_spoiled(ctx, &item, share, cost)? {
                         again.push(item);
                     }
                 }
@@ -413,6 +437,16 @@ impl LlmProcessor {
                 Ok(())
             }
         }
+    }
+
+    /// The price of `model` (zero when it has none).
+    fn price(&self, model: &str) -> super::Price {
+        self.step
+            .settings()
+            .prices
+            .get(model)
+            .copied()
+            .unwrap_or_default()
     }
 
     /// A task of a hard-quota tenant called again after its batch's answer
@@ -424,8 +458,8 @@ impl LlmProcessor {
         &mut self,
         ctx: &mut Ctx<'_>,
         item: &Item,
-        model: &str,
         share: Usage,
+        cost_micros: i64,
     ) -> Result<bool, ProcessError> {
         let env = &item.routed.task.envelope;
         let flight = in_flight_key(
@@ -438,22 +472,9 @@ impl LlmProcessor {
         ) else {
             return Ok(true);
         };
-        let price = self
-            .step
-            .settings()
-            .prices
-            .get(model)
-            .copied()
-            .unwrap_or_default();
-        let cached = share.cached_tokens.min(share.prompt_tokens);
         let grow = Amount {
             tokens: share.prompt_tokens + share.completion_tokens,
-            cost_micros: super::cost_micros(
-                &price,
-                share.prompt_tokens,
-                cached,
-                share.completion_tokens,
-            ),
+            cost_micros,
         };
         let held = item.held.clone();
         ctx.with_record(&held, |ctx| {
@@ -482,19 +503,21 @@ impl LlmProcessor {
         answer: Answer,
     ) -> Result<(), ProcessError> {
         let usage = add_usage(answer.usage, item.extra);
-        let price = self
-            .step
-            .settings()
-            .prices
-            .get(model)
-            .copied()
-            .unwrap_or_default();
+        let price = self.price(model);
+        let own_cost = answer.cost_micros.unwrap_or_else(|| {
+            let u = answer.usage;
+            super::cost_micros(
+                &price,
+                u.prompt_tokens,
+                u.cached_tokens.min(u.prompt_tokens),
+                u.completion_tokens,
+            )
+        });
         let mut r = self.base_result(&item.routed, model, answer.output.is_ok());
         r.input_tokens = usage.prompt_tokens;
         r.output_tokens = usage.completion_tokens;
         r.cached_tokens = usage.cached_tokens.min(usage.prompt_tokens);
-        r.cost_micros =
-            super::cost_micros(&price, r.input_tokens, r.cached_tokens, r.output_tokens);
+        r.cost_micros = own_cost + item.extra_cost_micros;
         r.attempts = item.routed.task.envelope.attempt_number - 1 + answer.attempts;
         match answer.output {
             Ok(output) => r.output = output,

@@ -252,6 +252,8 @@ struct Item {
     request: ChatRequest,
     /// Usage of failed batch calls billed to this task.
     extra: Usage,
+    /// Their cost (this task's shares of those calls' costs).
+    extra_cost_micros: i64,
 }
 
 /// Why a task failed for good.
@@ -394,6 +396,7 @@ impl LlmProcessor {
             held: item.held,
             request,
             extra: Usage::default(),
+            extra_cost_micros: 0,
         }))
     }
 
@@ -673,9 +676,84 @@ pub fn cost_micros(price: &Price, input: u64, cached: u64, output: u64) -> i64 {
     ((total + 500_000) / 1_000_000) as i64
 }
 
+/// Splits a call's cost over the usage shares of its tasks: the call's cost
+/// is rounded once (from its whole usage) and given out in proportion to
+/// each share's exact cost by largest remainder, so the tasks' costs sum to
+/// the call's cost exactly.
+pub fn apportion_cost(price: &Price, shares: &[Usage]) -> Vec<i64> {
+    let (mut input, mut cached, mut output) = (0u64, 0u64, 0u64);
+    let weights: Vec<u64> = shares
+        .iter()
+        .map(|s| {
+            let c = s.cached_tokens.min(s.prompt_tokens);
+            input += s.prompt_tokens;
+            cached += c;
+            output += s.completion_tokens;
+            let exact = (s.prompt_tokens - c) as u128 * price.input as u128
+                + c as u128 * price.cached as u128
+                + s.completion_tokens as u128 * price.output as u128;
+            u64::try_from(exact).unwrap_or(u64::MAX)
+        })
+        .collect();
+    let total = cost_micros(price, input, cached, output).max(0) as u64;
+    crate::llm::apportion::apportion(total, &weights)
+        .into_iter()
+        .map(|c| c as i64)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Over 10,000 random batches, the tasks' costs sum to the call's cost
+    /// to the micro-dollar, and each is within a micro-dollar of its exact
+    /// share.
+    #[test]
+    fn batch_costs_sum_to_the_calls_cost_exactly() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0xc057);
+        for _ in 0..10_000 {
+            let price = Price {
+                input: rng.random_range(0..20_000_000),
+                output: rng.random_range(0..80_000_000),
+                cached: rng.random_range(0..10_000_000),
+            };
+            let shares: Vec<Usage> = (0..rng.random_range(1..=32))
+                .map(|_| {
+                    let prompt = rng.random_range(0..3_000);
+                    Usage {
+                        prompt_tokens: prompt,
+                        completion_tokens: rng.random_range(0..2_000),
+                        cached_tokens: rng.random_range(0..=prompt),
+                    }
+                })
+                .collect();
+            let costs = apportion_cost(&price, &shares);
+            let sum = |f: fn(&Usage) -> u64| shares.iter().map(f).sum::<u64>();
+            let call = cost_micros(
+                &price,
+                sum(|u| u.prompt_tokens),
+                sum(|u| u.cached_tokens),
+                sum(|u| u.completion_tokens),
+            );
+            assert_eq!(costs.iter().sum::<i64>(), call, "{price:?} {shares:?}");
+            for (share, cost) in shares.iter().zip(&costs) {
+                let exact = cost_micros_exact(&price, share);
+                assert!(
+                    (*cost as f64 - exact).abs() <= 1.0 + 1e-9,
+                    "{cost} vs {exact}"
+                );
+            }
+        }
+    }
+
+    fn cost_micros_exact(price: &Price, u: &Usage) -> f64 {
+        ((u.prompt_tokens - u.cached_tokens) as f64 * price.input as f64
+            + u.cached_tokens as f64 * price.cached as f64
+            + u.completion_tokens as f64 * price.output as f64)
+            / 1e6
+    }
 
     #[test]
     fn cost_is_integer_micros_with_cached_rate() {

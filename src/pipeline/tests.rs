@@ -498,3 +498,56 @@ fn real_servers_answers_become_the_right_results_and_are_billed() {
         assert!(r.cost_micros > 0);
     }
 }
+
+/// A batch's tokens go to its tasks as they were spent (completion tokens by
+/// each task's answer), and its tasks' costs sum to the call's cost to the
+/// micro-dollar.
+#[test]
+fn a_batch_bills_each_task_its_own_answer_and_sums_to_the_calls_cost() {
+    let mut s = setup("");
+    for i in 0..25 {
+        let task = serde_json::json!({
+            "taskId": format!("s{i:02}"),
+            "taskType": "summarize",
+            "tenantId": "acme",
+            "submittedAt": "2026-12-01T10:00:00Z",
+            "payload": { "content": "word ".repeat(3 * (i + 1)), "maxWords": 200 },
+        });
+        s.driver
+            .pipe_raw(
+                "ai.tasks.summarize",
+                Some(b"acme"),
+                Some(&serde_json::to_vec(&task).unwrap()),
+                0,
+            )
+            .unwrap();
+    }
+    assert_eq!(s.driver.wait_for_async(Duration::from_secs(20)).unwrap(), 0);
+    let done = results(s.driver.read_output("ai.results.completed"));
+    assert_eq!(done.len(), 25);
+    let stats = s.sim.stats();
+    assert_eq!(stats.requests_total, 1, "one batch");
+    let mut by_id: Vec<&TaskResult> = done.values().collect();
+    by_id.sort_by(|a, b| a.task_id.cmp(&b.task_id));
+    let output: Vec<u64> = by_id.iter().map(|r| r.output_tokens).collect();
+    assert!(
+        output.windows(2).all(|w| w[0] <= w[1]) && output[24] > 5 * output[0].max(1),
+        "completion tokens follow each task's answer: {output:?}"
+    );
+    let sum = |f: fn(&TaskResult) -> u64| by_id.iter().map(|r| f(r)).sum::<u64>();
+    assert_eq!(sum(|r| r.input_tokens), stats.prompt_tokens);
+    assert_eq!(sum(|r| r.output_tokens), stats.completion_tokens);
+    assert_eq!(sum(|r| r.cached_tokens), stats.cached_tokens);
+    let price = crate::config::Price {
+        input: 150_000,
+        output: 600_000,
+        cached: 75_000,
+    };
+    let call = crate::operator::cost_micros(
+        &price,
+        stats.prompt_tokens,
+        stats.cached_tokens,
+        stats.completion_tokens,
+    );
+    assert_eq!(by_id.iter().map(|r| r.cost_micros).sum::<i64>(), call);
+}
