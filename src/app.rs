@@ -255,6 +255,14 @@ pub fn steps(
     if let Some(gate) = gate {
         batching = batching.with_isolated_tenants(Arc::new(move |t| gate.is_hard(t)));
     }
+    batching = batching.with_output_limits(
+        config
+            .llm
+            .models
+            .iter()
+            .map(|m| (m.name.clone(), m.max_output_tokens))
+            .collect(),
+    );
     Ok(Steps {
         source,
         route,

@@ -120,6 +120,10 @@ fn default_timeout_ms() -> u64 {
     60_000
 }
 
+fn default_max_output_tokens() -> u32 {
+    16_384
+}
+
 /// Reasoning tokens a `max_completion_tokens` model gets on top of each call's cap unless
 /// configured otherwise.
 pub const DEFAULT_REASONING_TOKENS: u32 = 4_096;
@@ -161,6 +165,10 @@ pub struct ModelConfig {
     /// ones (a task's cap alone, classify's 16 tokens, would be spent before any answer).
     #[serde(default)]
     pub reasoning_tokens: Option<u32>,
+    /// The most completion tokens the model produces in one answer (OpenAI's chat models:
+    /// 16,384): a micro-batch's summed caps stay within it.
+    #[serde(default = "default_max_output_tokens")]
+    pub max_output_tokens: u32,
     /// Per-call timeout in milliseconds (one attempt, not the retries).
     #[serde(default = "default_timeout_ms")]
     pub timeout_ms: u64,
@@ -182,6 +190,7 @@ impl ModelConfig {
             max_tokens_field: MaxTokensField::default(),
             send_sampling: None,
             reasoning_tokens: None,
+            max_output_tokens: default_max_output_tokens(),
             timeout_ms: default_timeout_ms(),
             limiter: LimiterConfig::default(),
             breaker: BreakerConfig::default(),

@@ -62,6 +62,8 @@ pub struct ModelEndpoint {
     pub send_sampling: bool,
     /// Completion tokens added to each call's cap for hidden reasoning.
     pub reasoning_tokens: u32,
+    /// The most completion tokens one answer may have.
+    pub max_output_tokens: u32,
     /// Timeout of one attempt.
     pub timeout: Duration,
     /// The provider hop.
@@ -91,6 +93,7 @@ impl ModelEndpoint {
             max_completion_tokens: config.max_tokens_field == MaxTokensField::MaxCompletionTokens,
             send_sampling: config.sends_sampling(),
             reasoning_tokens: config.reasoning_budget(),
+            max_output_tokens: config.max_output_tokens,
             timeout: config.timeout(),
             transport,
             limiter: AimdLimiter::new(config.limiter.clone()),

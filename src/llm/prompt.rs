@@ -31,6 +31,13 @@ pub mod lines {
     pub const LABEL_SEPARATOR: &str = ", ";
 }
 
+/// Completion tokens a batch answer spends per item beyond the item's own output: its
+/// `{"id":"…","output":…}` wrapper.
+pub const BATCH_ITEM_OVERHEAD: u32 = 24;
+
+/// Completion token cap of a task type without one configured.
+pub const DEFAULT_ITEM_CAP: u32 = 256;
+
 /// Built-in task types with their own task lines.
 pub mod task_types {
     /// Summarize `content` in at most `maxWords` words.
@@ -176,6 +183,17 @@ impl PromptBuilder {
             .templates
             .get(task_type)
             .ok_or_else(|| PromptError::UnknownTaskType(task_type.to_string()))
+    }
+
+    /// Completion tokens one task of `task_type` takes in a batch answer: its template's
+    /// cap plus the item's JSON wrapper.
+    pub fn batch_item_cap(&self, task_type: &str) -> u32 {
+        let cap = self
+            .template(task_type)
+            .ok()
+            .and_then(|t| t.max_tokens)
+            .unwrap_or(DEFAULT_ITEM_CAP);
+        cap.saturating_add(BATCH_ITEM_OVERHEAD)
     }
 
     /// The machine-readable task lines of `task` (equal lines ⇒ batchable together).

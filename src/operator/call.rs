@@ -10,7 +10,7 @@ use super::{idempotency_key, in_flight_key, now_ms, Ctx, Failure, Item, LlmProce
 use crate::accounting::Amount;
 use crate::envelope::DlqCategory;
 use crate::llm::apportion::apportion_batch_usage;
-use crate::llm::prompt::{lines, split_batch_answer, BatchSplitError};
+use crate::llm::prompt::{self, lines, split_batch_answer, BatchSplitError};
 use crate::llm::{
     CallFailure, CallOutcome, ChatRequest, ErrorClass, Message, PermanentKind, ResponseFormat,
     Usage,
@@ -93,17 +93,32 @@ impl LlmProcessor {
 
     /// The batch request of `items`, or `None` when they cannot share one.
     fn batch_call(&self, id: String, items: &[Item]) -> Option<BatchCall> {
-        let ids = crate::llm::prompt::batch_item_ids(items.len());
+        let ids = prompt::batch_item_ids(items.len());
         let pairs: Vec<(String, &crate::envelope::TaskEnvelope)> = ids
             .iter()
             .cloned()
             .zip(items.iter().map(|i| &i.routed.task.envelope))
             .collect();
         let messages: Vec<Message> = self.step.0.prompts.build_batch_messages(&pairs).ok()?;
-        let max_tokens = items
+        // Each item's cap and its JSON wrapper, within what the model can
+        // answer at once (the batcher sizes batches to fit; this is the
+        // bound whatever assembled the batch).
+        let summed = items
             .iter()
-            .map(|i| i.request.max_tokens)
-            .try_fold(0u32, |sum, m| m.map(|m| sum.saturating_add(m)));
+            .map(|i| {
+                i.request
+                    .max_tokens
+                    .unwrap_or(prompt::DEFAULT_ITEM_CAP)
+                    .saturating_add(prompt::BATCH_ITEM_OVERHEAD)
+            })
+            .fold(0u32, u32::saturating_add);
+        let limit = self
+            .step
+            .0
+            .client
+            .endpoint(&items[0].routed.model)
+            .map_or(u32::MAX, |ep| ep.max_output_tokens);
+        let max_tokens = Some(summed.min(limit));
         Some(BatchCall {
             id,
             request: ChatRequest {
@@ -307,6 +322,21 @@ impl LlmProcessor {
                 Ok(())
             }
             ErrorClass::Transient | ErrorClass::Malformed => {
+                if job.items.len() > 1 {
+                    if let Some(batch) = &job.batch {
+                        // A batch too large to answer in time (or at all):
+                        // each half is asked on its own, down to single
+                        // tasks, before any task spends an attempt.
+                        tracing::debug!(batch = %batch.id, error = %failure.error, items = job.items.len(), "batch call failed; halving it");
+                        self.metrics().batch_fallbacks.inc();
+                        let id = batch.id.clone();
+                        let mut first = job.items;
+                        let second = first.split_off(first.len() / 2);
+                        self.start(ctx, first, Some(format!("{id}.a")));
+                        self.start(ctx, second, Some(format!("{id}.b")));
+                        return Ok(());
+                    }
+                }
                 let message = failure.error.to_string();
                 let max_attempts = self.step.settings().max_attempts;
                 for item in job.items {

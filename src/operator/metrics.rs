@@ -91,7 +91,7 @@ impl OperatorMetrics {
             )?,
             batch_fallbacks: IntCounter::new(
                 names::BATCH_FALLBACKS,
-                "Micro-batches answered by a call per task instead",
+                "Micro-batches answered by a call per task instead, or halved after their call failed",
             )?,
             quota_rejections: IntCounter::new(
                 names::QUOTA_REJECTIONS,

@@ -11,7 +11,8 @@
 //! A window opens with its first task and is flushed `window_ms` after it
 //! (a timer: an async call of its own, so the flush wakes the engine at
 //! once), at `max_items`, or before a task would take its estimated prompt
-//! tokens past `max_tokens`. `invoke_llm` then makes one call with the batch
+//! tokens past `max_tokens` or its summed completion caps past the model's
+//! output limit. `invoke_llm` then makes one call with the batch
 //! prompt and splits the answer back per task. Tasks that are not batched
 //! pass on at once as a batch of one: batching off, a task type excluded, a
 //! `high` priority task (interactive work never waits for a window), a task
@@ -132,6 +133,8 @@ pub struct Batching {
     prompts: Arc<PromptBuilder>,
     metrics: BatchMetrics,
     isolated: Option<TenantFilter>,
+    /// Per model, the most completion tokens one answer may have.
+    output_limits: Arc<HashMap<String, u32>>,
 }
 
 /// Which tenants' tasks are batched only with their own.
@@ -146,7 +149,17 @@ impl Batching {
             prompts: Arc::new(prompts),
             metrics,
             isolated: None,
+            output_limits: Arc::default(),
         }
+    }
+
+    /// Keeps each batch's summed completion caps (its items' caps and JSON
+    /// wrappers) within its model's output limit: a window is flushed
+    /// before a task would take it past, and a task whose cap alone passes
+    /// it goes alone.
+    pub fn with_output_limits(mut self, limits: HashMap<String, u32>) -> Self {
+        self.output_limits = Arc::new(limits);
+        self
     }
 
     /// Batches the tasks of tenants `isolated` picks only with their own
@@ -182,6 +195,8 @@ pub struct BatchItem {
 struct Window {
     items: Vec<BatchItem>,
     tokens: u64,
+    /// The items' completion caps with their JSON wrappers.
+    output: u64,
     /// Tells this window's timer from an earlier window's under the same key.
     generation: u64,
 }
@@ -287,12 +302,26 @@ impl<K> Processor<K, Routed> for MicroBatcher {
             return Err(ProcessError::Fatal("no current record".into()));
         };
         let tokens = estimated_tokens(&record.value);
+        let output = u64::from(
+            self.step
+                .prompts
+                .batch_item_cap(&record.value.task.envelope.task_type),
+        );
+        let output_limit = self
+            .step
+            .output_limits
+            .get(&record.value.model)
+            .map_or(u64::MAX, |l| u64::from(*l));
         let item = BatchItem {
             task: record.value,
             headers: record.headers,
             held,
         };
-        let Some(key) = self.window_key(&item.task, tokens) else {
+        let key = match self.window_key(&item.task, tokens) {
+            Some(key) if output <= output_limit => Some(key),
+            _ => None,
+        };
+        let Some(key) = key else {
             self.step.metrics.unbatched.inc();
             let batch = Batch {
                 id: None,
@@ -304,7 +333,7 @@ impl<K> Processor<K, Routed> for MicroBatcher {
         if self
             .windows
             .get(&key)
-            .is_some_and(|w| w.tokens + tokens > cfg.max_tokens)
+            .is_some_and(|w| w.tokens + tokens > cfg.max_tokens || w.output + output > output_limit)
         {
             self.flush(&key, FlushCause::Tokens, ctx)?;
         }
@@ -321,12 +350,14 @@ impl<K> Processor<K, Routed> for MicroBatcher {
                 self.windows.entry(key.clone()).or_insert(Window {
                     items: Vec::new(),
                     tokens: 0,
+                    output: 0,
                     generation,
                 })
             }
         };
         window.items.push(item);
         window.tokens += tokens;
+        window.output += output;
         if window.items.len() >= cfg.max_items {
             self.flush(&key, FlushCause::Size, ctx)?;
         }

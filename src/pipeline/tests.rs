@@ -25,6 +25,15 @@ fn setup(extra: &str) -> Setup {
 
 /// The pipeline against the simulator, or against `provider` (a base URL).
 fn setup_with(extra: &str, provider: Option<&dyn Fn(&tokio::runtime::Runtime) -> String>) -> Setup {
+    setup_model(extra, "", provider)
+}
+
+/// As [`setup_with`], with `model_keys` added to the model's table.
+fn setup_model(
+    extra: &str,
+    model_keys: &str,
+    provider: Option<&dyn Fn(&tokio::runtime::Runtime) -> String>,
+) -> Setup {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -52,6 +61,7 @@ base_url = "{}"
 [[llm.models]]
 name = "small"
 provider = "sim"
+{model_keys}
 
 [prices.small]
 input = 150000
@@ -550,4 +560,121 @@ fn a_batch_bills_each_task_its_own_answer_and_sums_to_the_calls_cost() {
         stats.completion_tokens,
     );
     assert_eq!(by_id.iter().map(|r| r.cost_micros).sum::<i64>(), call);
+}
+
+/// A provider that answers batches of at most `max_items` items (each item
+/// `news`) and fails larger ones with a 503, as a server whose batches time
+/// out would; counts the requests by item count.
+fn small_batches_provider(
+    max_items: usize,
+    sizes: std::sync::Arc<parking_lot::Mutex<Vec<usize>>>,
+) -> impl Fn(&tokio::runtime::Runtime) -> String {
+    move |rt| {
+        let sizes = sizes.clone();
+        let app = axum::Router::new().route(
+            "/v1/chat/completions",
+            axum::routing::post(move |axum::Json(req): axum::Json<serde_json::Value>| {
+                let user = req["messages"][1]["content"]
+                    .as_str()
+                    .unwrap_or("")
+                    .to_string();
+                let ids: Vec<String> = user
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("### item "))
+                    .map(str::to_string)
+                    .collect();
+                sizes.lock().push(ids.len().max(1));
+                async move {
+                    if ids.len() > max_items {
+                        return axum::response::IntoResponse::into_response((
+                            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                            "batch too large to answer in time",
+                        ));
+                    }
+                    let content = if ids.is_empty() {
+                        "news".to_string()
+                    } else {
+                        let items: Vec<_> = ids
+                            .iter()
+                            .map(|id| serde_json::json!({"id": id, "output": "news"}))
+                            .collect();
+                        serde_json::json!({ "items": items }).to_string()
+                    };
+                    axum::response::IntoResponse::into_response(axum::Json(serde_json::json!({
+                        "choices": [{ "index": 0, "finish_reason": "stop",
+                                      "message": { "role": "assistant", "content": content } }],
+                        "usage": { "prompt_tokens": 50, "completion_tokens": 5 }
+                    })))
+                }
+            }),
+        );
+        let listener = rt
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let addr = listener.local_addr().unwrap();
+        rt.spawn(async move { axum::serve(listener, app).await });
+        format!("http://{addr}/v1")
+    }
+}
+
+/// A batch whose call fails is halved until its halves are answered: every
+/// task gets its answer, none is re-published or spends an attempt.
+#[test]
+fn a_failed_batch_is_halved_until_answered_without_republishing() {
+    let sizes = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let provider = small_batches_provider(4, sizes.clone());
+    // The breaker is not what this shows (each failed call counts against
+    // it, as a timeout would).
+    let mut s = setup_model(
+        "",
+        "breaker = { consecutive_failures = 1000, error_rate = 1.0 }",
+        Some(&provider),
+    );
+    for i in 0..16 {
+        s.driver
+            .pipe_raw("ai.tasks.classify", Some(b"acme"), Some(&task(i)), 0)
+            .unwrap();
+    }
+    assert_eq!(s.driver.wait_for_async(Duration::from_secs(30)).unwrap(), 0);
+    let done = results(s.driver.read_output("ai.results.completed"));
+    assert_eq!(done.len(), 16);
+    assert!(done
+        .values()
+        .all(|r| r.success && r.attempts == 1 && r.batch_id.is_some()));
+    assert!(
+        s.driver.read_output("ai.tasks.classify").is_empty(),
+        "nothing re-published"
+    );
+    let sizes = sizes.lock().clone();
+    let answered: usize = sizes.iter().filter(|n| **n <= 4).sum();
+    assert_eq!(
+        answered, 16,
+        "the halves answered every task once: {sizes:?}"
+    );
+    assert!(sizes.contains(&16) && sizes.contains(&8));
+}
+
+/// A batch's summed completion caps stay within its model's output limit:
+/// classify's 16 tokens and a 24-token wrapper per item, 100 at most.
+#[test]
+fn a_batch_stays_within_its_models_output_limit() {
+    let mut s = setup_model("", "max_output_tokens = 100", None);
+    for i in 0..10 {
+        s.driver
+            .pipe_raw("ai.tasks.classify", Some(b"acme"), Some(&task(i)), 0)
+            .unwrap();
+    }
+    assert_eq!(s.driver.wait_for_async(Duration::from_secs(20)).unwrap(), 0);
+    let done = results(s.driver.read_output("ai.results.completed"));
+    assert_eq!(done.len(), 10);
+    let mut batches: HashMap<Option<String>, usize> = HashMap::new();
+    for r in done.values() {
+        assert!(r.success, "{r:?}");
+        *batches.entry(r.batch_id.clone()).or_default() += 1;
+    }
+    assert!(
+        batches.iter().all(|(id, n)| id.is_none() || *n <= 2),
+        "{batches:?}"
+    );
+    assert!(s.sim.stats().requests_total >= 5);
 }
