@@ -107,20 +107,36 @@ pub enum LlmError {
     Config(String),
 }
 
-/// OpenAI error codes that mean the content was refused.
-const CONTENT_POLICY_CODES: [&str; 4] = [
+/// Error codes that mean the content was refused (OpenAI's `invalid_prompt`: a prompt
+/// flagged as violating the usage policy).
+const CONTENT_POLICY_CODES: [&str; 5] = [
     "content_policy_violation",
     "content_filter",
     "moderation_blocked",
     "content_policy",
+    "invalid_prompt",
 ];
-/// OpenAI error codes that mean the input is too large.
-const TOO_LARGE_CODES: [&str; 4] = [
+/// Error codes and types that mean the input is too large (llama.cpp's
+/// `exceed_context_size_error`).
+const TOO_LARGE_CODES: [&str; 5] = [
     "context_length_exceeded",
     "string_above_max_length",
     "request_too_large",
     "tokens_exceeded",
+    "exceed_context_size_error",
 ];
+/// Messages of servers that report a prompt over the context without a code: vLLM's
+/// "This model's maximum context length is …", llama.cpp's "the request exceeds the
+/// available context size".
+const TOO_LARGE_MESSAGES: [&str; 3] = [
+    "maximum context length",
+    "exceeds the available context size",
+    "context length exceeded",
+];
+/// Error codes for an answer the model failed to give in the requested format (Groq's
+/// `json_validate_failed`): the model's fault for this content, worth another try,
+/// never a sign that the request itself is wrong.
+const OUTPUT_FORMAT_CODES: [&str; 1] = ["json_validate_failed"];
 /// OpenAI error codes that mean a configuration or account problem.
 const CONFIG_CODES: [&str; 5] = [
     "model_not_found",
@@ -138,9 +154,15 @@ impl LlmError {
                 status,
                 code,
                 kind,
+                message,
                 rate_limit,
-                ..
-            } => classify_status(*status, code.as_deref(), kind.as_deref(), rate_limit),
+            } => classify_status(
+                *status,
+                code.as_deref(),
+                kind.as_deref(),
+                message,
+                rate_limit,
+            ),
             LlmError::ContentFiltered => ErrorClass::Permanent(PermanentKind::ContentPolicy),
             LlmError::Timeout(_) | LlmError::Connect(_) | LlmError::Transport(_) => {
                 ErrorClass::Transient
@@ -188,10 +210,15 @@ fn classify_status(
     status: u16,
     code: Option<&str>,
     kind: Option<&str>,
+    message: &str,
     rate_limit: &RateLimitInfo,
 ) -> ErrorClass {
     let is = |set: &[&str]| {
         code.is_some_and(|c| set.contains(&c)) || kind.is_some_and(|k| set.contains(&k))
+    };
+    let says = |set: &[&str]| {
+        let m = message.to_ascii_lowercase();
+        set.iter().any(|s| m.contains(s))
     };
     if is(&CONFIG_CODES) {
         return ErrorClass::Config;
@@ -207,7 +234,10 @@ fn classify_status(
         400..=499 if is(&CONTENT_POLICY_CODES) => {
             ErrorClass::Permanent(PermanentKind::ContentPolicy)
         }
-        400..=499 if is(&TOO_LARGE_CODES) => ErrorClass::Permanent(PermanentKind::TooLarge),
+        400..=499 if is(&TOO_LARGE_CODES) || says(&TOO_LARGE_MESSAGES) => {
+            ErrorClass::Permanent(PermanentKind::TooLarge)
+        }
+        400..=499 if is(&OUTPUT_FORMAT_CODES) => ErrorClass::Malformed,
         400..=499 => ErrorClass::Permanent(PermanentKind::BadRequest),
         // 1xx/3xx reaching us means a misbehaving proxy: retry.
         _ => ErrorClass::Transient,

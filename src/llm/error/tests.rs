@@ -80,3 +80,39 @@ fn error_display_never_contains_the_provider_message() {
     };
     assert!(!err.to_string().contains("SECRET"));
 }
+
+/// Context-length errors of servers that give no OpenAI code, and content-dependent 400s,
+/// are classified by what they mean, not filed as a request the provider cannot take.
+#[test]
+fn other_servers_context_errors_and_content_dependent_400s() {
+    let from_body = |status: u16, body: &str| {
+        let (code, kind, message) = parse_error_body(body.as_bytes());
+        LlmError::Status {
+            status,
+            code,
+            kind,
+            message,
+            rate_limit: Box::default(),
+        }
+        .class()
+    };
+    use ErrorClass::*;
+    use PermanentKind::*;
+    // vLLM: a flat error object, code 400, the limit only in the message.
+    let vllm = r#"{"object":"error","message":"This model's maximum context length is 4096 tokens. However, you requested 5120 tokens (4096 in the messages, 1024 in the completion). Please reduce the length of the messages or completion.","type":"BadRequestError","param":null,"code":400}"#;
+    assert_eq!(from_body(400, vllm), Permanent(TooLarge));
+    // llama.cpp server.
+    let llama = r#"{"error":{"code":400,"message":"the request exceeds the available context size, try increasing it","type":"exceed_context_size_error","n_prompt_tokens":5000,"n_ctx":4096}}"#;
+    assert_eq!(from_body(400, llama), Permanent(TooLarge));
+    let old_llama = r#"{"error":{"code":400,"message":"the request exceeds the available context size. try increasing the context size or enable context shift","type":"invalid_request_error"}}"#;
+    assert_eq!(from_body(400, old_llama), Permanent(TooLarge));
+    // OpenAI: a prompt flagged by the usage policy.
+    let flagged = r#"{"error":{"message":"Invalid prompt: your prompt was flagged as potentially violating our usage policy.","type":"invalid_request_error","param":null,"code":"invalid_prompt"}}"#;
+    assert_eq!(from_body(400, flagged), Permanent(ContentPolicy));
+    // Groq: the model's JSON failed validation: this answer, not the request.
+    let groq = r#"{"error":{"message":"Failed to generate JSON. Please adjust your prompt. See 'failed_generation' for more details.","type":"invalid_request_error","code":"json_validate_failed","failed_generation":"{\"a\": "}}"#;
+    assert_eq!(from_body(400, groq), Malformed);
+    // A plain bad request stays one.
+    let plain = r#"{"error":{"message":"Unsupported value: 'temperature' does not support 0.0 with this model.","type":"invalid_request_error","param":"temperature","code":"unsupported_value"}}"#;
+    assert_eq!(from_body(400, plain), Permanent(BadRequest));
+}
