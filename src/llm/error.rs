@@ -248,7 +248,7 @@ fn classify_status(
 const MAX_ERROR_MESSAGE: usize = 300;
 
 /// The body of an error answer: OpenAI's `{"error":{…}}` or vLLM's flat `{"message":…}`.
-pub(super) fn parse_error_body(body: &[u8]) -> (Option<String>, Option<String>, String) {
+pub(crate) fn parse_error_body(body: &[u8]) -> (Option<String>, Option<String>, String) {
     let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) else {
         return (None, None, String::new());
     };

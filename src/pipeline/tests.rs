@@ -34,6 +34,16 @@ fn setup_model(
     model_keys: &str,
     provider: Option<&dyn Fn(&tokio::runtime::Runtime) -> String>,
 ) -> Setup {
+    setup_full(extra, model_keys, SimConfig::default(), provider)
+}
+
+/// As [`setup_model`], with the simulator configured by `sim_config`.
+fn setup_full(
+    extra: &str,
+    model_keys: &str,
+    sim_config: SimConfig,
+    provider: Option<&dyn Fn(&tokio::runtime::Runtime) -> String>,
+) -> Setup {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -41,7 +51,7 @@ fn setup_model(
         .unwrap();
     let sim = rt
         .block_on(crate::sim::start(
-            SimConfig::default(),
+            sim_config,
             "127.0.0.1:0".parse().unwrap(),
         ))
         .unwrap();
@@ -677,4 +687,47 @@ fn a_batch_stays_within_its_models_output_limit() {
         "{batches:?}"
     );
     assert!(s.sim.stats().requests_total >= 5);
+}
+
+/// A reasoning model (refusing `temperature`, spending hidden tokens of the
+/// cap) answers classify tasks out of the box once configured as one; sent
+/// the templates' temperature, as before, every call was the same 400.
+#[test]
+fn a_reasoning_model_answers_out_of_the_box() {
+    let mut sim = SimConfig::default();
+    sim.model_overrides.insert(
+        "small".into(),
+        crate::sim::ModelOverrides {
+            reasoning_tokens: Some(300),
+            ..Default::default()
+        },
+    );
+    let run = |model_keys: &str| {
+        let mut s = setup_full(
+            "[batching]\nenabled = false\n",
+            model_keys,
+            sim.clone(),
+            None,
+        );
+        for i in 0..5 {
+            s.driver
+                .pipe_raw("ai.tasks.classify", Some(b"acme"), Some(&task(i)), 0)
+                .unwrap();
+        }
+        s.driver.wait_for_async(Duration::from_secs(20)).unwrap();
+        (
+            results(s.driver.read_output("ai.results.completed")),
+            s.driver.read_output("ai.tasks.classify.dlq").len(),
+        )
+    };
+    let (done, dead) = run("max_tokens_field = \"max_completion_tokens\"");
+    assert_eq!((done.len(), dead), (5, 0));
+    assert!(done.values().all(|r| r.success && r.output.is_string()));
+    assert!(
+        done.values().all(|r| r.output_tokens > 300),
+        "reasoning billed"
+    );
+    // Forced to send the template's temperature: refused every time.
+    let (done, _) = run("max_tokens_field = \"max_completion_tokens\"\nsend_sampling = true");
+    assert!(done.is_empty());
 }

@@ -127,6 +127,38 @@ pub struct SimConfig {
     /// Query parameters every request must carry with these values (e.g. Azure's
     /// `api-version`); others are answered 404 `Resource not found`, as Azure does.
     pub required_query: BTreeMap<String, String>,
+
+    /// Milliseconds of latency per completion token, on top of `latency` (a server
+    /// generating at a steady rate: long answers take longer).
+    pub ms_per_output_token: f64,
+
+    /// Any request whose user content contains this text is answered with a refusal
+    /// (`content: null`, `message.refusal`), billed like an answer.
+    pub refusal_marker: Option<String>,
+
+    /// Answers carry no `usage` (as some proxies and servers send them).
+    pub omit_usage: bool,
+
+    /// Answers start with a `<think>…</think>` block (as DeepSeek-R1 on Ollama, or Groq's
+    /// raw reasoning format); its tokens count as completion tokens.
+    pub think_prefix: bool,
+
+    /// The shape of the `context_length` error: OpenAI's, vLLM's or llama.cpp's.
+    pub context_error_style: ContextErrorStyle,
+}
+
+/// Which server's context-length error the simulator imitates.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ContextErrorStyle {
+    /// `{"error":{"code":"context_length_exceeded",…}}`.
+    #[default]
+    Openai,
+    /// A flat `{"object":"error","message":"This model's maximum context length is …",
+    /// "type":"BadRequestError","code":400}`.
+    Vllm,
+    /// `{"error":{"code":400,"type":"exceed_context_size_error",…}}`.
+    LlamaCpp,
 }
 
 impl Default for SimConfig {
@@ -158,6 +190,11 @@ impl Default for SimConfig {
             api_key_header: None,
             required_headers: BTreeMap::new(),
             required_query: BTreeMap::new(),
+            ms_per_output_token: 0.0,
+            refusal_marker: None,
+            omit_usage: false,
+            think_prefix: false,
+            context_error_style: ContextErrorStyle::default(),
         }
     }
 }
@@ -193,6 +230,12 @@ pub struct ModelOverrides {
     /// Refuse requests that set `max_tokens` (400 `unsupported_parameter`), as OpenAI's
     /// reasoning models do; they take `max_completion_tokens`.
     pub reject_max_tokens: bool,
+    /// A reasoning model: requests that set `temperature` are refused (400
+    /// `unsupported_value`, as o-series and gpt-5 models do), and each answer first spends
+    /// this many hidden reasoning tokens of the completion cap (reported in
+    /// `completion_tokens_details.reasoning_tokens`); a cap they exhaust leaves an empty
+    /// answer with `finish_reason = length`.
+    pub reasoning_tokens: Option<u64>,
 }
 
 /// A latency distribution, written with a `kind` tag, e.g.
@@ -346,6 +389,12 @@ impl SimConfig {
         }
         if self.slots == Some(0) {
             return Err(ConfigError::Invalid("slots: must be at least 1".to_owned()));
+        }
+        if !(0.0..=1_000.0).contains(&self.ms_per_output_token) {
+            return Err(ConfigError::Invalid(format!(
+                "ms_per_output_token: must be between 0 and 1000, got {}",
+                self.ms_per_output_token
+            )));
         }
         if self.prompt_cache_entries == 0 {
             return Err(ConfigError::Invalid(

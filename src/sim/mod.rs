@@ -12,9 +12,13 @@
 //!   with 429s and, optionally, the OpenAI `x-ratelimit-*` / `Retry-After` headers;
 //! - a queueing mode: a fixed number of slots, further requests waiting in arrival order (how
 //!   llama.cpp, vLLM and Ollama behave under load: no 429s, growing latency);
-//! - latency distributions and fault injection (5xx, hangs, malformed bodies, content-policy
-//!   and context-length rejections, forced statuses, periodic 429 storms), all changeable
-//!   at run time;
+//! - latency distributions (plus generation time per output token) and fault injection
+//!   (5xx, hangs, malformed bodies, content-policy rejections, context-length rejections in
+//!   OpenAI's, vLLM's or llama.cpp's shape, forced statuses, periodic 429 storms), all
+//!   changeable at run time;
+//! - answers as real servers give them: `finish_reason = length` at the cap, refusals,
+//!   missing usage, `<think>` prefixes, and a reasoning-model mode per model (refuses
+//!   `temperature`, spends hidden reasoning tokens of the cap and reports them);
 //! - an admin API: `GET /admin/stats`, `GET|PUT /admin/config`, `POST /admin/reset`,
 //!   `GET /admin/calls?contains=TEXT`, `GET /healthz`.
 //!
@@ -37,7 +41,9 @@ mod stats;
 #[cfg(test)]
 mod tests;
 
-pub use config::{Burst429, ConfigError, Latency, LimitScope, ModelOverrides, SimConfig};
+pub use config::{
+    Burst429, ConfigError, ContextErrorStyle, Latency, LimitScope, ModelOverrides, SimConfig,
+};
 pub use prompt::fnv1a64;
 pub use stats::{InjectedCounts, SimStats};
 

@@ -23,7 +23,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
-use super::config::{ConfigError, Latency, LimitScope, SimConfig};
+use super::config::{ConfigError, ContextErrorStyle, Latency, LimitScope, SimConfig};
 use super::limits::{format_reset, Admission, LimitSnapshot, RateLimiter};
 use super::prompt::{
     batch_answer, fnv1a64, fnv1a64_parts, malformed_batch_answer, output_text, parse_batch_items,
@@ -499,6 +499,8 @@ struct Prompt {
     max_tokens: Option<u64>,
     /// The request set `max_tokens` (not `max_completion_tokens`).
     sets_max_tokens: bool,
+    /// The request set `temperature`.
+    sets_temperature: bool,
 }
 
 fn message_text(content: Option<&Value>, index: usize) -> Result<String, ApiError> {
@@ -614,14 +616,19 @@ fn parse_request(body: &[u8]) -> Result<Prompt, ApiError> {
         system_tokens,
         max_tokens,
         sets_max_tokens,
+        sets_temperature: request.temperature.is_some(),
     })
 }
 
 /// The deterministic answer to a prompt.
 struct Answer {
     content: String,
+    /// The model declined: `content` is sent as `null` and this as `message.refusal`.
+    refusal: Option<String>,
     finish_reason: &'static str,
     completion_tokens: u64,
+    /// Hidden reasoning tokens among `completion_tokens`.
+    reasoning_tokens: u64,
     /// Items in the request when it is a micro-batch.
     batch_items: Option<usize>,
     batch_malformed: bool,
@@ -644,24 +651,62 @@ fn compose_answer(prompt: &Prompt, config: &SimConfig) -> Answer {
     } else {
         output_text(&task_output(&spec.kind, &prompt.user))
     };
+    let refused = config
+        .refusal_marker
+        .as_deref()
+        .is_some_and(|m| !m.is_empty() && prompt.user.contains(m));
+    if refused {
+        let refusal = REFUSAL.to_owned();
+        return Answer {
+            completion_tokens: tokens_for_text(&refusal),
+            content: String::new(),
+            refusal: Some(refusal),
+            finish_reason: "stop",
+            reasoning_tokens: 0,
+            batch_items,
+            batch_malformed,
+        };
+    }
+    let content = if config.think_prefix {
+        format!("<think>\nThe task lines say what to answer.\n</think>\n\n{content}")
+    } else {
+        content
+    };
+    // A reasoning model spends its hidden tokens first, from the same cap.
+    let reasoning = config
+        .model_overrides
+        .get(&prompt.model)
+        .and_then(|o| o.reasoning_tokens)
+        .unwrap_or(0);
+    let reasoning = prompt
+        .max_tokens
+        .map_or(reasoning, |cap| reasoning.min(cap));
+    let cap = prompt.max_tokens.map(|m| m - reasoning);
     let full_tokens = tokens_for_text(&content).max(1);
-    match prompt.max_tokens {
+    match cap {
         Some(max) if full_tokens > max => Answer {
             content: truncate_to_tokens(&content, max),
+            refusal: None,
             finish_reason: "length",
-            completion_tokens: max,
+            completion_tokens: reasoning + max,
+            reasoning_tokens: reasoning,
             batch_items,
             batch_malformed,
         },
         _ => Answer {
             content,
+            refusal: None,
             finish_reason: "stop",
-            completion_tokens: full_tokens,
+            completion_tokens: reasoning + full_tokens,
+            reasoning_tokens: reasoning,
             batch_items,
             batch_malformed,
         },
     }
 }
+
+/// What a model that declines says.
+const REFUSAL: &str = "I'm sorry, I can't help with that request.";
 
 /// Counts a request as abandoned when its handler is dropped before it answered (the
 /// client went away, e.g. timed out).
@@ -745,6 +790,21 @@ async fn chat_pipeline(state: &SimState, headers: &HeaderMap, body: &[u8]) -> Re
             Some("max_tokens"),
         );
     }
+    if prompt.sets_temperature
+        && config
+            .model_overrides
+            .get(&prompt.model)
+            .is_some_and(|o| o.reasoning_tokens.is_some())
+    {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "Unsupported value: 'temperature' does not support 0.0 with this model. \
+             Only the default (1) value is supported.",
+            error_type::INVALID_REQUEST,
+            Some("unsupported_value"),
+            Some("temperature"),
+        );
+    }
     if let Some(models) = &config.models {
         if !models.contains(&prompt.model) {
             return error_response(
@@ -762,17 +822,7 @@ async fn chat_pipeline(state: &SimState, headers: &HeaderMap, body: &[u8]) -> Re
     if let Some(limit) = config.context_length {
         if prompt.prompt_tokens > u64::from(limit) {
             state.stats.lock().injected.context_length += 1;
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                format!(
-                    "This model's maximum context length is {limit} tokens. However, your \
-                     messages resulted in {} tokens. Please reduce the length of the messages.",
-                    prompt.prompt_tokens
-                ),
-                error_type::INVALID_REQUEST,
-                Some(error_code::CONTEXT_LENGTH),
-                Some("messages"),
-            );
+            return context_error(config.context_error_style, limit, prompt.prompt_tokens);
         }
     }
     let marked = config
@@ -878,7 +928,11 @@ async fn chat_pipeline(state: &SimState, headers: &HeaderMap, body: &[u8]) -> Re
             return shutting_down();
         }
     }
-    let latency = state.sample_latency(config.latency_for(&prompt.model));
+    // Generation time grows with the answer.
+    let generation = Duration::from_secs_f64(
+        config.ms_per_output_token.max(0.0) * answer.completion_tokens as f64 / 1000.0,
+    );
+    let latency = state.sample_latency(config.latency_for(&prompt.model)) + generation;
     if !state.hold(Some(latency)).await {
         return shutting_down();
     }
@@ -973,7 +1027,11 @@ async fn chat_pipeline(state: &SimState, headers: &HeaderMap, body: &[u8]) -> Re
         prompt.system.as_str(),
         prompt.user.as_str(),
     ]);
-    let body = json!({
+    let content = match answer.refusal {
+        Some(_) => Value::Null,
+        None => Value::String(answer.content.clone()),
+    };
+    let mut body = json!({
         "id": format!("chatcmpl-sim-{request_hash:016x}-{seq}"),
         "object": "chat.completion",
         "created": created,
@@ -981,7 +1039,7 @@ async fn chat_pipeline(state: &SimState, headers: &HeaderMap, body: &[u8]) -> Re
         "system_fingerprint": SYSTEM_FINGERPRINT,
         "choices": [{
             "index": 0,
-            "message": { "role": "assistant", "content": answer.content },
+            "message": { "role": "assistant", "content": content, "refusal": answer.refusal },
             "logprobs": null,
             "finish_reason": answer.finish_reason,
         }],
@@ -990,10 +1048,57 @@ async fn chat_pipeline(state: &SimState, headers: &HeaderMap, body: &[u8]) -> Re
             "completion_tokens": answer.completion_tokens,
             "total_tokens": prompt.prompt_tokens + answer.completion_tokens,
             "prompt_tokens_details": { "cached_tokens": cached_tokens },
-            "completion_tokens_details": { "reasoning_tokens": 0 },
+            "completion_tokens_details": { "reasoning_tokens": answer.reasoning_tokens },
         },
     });
+    if config.omit_usage {
+        body["usage"] = Value::Null;
+    }
     (StatusCode::OK, response_headers, Json(body)).into_response()
+}
+
+/// A prompt over the context, answered as OpenAI, vLLM or llama.cpp's server does.
+fn context_error(style: ContextErrorStyle, limit: u32, tokens: u64) -> Response {
+    match style {
+        ContextErrorStyle::Openai => error_response(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "This model's maximum context length is {limit} tokens. However, your \
+                 messages resulted in {tokens} tokens. Please reduce the length of the messages."
+            ),
+            error_type::INVALID_REQUEST,
+            Some(error_code::CONTEXT_LENGTH),
+            Some("messages"),
+        ),
+        ContextErrorStyle::Vllm => (
+            StatusCode::BAD_REQUEST,
+            Json(json!({
+                "object": "error",
+                "message": format!(
+                    "This model's maximum context length is {limit} tokens. However, you \
+                     requested {tokens} tokens in the messages. Please reduce the length of \
+                     the messages or completion."
+                ),
+                "type": "BadRequestError",
+                "param": null,
+                "code": 400,
+            })),
+        )
+            .into_response(),
+        ContextErrorStyle::LlamaCpp => (
+            StatusCode::BAD_REQUEST,
+            Json(json!({
+                "error": {
+                    "code": 400,
+                    "message": "the request exceeds the available context size, try increasing it",
+                    "type": "exceed_context_size_error",
+                    "n_prompt_tokens": tokens,
+                    "n_ctx": limit,
+                }
+            })),
+        )
+            .into_response(),
+    }
 }
 
 /// Counts a 200 answer; `usage` is absent for malformed bodies (which report none).

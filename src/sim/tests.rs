@@ -1469,3 +1469,136 @@ async fn stats_and_calls_prove_how_many_calls_a_task_caused() {
         .expect("sent");
     assert_eq!(missing.status(), StatusCode::BAD_REQUEST);
 }
+
+// ---------------------------------------------------------------------------------------
+// Answers as real servers give them
+
+/// A reasoning model refuses `temperature`, spends hidden tokens of the cap first (an
+/// empty answer cut at a small cap) and reports them.
+#[tokio::test]
+async fn a_reasoning_model_refuses_temperature_and_spends_hidden_tokens() {
+    let mut config = SimConfig::default();
+    config.model_overrides.insert(
+        MODEL.into(),
+        ModelOverrides {
+            reasoning_tokens: Some(64),
+            ..Default::default()
+        },
+    );
+    let sim = start_sim(config).await;
+    let with_temperature = post(&sim, &request("Task: classify\nLabels: a, b", "text")).await;
+    assert_eq!(with_temperature.status, StatusCode::BAD_REQUEST);
+    assert_eq!(with_temperature.error_code(), "unsupported_value");
+
+    let mut small = request("Task: classify\nLabels: a, b", "text");
+    small.as_object_mut().unwrap().remove("temperature");
+    small["max_completion_tokens"] = json!(16);
+    let cut = post(&sim, &small).await.json();
+    assert_eq!(cut["choices"][0]["finish_reason"], "length");
+    assert_eq!(cut["choices"][0]["message"]["content"], "");
+    assert_eq!(cut["usage"]["completion_tokens"], 16);
+    assert_eq!(
+        cut["usage"]["completion_tokens_details"]["reasoning_tokens"],
+        16
+    );
+
+    small["max_completion_tokens"] = json!(200);
+    let answered = post(&sim, &small).await.json();
+    assert_eq!(answered["choices"][0]["finish_reason"], "stop");
+    assert!(["a", "b"].contains(
+        &answered["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+    ));
+    assert_eq!(
+        answered["usage"]["completion_tokens_details"]["reasoning_tokens"],
+        64
+    );
+    assert!(answered["usage"]["completion_tokens"].as_u64().unwrap() > 64);
+}
+
+/// Refusals, missing usage and `<think>` prefixes, as some servers answer.
+#[tokio::test]
+async fn refusals_missing_usage_and_think_prefixes() {
+    let sim = start_sim(SimConfig {
+        refusal_marker: Some("forbidden".into()),
+        omit_usage: true,
+        think_prefix: true,
+        ..Default::default()
+    })
+    .await;
+    let refused = post(
+        &sim,
+        &request("Task: summarize\nMax words: 5", "a forbidden text"),
+    )
+    .await;
+    let refused = refused.json();
+    assert_eq!(refused["choices"][0]["message"]["content"], Value::Null);
+    assert!(refused["choices"][0]["message"]["refusal"].is_string());
+    assert_eq!(refused["usage"], Value::Null);
+    let answered = post(
+        &sim,
+        &request("Task: summarize\nMax words: 5", "plain text here"),
+    )
+    .await;
+    let content = answered.content();
+    assert!(
+        content.starts_with("<think>") && content.ends_with("plain text here"),
+        "{content}"
+    );
+}
+
+/// Context-length errors in vLLM's and llama.cpp's shapes; the client reads both as
+/// `too_large`.
+#[tokio::test]
+async fn context_errors_in_other_servers_shapes() {
+    for (style, check) in [
+        (ContextErrorStyle::Vllm, "maximum context length"),
+        (ContextErrorStyle::LlamaCpp, "exceed_context_size_error"),
+    ] {
+        let sim = start_sim(SimConfig {
+            context_length: Some(10),
+            context_error_style: style,
+            ..Default::default()
+        })
+        .await;
+        let answer = post(&sim, &request("Task: summarize", &"long ".repeat(100))).await;
+        assert_eq!(answer.status, StatusCode::BAD_REQUEST);
+        assert!(answer.text.contains(check), "{}", answer.text);
+        let (code, kind, message) = crate::llm::error::parse_error_body(answer.text.as_bytes());
+        let class = crate::llm::LlmError::Status {
+            status: 400,
+            code,
+            kind,
+            message,
+            rate_limit: Box::default(),
+        }
+        .class();
+        assert_eq!(
+            class,
+            crate::llm::ErrorClass::Permanent(crate::llm::PermanentKind::TooLarge)
+        );
+    }
+}
+
+/// Generation time grows with the answer at `ms_per_output_token`.
+#[tokio::test]
+async fn latency_grows_with_the_answer() {
+    let sim = start_sim(SimConfig {
+        ms_per_output_token: 20.0,
+        latency: Latency::Fixed { ms: 0 },
+        ..Default::default()
+    })
+    .await;
+    let started = Instant::now();
+    let answer = post(
+        &sim,
+        &request("Task: summarize\nMax words: 30", &"word ".repeat(30)),
+    )
+    .await;
+    let tokens = answer.json()["usage"]["completion_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(tokens >= 10);
+    assert!(started.elapsed() >= Duration::from_millis(20 * tokens));
+}
