@@ -350,6 +350,7 @@ impl LlmProcessor {
                                 category: DlqCategory::Exhausted,
                                 message: message.clone(),
                                 attempts: attempt - 1 + failure.attempts.max(1),
+                                billed: (item.extra, item.extra_cost_micros),
                             };
                             self.fail(ctx, &item.routed, &item.headers, &job.model, why)
                         }
@@ -613,6 +614,7 @@ impl LlmProcessor {
                 category,
                 message: message.to_string(),
                 attempts: item.routed.task.envelope.attempt_number - 1 + attempts_used,
+                billed: (item.extra, item.extra_cost_micros),
             };
             let held = item.held.clone();
             ctx.with_record(&held, |ctx| {

@@ -261,6 +261,10 @@ struct Failure {
     category: DlqCategory,
     message: String,
     attempts: u32,
+    /// What the provider billed for the task's earlier calls (its shares of
+    /// batch calls whose answers were unusable) and its cost: on the failed
+    /// result, so it reaches the tenant's accounts.
+    billed: (Usage, i64),
 }
 
 type Ctx<'a> = ProcessorContext<'a, String, TaskResult, CallDone>;
@@ -368,6 +372,7 @@ impl LlmProcessor {
                     category: DlqCategory::BadRequest,
                     message: e.to_string(),
                     attempts: 0,
+                    billed: (Usage::default(), 0),
                 };
                 let model = item.task.model.clone();
                 self.fail(ctx, &item.task, &item.headers, &model, why)?;
@@ -535,6 +540,11 @@ impl LlmProcessor {
         ctx.dead_letter(code, code, why.attempts)?;
         let mut r = self.base_result(routed, model, false);
         r.attempts = why.attempts;
+        let (usage, cost) = why.billed;
+        r.input_tokens = usage.prompt_tokens;
+        r.output_tokens = usage.completion_tokens;
+        r.cached_tokens = usage.cached_tokens.min(usage.prompt_tokens);
+        r.cost_micros = cost;
         r.error_code = Some(code.to_string());
         r.error_message = Some(why.message);
         self.emit_result(ctx, headers, r)

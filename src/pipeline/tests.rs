@@ -731,3 +731,61 @@ fn a_reasoning_model_answers_out_of_the_box() {
     let (done, _) = run("max_tokens_field = \"max_completion_tokens\"\nsend_sampling = true");
     assert!(done.is_empty());
 }
+
+/// A provider whose batch answers cannot be split (billed 80 + 8 tokens a
+/// call) and whose single calls fail with a 503.
+fn spoiling_provider(rt: &tokio::runtime::Runtime) -> String {
+    let app = axum::Router::new().route(
+        "/v1/chat/completions",
+        axum::routing::post(
+            |axum::Json(req): axum::Json<serde_json::Value>| async move {
+                let user = req["messages"][1]["content"]
+                    .as_str()
+                    .unwrap_or("")
+                    .to_string();
+                if !user.contains("### item ") {
+                    return axum::response::IntoResponse::into_response((
+                        axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                        "overloaded",
+                    ));
+                }
+                axum::response::IntoResponse::into_response(axum::Json(serde_json::json!({
+                    "choices": [{ "index": 0, "finish_reason": "stop",
+                                  "message": { "role": "assistant", "content": "not json" } }],
+                    "usage": { "prompt_tokens": 80, "completion_tokens": 8 }
+                })))
+            },
+        ),
+    );
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    rt.spawn(async move { axum::serve(listener, app).await });
+    format!("http://{addr}/v1")
+}
+
+/// Tokens a provider billed for a batch whose answer was unusable stay with
+/// its tasks even when they then fail for good: on their failed results.
+#[test]
+fn a_failed_result_carries_what_its_spoiled_batch_billed() {
+    let mut s = setup_model(
+        "[tasks]\nmax_attempts = 1\n",
+        "breaker = { consecutive_failures = 1000, error_rate = 1.0 }",
+        Some(&spoiling_provider),
+    );
+    for i in 0..4 {
+        s.driver
+            .pipe_raw("ai.tasks.classify", Some(b"acme"), Some(&task(i)), 0)
+            .unwrap();
+    }
+    assert_eq!(s.driver.wait_for_async(Duration::from_secs(30)).unwrap(), 0);
+    let failed = results(s.driver.read_output("ai.results.failed"));
+    assert_eq!(failed.len(), 4);
+    assert!(failed
+        .values()
+        .all(|r| r.error_code.as_deref() == Some("exhausted")));
+    let sum = |f: fn(&TaskResult) -> u64| failed.values().map(f).sum::<u64>();
+    assert_eq!((sum(|r| r.input_tokens), sum(|r| r.output_tokens)), (80, 8));
+    assert!(failed.values().map(|r| r.cost_micros).sum::<i64>() > 0);
+}
