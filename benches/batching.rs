@@ -1,7 +1,10 @@
-//! `make bench-batching`, in one run against the simulated provider: one
-//! classify workload at 1,000 tasks/s through the whole `sluice run`
-//! pipeline (Kafka in, route, micro-batch, provider call, Kafka out), once
-//! with micro-batching off and once on, each on fresh topics.
+//! `make bench-batching`, in one run against the simulated provider: a
+//! classify workload at 1,000 tasks/s (16 services of one company) through
+//! the whole `sluice run` pipeline (Kafka in, route, micro-batch, provider
+//! call, Kafka out), once with micro-batching off and once on, each on fresh
+//! topics; then the seeds' load, 25 tasks/s from 5 services, unbatched,
+//! batched across the services (`across_tenants = true`) and batched per
+//! tenant.
 //!
 //! - provider calls per task: the simulator's request count over the tasks;
 //! - time to result: each task's `completedAt` minus the time the bench
@@ -10,7 +13,8 @@
 //!   same percentile.
 //!
 //! Environment: `SLUICE_BENCH_RATE` (tasks/s, default 1000),
-//! `SLUICE_BENCH_SECS` (seconds of load per run, default 15).
+//! `SLUICE_BENCH_SECS` (seconds of load per run, default 15),
+//! `SLUICE_BENCH_SLOW_SECS` (seconds of each 25 tasks/s run, default 30).
 
 /// The same allocator as the `sluice` binary.
 #[global_allocator]
@@ -35,7 +39,22 @@ fn percentile(sorted: &[i64], p: f64) -> f64 {
     sorted[i] as f64
 }
 
-fn run(bootstrap: &str, sim: &SimHandle, batched: bool, rate: u64, secs: u64) -> Run {
+/// Who sends the tasks: `tenants` tenants (one company's services when they
+/// may share batches, `across`).
+#[derive(Clone, Copy)]
+struct Senders {
+    tenants: usize,
+    across: bool,
+}
+
+fn run(
+    bootstrap: &str,
+    sim: &SimHandle,
+    batched: bool,
+    rate: u64,
+    secs: u64,
+    senders: Senders,
+) -> Run {
     let bin = env!("CARGO_BIN_EXE_sluice");
     let prefix = format!(
         "bench-batch-{}",
@@ -74,16 +93,16 @@ limiter = {{ initial_rps = 1000000, max_rps = 1000000, max_concurrency = 512 }}
 input = 150000
 output = 600000
 
-# Its 16 tenants are one company's services, which may share prompts.
 [batching]
 enabled = {batched}
-across_tenants = true
+across_tenants = {across}
 
 [http]
 listen = "127.0.0.1:0"
 "#,
             state = dir.path().join("state").display(),
             url = sim.base_url(),
+            across = senders.across,
         ),
     )
     .unwrap();
@@ -122,7 +141,7 @@ listen = "127.0.0.1:0"
         if let Some(wait) = due.checked_duration_since(Instant::now()) {
             std::thread::sleep(wait);
         }
-        let tenant = format!("tenant-{}", i % 16);
+        let tenant = format!("service-{}", i % senders.tenants);
         OutRecord {
             key: Some(tenant.clone().into_bytes()),
             value: Some(
@@ -218,8 +237,31 @@ fn main() {
             "127.0.0.1:0".parse().unwrap(),
         ))
         .unwrap();
-    let off = run(&bootstrap, &sim, false, rate, secs);
-    let on = run(&bootstrap, &sim, true, rate, secs);
+    // The high-rate round: 16 services of one company, which may share
+    // prompts.
+    let company = |tenants| Senders {
+        tenants,
+        across: true,
+    };
+    let off = run(&bootstrap, &sim, false, rate, secs, company(16));
+    let on = run(&bootstrap, &sim, true, rate, secs, company(16));
+    // The seeds' load: 25 tasks/s (2 M requests a day) from 5 services of one
+    // company, batched across them as a single-company deployment runs it,
+    // and with per-tenant batching beside it.
+    let (slow, slow_secs) = (25, env("SLUICE_BENCH_SLOW_SECS", 30));
+    let off_25 = run(&bootstrap, &sim, false, slow, slow_secs, company(5));
+    let on_25 = run(&bootstrap, &sim, true, slow, slow_secs, company(5));
+    let per_tenant_25 = run(
+        &bootstrap,
+        &sim,
+        true,
+        slow,
+        slow_secs,
+        Senders {
+            tenants: 5,
+            across: false,
+        },
+    );
     let show = |name: &str, r: &Run| {
         eprintln!(
             "{name}: {:.3} calls per task; time to result p50 {:.0} ms, p99 {:.0} ms ({} tasks after warm-up)",
@@ -231,11 +273,20 @@ fn main() {
     };
     show("unbatched", &off);
     show("batched", &on);
+    show("25/s unbatched", &off_25);
+    show("25/s batched across 5 services", &on_25);
+    show("25/s batched per tenant", &per_tenant_25);
+    let added =
+        |on: &Run, off: &Run, p| percentile(&on.latencies, p) - percentile(&off.latencies, p);
     println!(
-        "RESULT calls_per_task_batched={:.3} calls_per_task_unbatched={:.3} added_p50_ms={:.0} added_p99_ms={:.0}",
+        "RESULT calls_per_task_batched={:.3} calls_per_task_unbatched={:.3} added_p50_ms={:.0} added_p99_ms={:.0} calls_per_task_25={:.3} added_p99_ms_25={:.0} calls_per_task_25_per_tenant={:.3} added_p99_ms_25_per_tenant={:.0}",
         on.calls_per_task,
         off.calls_per_task,
-        percentile(&on.latencies, 0.5) - percentile(&off.latencies, 0.5),
-        percentile(&on.latencies, 0.99) - percentile(&off.latencies, 0.99),
+        added(&on, &off, 0.5),
+        added(&on, &off, 0.99),
+        on_25.calls_per_task,
+        added(&on_25, &off_25, 0.99),
+        per_tenant_25.calls_per_task,
+        added(&per_tenant_25, &off_25, 0.99),
     );
 }
