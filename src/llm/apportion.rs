@@ -43,33 +43,6 @@ pub fn apportion(total: u64, weights: &[u64]) -> Vec<u64> {
     shares
 }
 
-/// Splits a batch's usage over its items in proportion to their sizes
-/// (e.g. each item's prompt tokens). Prompt and completion tokens follow the
-/// sizes; cached tokens follow each item's prompt share, so no item is given
-/// more cached tokens than prompt tokens.
-pub fn apportion_usage(usage: &Usage, sizes: &[u64]) -> Vec<Usage> {
-    let prompt = apportion(usage.prompt_tokens, sizes);
-    let completion = apportion(usage.completion_tokens, sizes);
-    let cached_total = usage.cached_tokens.min(usage.prompt_tokens);
-    let cached = if cached_total == 0 {
-        vec![0; sizes.len()]
-    } else {
-        apportion(cached_total, &prompt)
-    };
-    prompt
-        .into_iter()
-        .zip(completion)
-        .zip(cached)
-        .map(
-            |((prompt_tokens, completion_tokens), cached_tokens)| Usage {
-                prompt_tokens,
-                completion_tokens,
-                cached_tokens,
-            },
-        )
-        .collect()
-}
-
 /// Splits a micro-batch's usage over its items as it was spent: prompt tokens
 /// by each item's own text (`own_prompts`) plus an equal share of the prompt
 /// they share (`shared_prompt`, the instructions); completion tokens by each
@@ -174,6 +147,31 @@ mod tests {
         }
     }
 
+    /// Prompt tokens go by each item's own text plus an equal share of the
+    /// shared prompt; completion tokens by each item's answer.
+    #[test]
+    fn batch_usage_follows_own_text_and_answers() {
+        let usage = Usage {
+            prompt_tokens: 1_000,
+            completion_tokens: 90,
+            cached_tokens: 0,
+        };
+        // Own texts 100 and 300, 400 shared: 300 and 500 of 800.
+        let shares = apportion_batch_usage(&usage, &[100, 300], 400, Some(&[1, 2]));
+        assert_eq!(
+            shares
+                .iter()
+                .map(|u| (u.prompt_tokens, u.completion_tokens))
+                .collect::<Vec<_>>(),
+            vec![(375, 30), (625, 60)]
+        );
+        let unsplit = apportion_batch_usage(&usage, &[100, 300], 400, None);
+        assert_eq!(
+            (unsplit[0].completion_tokens, unsplit[1].completion_tokens),
+            (34, 56)
+        );
+    }
+
     #[test]
     fn usage_shares_sum_to_the_batch_and_cached_never_exceeds_prompt() {
         let mut rng = StdRng::seed_from_u64(7);
@@ -186,7 +184,10 @@ mod tests {
                 completion_tokens: rng.random_range(0..20_000),
                 cached_tokens: rng.random_range(0..=prompt_tokens),
             };
-            let shares = apportion_usage(&usage, &sizes);
+            let shared = rng.random_range(0..4_000);
+            let answers: Vec<u64> = (0..n).map(|_| rng.random_range(0..500)).collect();
+            let answers = rng.random_bool(0.5).then_some(&answers[..]);
+            let shares = apportion_batch_usage(&usage, &sizes, shared, answers);
             let sum = |f: fn(&Usage) -> u64| shares.iter().map(f).sum::<u64>();
             assert_eq!(sum(|u| u.prompt_tokens), usage.prompt_tokens);
             assert_eq!(sum(|u| u.completion_tokens), usage.completion_tokens);

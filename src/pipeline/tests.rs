@@ -111,6 +111,20 @@ fn tenant_task(i: usize, tenant: &str) -> Vec<u8> {
     .unwrap()
 }
 
+/// Pipes classify tasks `0..n` of `acme` and waits up to `secs` for every
+/// call they start.
+fn classify_all(s: &mut Setup, n: usize, secs: u64) {
+    for i in 0..n {
+        s.driver
+            .pipe_raw("ai.tasks.classify", Some(b"acme"), Some(&task(i)), 0)
+            .unwrap();
+    }
+    assert_eq!(
+        s.driver.wait_for_async(Duration::from_secs(secs)).unwrap(),
+        0
+    );
+}
+
 fn results(out: Vec<OutputRecord>) -> HashMap<String, TaskResult> {
     let mut by_id = HashMap::new();
     for r in out {
@@ -162,12 +176,7 @@ fn the_default_pipeline_batches_answers_and_dead_letters_in_the_test_driver() {
 #[test]
 fn with_batching_off_every_task_is_its_own_call() {
     let mut s = setup("[batching]\nenabled = false\n");
-    for i in 0..10 {
-        s.driver
-            .pipe_raw("ai.tasks.classify", Some(b"acme"), Some(&task(i)), 0)
-            .unwrap();
-    }
-    assert_eq!(s.driver.wait_for_async(Duration::from_secs(20)).unwrap(), 0);
+    classify_all(&mut s, 10, 20);
     let done = results(s.driver.read_output("ai.results.completed"));
     assert_eq!(done.len(), 10);
     assert!(done.values().all(|r| r.success && r.batch_id.is_none()));
@@ -349,6 +358,16 @@ tokens = {quota}
 
 /// A provider that answers every call with the same usage: 2,000 prompt
 /// tokens of which 1,500 cached, 300 completion tokens.
+/// Serves `app` as a provider on a free port; its base URL.
+fn serve(rt: &tokio::runtime::Runtime, app: axum::Router) -> String {
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    rt.spawn(async move { axum::serve(listener, app).await });
+    format!("http://{addr}/v1")
+}
+
 fn fixed_usage_provider(rt: &tokio::runtime::Runtime) -> String {
     let app = axum::Router::new().route(
         "/v1/chat/completions",
@@ -362,12 +381,7 @@ fn fixed_usage_provider(rt: &tokio::runtime::Runtime) -> String {
             }))
         }),
     );
-    let listener = rt
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
-    let addr = listener.local_addr().unwrap();
-    rt.spawn(async move { axum::serve(listener, app).await });
-    format!("http://{addr}/v1")
+    serve(rt, app)
 }
 
 #[test]
@@ -439,12 +453,7 @@ fn real_shapes_provider(
                 }
             }),
         );
-        let listener = rt
-            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-            .unwrap();
-        let addr = listener.local_addr().unwrap();
-        rt.spawn(async move { axum::serve(listener, app).await });
-        format!("http://{addr}/v1")
+        serve(rt, app)
     }
 }
 
@@ -618,12 +627,7 @@ fn small_batches_provider(
                 }
             }),
         );
-        let listener = rt
-            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-            .unwrap();
-        let addr = listener.local_addr().unwrap();
-        rt.spawn(async move { axum::serve(listener, app).await });
-        format!("http://{addr}/v1")
+        serve(rt, app)
     }
 }
 
@@ -640,12 +644,7 @@ fn a_failed_batch_is_halved_until_answered_without_republishing() {
         "breaker = { consecutive_failures = 1000, error_rate = 1.0 }",
         Some(&provider),
     );
-    for i in 0..16 {
-        s.driver
-            .pipe_raw("ai.tasks.classify", Some(b"acme"), Some(&task(i)), 0)
-            .unwrap();
-    }
-    assert_eq!(s.driver.wait_for_async(Duration::from_secs(30)).unwrap(), 0);
+    classify_all(&mut s, 16, 30);
     let done = results(s.driver.read_output("ai.results.completed"));
     assert_eq!(done.len(), 16);
     assert!(done
@@ -669,12 +668,7 @@ fn a_failed_batch_is_halved_until_answered_without_republishing() {
 #[test]
 fn a_batch_stays_within_its_models_output_limit() {
     let mut s = setup_model("", "max_output_tokens = 100", None);
-    for i in 0..10 {
-        s.driver
-            .pipe_raw("ai.tasks.classify", Some(b"acme"), Some(&task(i)), 0)
-            .unwrap();
-    }
-    assert_eq!(s.driver.wait_for_async(Duration::from_secs(20)).unwrap(), 0);
+    classify_all(&mut s, 10, 20);
     let done = results(s.driver.read_output("ai.results.completed"));
     assert_eq!(done.len(), 10);
     let mut batches: HashMap<Option<String>, usize> = HashMap::new();
@@ -757,12 +751,7 @@ fn spoiling_provider(rt: &tokio::runtime::Runtime) -> String {
             },
         ),
     );
-    let listener = rt
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
-    let addr = listener.local_addr().unwrap();
-    rt.spawn(async move { axum::serve(listener, app).await });
-    format!("http://{addr}/v1")
+    serve(rt, app)
 }
 
 /// Tokens a provider billed for a batch whose answer was unusable stay with
@@ -774,12 +763,7 @@ fn a_failed_result_carries_what_its_spoiled_batch_billed() {
         "breaker = { consecutive_failures = 1000, error_rate = 1.0 }",
         Some(&spoiling_provider),
     );
-    for i in 0..4 {
-        s.driver
-            .pipe_raw("ai.tasks.classify", Some(b"acme"), Some(&task(i)), 0)
-            .unwrap();
-    }
-    assert_eq!(s.driver.wait_for_async(Duration::from_secs(30)).unwrap(), 0);
+    classify_all(&mut s, 4, 30);
     let failed = results(s.driver.read_output("ai.results.failed"));
     assert_eq!(failed.len(), 4);
     assert!(failed

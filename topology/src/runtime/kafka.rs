@@ -223,6 +223,30 @@ pub(crate) fn init_transactions(
     producer.init_transactions(timeout)
 }
 
+/// Calls `f` until it succeeds or fails for good: after a retriable failure
+/// (reported to `retrying`) it is called again, unless `cancel` was set.
+pub(crate) fn until_done<T>(
+    cancel: &std::sync::atomic::AtomicBool,
+    mut f: impl FnMut() -> rdkafka::error::KafkaResult<T>,
+    retrying: impl Fn(&super::RuntimeError),
+) -> Result<T, super::RuntimeError> {
+    loop {
+        match f() {
+            Ok(v) => return Ok(v),
+            Err(e) => {
+                let e = super::RuntimeError::from(e);
+                if !e.retriable() {
+                    return Err(e);
+                }
+                if cancel.load(Ordering::Relaxed) {
+                    return Err(super::RuntimeError::Cancelled);
+                }
+                retrying(&e);
+            }
+        }
+    }
+}
+
 /// Drops a Kafka client on a thread of its own: closing one waits for its
 /// threads (about a tenth of a second), which a caller need not do.
 pub fn close_in_background<C: Send + 'static>(client: C) {

@@ -253,19 +253,9 @@ fn watermarks(
     partition: i32,
     cancel: &AtomicBool,
 ) -> Result<(i64, i64), RuntimeError> {
-    loop {
-        match consumer.fetch_watermarks(topic, partition, WATERMARK_TIMEOUT) {
-            Ok(w) => return Ok(w),
-            Err(e) => {
-                let e = RuntimeError::from(e);
-                if !e.retriable() {
-                    return Err(e);
-                }
-                if cancel.load(Ordering::Relaxed) {
-                    return Err(RuntimeError::Cancelled);
-                }
-                tracing::warn!(topic, partition, error = %e, "changelog end not known yet; asking again");
-            }
-        }
-    }
+    super::kafka::until_done(
+        cancel,
+        || consumer.fetch_watermarks(topic, partition, WATERMARK_TIMEOUT),
+        |e| tracing::warn!(topic, partition, error = %e, "changelog end not known yet; asking again"),
+    )
 }

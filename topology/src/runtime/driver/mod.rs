@@ -26,8 +26,8 @@ use sluice_state::{RocksEnv, TaskState};
 
 use super::config::{GroupProtocol, Guarantee, StreamsConfig};
 use super::kafka::{
-    client_config, create_producer, flush, init_transactions, send, DeliveryState, DeliveryTag,
-    TrackedProducer,
+    client_config, create_producer, flush, init_transactions, send, until_done, DeliveryState,
+    DeliveryTag, TrackedProducer,
 };
 use super::metrics::EngineMetrics;
 use super::queries::LocalTasks;

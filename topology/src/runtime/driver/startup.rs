@@ -146,32 +146,20 @@ fn fence(
     id: TaskId,
     cancel: &AtomicBool,
 ) -> Result<(Arc<TrackedProducer>, Arc<DeliveryState>), RuntimeError> {
-    {
-        let txn_id = format!("{}-{}", cfg.application_id, id);
-        let (p, d) = create_producer(cfg, Some(&txn_id))?;
-        // Fences whatever transaction a previous owner of this task left
-        // open (the broker aborts it). Asked again while it fails
-        // retriably: the coordinator may be moving, or the previous
-        // owner's transaction still aborting.
-        let topic = sub
-            .source_topics(&cfg.application_id)
-            .pop()
-            .unwrap_or_default();
-        loop {
-            match init_transactions(&p, &topic, TXN_TIMEOUT) {
-                Ok(()) => break,
-                Err(e) => {
-                    let e = RuntimeError::from(e);
-                    if !e.retriable() {
-                        return Err(e);
-                    }
-                    if cancel.load(Ordering::Relaxed) {
-                        return Err(RuntimeError::Cancelled);
-                    }
-                    tracing::warn!(task = %id, error = %e, "fencing the previous owner failed; trying again");
-                }
-            }
-        }
-        Ok((p, d))
-    }
+    let txn_id = format!("{}-{}", cfg.application_id, id);
+    let (p, d) = create_producer(cfg, Some(&txn_id))?;
+    // Fences whatever transaction a previous owner of this task left
+    // open (the broker aborts it). Asked again while it fails
+    // retriably: the coordinator may be moving, or the previous
+    // owner's transaction still aborting.
+    let topic = sub
+        .source_topics(&cfg.application_id)
+        .pop()
+        .unwrap_or_default();
+    until_done(
+        cancel,
+        || init_transactions(&p, &topic, TXN_TIMEOUT),
+        |e| tracing::warn!(task = %id, error = %e, "fencing the previous owner failed; trying again"),
+    )?;
+    Ok((p, d))
 }
