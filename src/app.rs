@@ -212,6 +212,10 @@ pub fn steps(
     let mut settings = LlmSettings {
         name: "llm".into(),
         max_attempts: config.tasks.max_attempts,
+        retry_backoff: (
+            Duration::from_millis(config.tasks.retry_backoff_ms),
+            Duration::from_millis(config.tasks.retry_backoff_max_ms),
+        ),
         idempotency_ttl_hours: config.tasks.idempotency_ttl_hours,
         probe_interval_ms: config.tasks.probe_interval_ms,
         bad_request_trap_after: config.tasks.bad_request_trap_after,
@@ -266,6 +270,7 @@ pub fn steps(
     Ok(Steps {
         source,
         route,
+        retry_wait_max: Duration::from_millis(config.tasks.retry_backoff_max_ms),
         batching,
         llm: LlmStep::traced(
             settings,

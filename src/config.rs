@@ -327,6 +327,13 @@ pub struct TasksSection {
     /// Deliveries of a task (re-published with `attemptNumber + 1` after a
     /// transient failure) before it is dead-lettered as `exhausted`.
     pub max_attempts: u32,
+    /// Backoff of a re-published attempt: attempt `n` is not called before a
+    /// time drawn uniformly (full jitter) from zero to
+    /// `retry_backoff_ms × 2^(n − 2)`, at most `retry_backoff_max_ms`.
+    pub retry_backoff_ms: u64,
+    /// The longest backoff of a re-published attempt, ms; also the longest a
+    /// task waits for any `notBefore` it carries.
+    pub retry_backoff_max_ms: u64,
     /// How long completed task ids are remembered for idempotency, hours.
     pub idempotency_ttl_hours: u64,
     /// While intake is held (bad credentials, open breaker without fallback),
@@ -371,6 +378,8 @@ impl Default for TasksSection {
         TasksSection {
             max_bytes: 1024 * 1024,
             max_attempts: 5,
+            retry_backoff_ms: 30_000,
+            retry_backoff_max_ms: 300_000,
             idempotency_ttl_hours: 7 * 24,
             probe_interval_ms: 2_000,
             bad_request_trap_after: 5,
@@ -622,6 +631,14 @@ impl Config {
         }
         if self.tasks.max_attempts == 0 {
             return Err(ConfigError::new("tasks.max_attempts", "must be at least 1"));
+        }
+        if self.tasks.retry_backoff_max_ms < self.tasks.retry_backoff_ms
+            || self.tasks.retry_backoff_max_ms > 86_400_000
+        {
+            return Err(ConfigError::new(
+                "tasks.retry_backoff_max_ms",
+                "must be at least tasks.retry_backoff_ms and at most a day (86400000)",
+            ));
         }
         if self.llm.models.is_empty() {
             return Err(ConfigError::new(

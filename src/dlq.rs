@@ -424,12 +424,13 @@ impl DeadLetter {
     }
 }
 
-/// A task value with `attemptNumber` set to 1; anything but a JSON object
-/// is returned unchanged.
+/// A task value with `attemptNumber` set to 1 and no `notBefore` (a first
+/// attempt has no backoff); anything but a JSON object is returned unchanged.
 pub fn fresh_attempt(value: &[u8]) -> Vec<u8> {
     match serde_json::from_slice::<serde_json::Value>(value) {
         Ok(serde_json::Value::Object(mut task)) => {
             task.insert("attemptNumber".into(), 1.into());
+            task.remove("notBefore");
             serde_json::to_vec(&task).unwrap_or_else(|_| value.to_vec())
         }
         _ => value.to_vec(),

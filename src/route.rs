@@ -306,6 +306,7 @@ mod tests {
             priority: Default::default(),
             submitted_at: chrono::Utc::now(),
             attempt_number: 1,
+            not_before: None,
             payload: TaskPayload {
                 content: content.into(),
                 ..Default::default()

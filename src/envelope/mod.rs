@@ -81,6 +81,10 @@ pub struct TaskEnvelope {
     /// 1-based attempt counter, incremented each time the task is re-published.
     #[serde(default = "default_attempt")]
     pub attempt_number: u32,
+    /// A re-published attempt is not called before this time (its backoff);
+    /// absent for a first attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_before: Option<DateTime<Utc>>,
     /// Task-specific input.
     pub payload: TaskPayload,
     /// Free string map: trace context, correlation ids.

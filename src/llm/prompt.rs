@@ -399,6 +399,7 @@ mod tests {
             priority: Priority::Normal,
             submitted_at: "2024-05-01T10:00:00Z".parse().unwrap(),
             attempt_number: 1,
+            not_before: None,
             payload,
             metadata: Default::default(),
         }

@@ -658,6 +658,10 @@ impl LlmProcessor {
         let task = &item.routed.task;
         let mut envelope = task.envelope.clone();
         envelope.attempt_number += 1;
+        let (base, max) = self.step.settings().retry_backoff;
+        let wait = retry_backoff(envelope.attempt_number, base, max);
+        envelope.not_before =
+            Some(chrono::Utc::now() + chrono::TimeDelta::from_std(wait).unwrap_or_default());
         let value = serde_json::to_vec(&envelope)
             .map_err(|e| ProcessError::Fatal(format!("task encoding: {e}")))?;
         // To its own partition: the task stays with the task that owns its
@@ -685,4 +689,18 @@ fn add_usage(a: Usage, b: Usage) -> Usage {
         completion_tokens: a.completion_tokens + b.completion_tokens,
         cached_tokens: a.cached_tokens + b.cached_tokens,
     }
+}
+
+/// The backoff of re-published attempt `attempt` (2 for the first re-publish):
+/// drawn uniformly from zero to `base × 2^(attempt − 2)`, at most `max` (full
+/// jitter: re-published tasks of one failure spread out instead of coming
+/// back together).
+pub(crate) fn retry_backoff(
+    attempt: u32,
+    base: std::time::Duration,
+    max: std::time::Duration,
+) -> std::time::Duration {
+    let doublings = attempt.saturating_sub(2).min(30);
+    let ceiling = base.saturating_mul(1 << doublings).min(max);
+    ceiling.mul_f64(rand::random::<f64>())
 }

@@ -89,6 +89,8 @@ pub struct LlmSettings {
     pub name: String,
     /// Deliveries of a task before it is dead-lettered as `exhausted`.
     pub max_attempts: u32,
+    /// Backoff of re-published attempts: the base and the longest.
+    pub retry_backoff: (std::time::Duration, std::time::Duration),
     /// How long completed task ids are remembered, hours.
     pub idempotency_ttl_hours: u64,
     /// While intake is held, how often one held task probes the provider, ms.

@@ -109,6 +109,7 @@ mod tests {
             priority: Default::default(),
             submitted_at: chrono::Utc::now(),
             attempt_number: 1,
+            not_before: None,
             payload,
             metadata: Default::default(),
         }

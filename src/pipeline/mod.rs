@@ -23,6 +23,7 @@
 //! nothing twice.
 
 pub mod batch;
+mod delay;
 mod results;
 mod source;
 
@@ -33,6 +34,7 @@ use crate::envelope::{Route, TaskEnvelope, TaskResult};
 use crate::operator::{LlmProcessor, LlmStep};
 use crate::route::RouteStep;
 pub use batch::{Batch, BatchItem, BatchMetrics, Batching, BatchingConfig, MicroBatcher};
+pub use delay::RetryWait;
 pub use results::{ResultsSink, ResultsWriter};
 pub use source::{tasks, TaskSource, TaskTopic};
 
@@ -95,6 +97,9 @@ impl<K: Data> TaskStreamExt<K> for KStream<K, Task> {
 
 /// `micro_batch` and `invoke_llm` on a stream of routed tasks.
 pub trait RoutedStreamExt<K> {
+    /// Holds each re-published attempt until its `notBefore` (at most `max`)
+    /// without holding up the tasks behind it (see [`delay`]).
+    fn await_retries(&self, max: std::time::Duration) -> KStream<K, Routed>;
     /// Groups small tasks per (model, task type, prompt) into batches (see
     /// [`batch`]); every other task passes on alone.
     fn micro_batch(&self, batching: &Batching) -> KStream<String, Batch>;
@@ -103,6 +108,10 @@ pub trait RoutedStreamExt<K> {
 }
 
 impl<K: Data> RoutedStreamExt<K> for KStream<K, Routed> {
+    fn await_retries(&self, max: std::time::Duration) -> KStream<K, Routed> {
+        self.process("await-retries", &[], move || RetryWait { max })
+    }
+
     fn micro_batch(&self, batching: &Batching) -> KStream<String, Batch> {
         let b = batching.clone();
         self.process(&batching.name, &[], move || MicroBatcher::new(b.clone()))
@@ -191,6 +200,8 @@ pub struct Steps {
     pub source: TaskSource,
     /// Routing.
     pub route: RouteStep,
+    /// The longest a re-published attempt waits for its backoff.
+    pub retry_wait_max: std::time::Duration,
     /// Micro-batching.
     pub batching: Batching,
     /// The provider call.
@@ -201,12 +212,14 @@ pub struct Steps {
     pub results: ResultsSink,
 }
 
-/// `sluice run`'s default pipeline: tasks → route → micro-batch → LLM →
-/// per-tenant accounts → results.
+/// `sluice run`'s default pipeline: tasks → route → re-published attempts
+/// wait for their backoff → micro-batch → LLM → per-tenant accounts →
+/// results.
 pub fn default_topology(steps: &Steps) -> Result<Topology, TopologyError> {
     let b = StreamBuilder::new();
     let results = tasks(&b, &steps.source)?
         .route(&steps.route)
+        .await_retries(steps.retry_wait_max)
         .micro_batch(&steps.batching)
         .invoke_llm(&steps.llm);
     match &steps.accounting {

@@ -650,10 +650,6 @@ fn a_failed_batch_is_halved_until_answered_without_republishing() {
     assert!(done
         .values()
         .all(|r| r.success && r.attempts == 1 && r.batch_id.is_some()));
-    assert!(
-        s.driver.read_output("ai.tasks.classify").is_empty(),
-        "nothing re-published"
-    );
     let sizes = sizes.lock().clone();
     let answered: usize = sizes.iter().filter(|n| **n <= 4).sum();
     assert_eq!(
@@ -772,4 +768,109 @@ fn a_failed_result_carries_what_its_spoiled_batch_billed() {
     let sum = |f: fn(&TaskResult) -> u64| failed.values().map(f).sum::<u64>();
     assert_eq!((sum(|r| r.input_tokens), sum(|r| r.output_tokens)), (80, 8));
     assert!(failed.values().map(|r| r.cost_micros).sum::<i64>() > 0);
+}
+
+fn classify_not_before(id: &str, not_before: chrono::DateTime<chrono::Utc>) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "taskId": id,
+        "taskType": "classify",
+        "tenantId": "acme",
+        "submittedAt": "2026-12-01T10:00:00Z",
+        "attemptNumber": 2,
+        "notBefore": not_before.to_rfc3339(),
+        "payload": { "content": format!("{id} markets rallied"), "labels": ["news", "sports"] },
+    }))
+    .unwrap()
+}
+
+/// A re-published attempt waits for its `notBefore` without holding up the
+/// tasks behind it, and never longer than the longest backoff.
+#[test]
+fn a_re_published_attempt_waits_its_backoff_without_holding_up_others() {
+    let mut s = setup(
+        "[batching]\nenabled = false\n[tasks]\nretry_backoff_ms = 100\nretry_backoff_max_ms = 1500\n",
+    );
+    let now = chrono::Utc::now();
+    let later = now + chrono::TimeDelta::milliseconds(700);
+    for value in [
+        classify_not_before("waits", later),
+        classify_not_before("far", now + chrono::TimeDelta::days(1)),
+        task(1),
+    ] {
+        s.driver
+            .pipe_raw("ai.tasks.classify", Some(b"acme"), Some(&value), 0)
+            .unwrap();
+    }
+    assert_eq!(s.driver.wait_for_async(Duration::from_secs(20)).unwrap(), 0);
+    let done = results(s.driver.read_output("ai.results.completed"));
+    assert_eq!(done.len(), 3);
+    let (waits, far, first) = (&done["waits"], &done["far"], &done["t1"]);
+    assert!(first.completed_at < waits.completed_at, "not held up");
+    assert!(waits.completed_at >= later, "called after its notBefore");
+    assert!(
+        far.completed_at < now + chrono::TimeDelta::milliseconds(1500 + 1000),
+        "a wait is at most the longest backoff"
+    );
+}
+
+/// A provider failing every call with a 503, noting when each task's text
+/// came.
+fn failing_provider(
+    seen: std::sync::Arc<parking_lot::Mutex<Vec<(String, std::time::Instant)>>>,
+) -> impl Fn(&tokio::runtime::Runtime) -> String {
+    move |rt| {
+        let seen = seen.clone();
+        let app = axum::Router::new().route(
+            "/v1/chat/completions",
+            axum::routing::post(move |axum::Json(req): axum::Json<serde_json::Value>| {
+                let user = req["messages"][1]["content"]
+                    .as_str()
+                    .unwrap_or("")
+                    .to_string();
+                seen.lock().push((user, std::time::Instant::now()));
+                async { (axum::http::StatusCode::SERVICE_UNAVAILABLE, "overloaded") }
+            }),
+        );
+        serve(rt, app)
+    }
+}
+
+/// A task re-published after a transient failure is called again only after
+/// its backoff: drawn from zero to `retry_backoff_ms` for its second attempt
+/// (full jitter), never at once for all of them.
+#[test]
+fn a_re_published_attempt_is_called_after_its_backoff() {
+    let seen = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let provider = failing_provider(seen.clone());
+    let mut s = setup_model(
+        "[batching]\nenabled = false\n[llm.retry]\nmax_attempts = 1\n[tasks]\nmax_attempts = 2\nretry_backoff_ms = 2000\nretry_backoff_max_ms = 60000\n",
+        // Neither the breaker nor the limiter's pacing is what this shows.
+        "breaker = { consecutive_failures = 1000, error_rate = 1.0 }\n\
+         limiter = { initial_rps = 1000000, max_rps = 1000000, max_concurrency = 512 }",
+        Some(&provider),
+    );
+    classify_all(&mut s, 10, 30);
+    let failed = results(s.driver.read_output("ai.results.failed"));
+    assert_eq!(failed.len(), 10);
+    assert!(failed.values().all(|r| r.attempts == 2));
+    let mut calls: HashMap<String, Vec<std::time::Instant>> = HashMap::new();
+    for (text, at) in seen.lock().iter() {
+        calls.entry(text.clone()).or_default().push(*at);
+    }
+    let gaps: Vec<Duration> = calls
+        .values()
+        .map(|at| {
+            assert_eq!(at.len(), 2, "two attempts a task");
+            at[1] - at[0]
+        })
+        .collect();
+    assert!(
+        gaps.iter().all(|g| *g <= Duration::from_millis(2_500)),
+        "{gaps:?}"
+    );
+    // Ten uniform draws from 0–2 s all below 0.3 s: about 6 in a billion.
+    assert!(
+        gaps.iter().any(|g| *g >= Duration::from_millis(300)),
+        "{gaps:?}"
+    );
 }

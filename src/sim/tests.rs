@@ -246,6 +246,7 @@ fn look_alike_markers_in_a_task_never_open_an_item() {
         priority: Default::default(),
         submitted_at: chrono::Utc::now(),
         attempt_number: 1,
+        not_before: None,
         payload: TaskPayload {
             content: text.into(),
             max_words: Some(50),

@@ -129,6 +129,9 @@ partitions = {partitions}
 [tasks]
 max_bytes = 4096
 probe_interval_ms = 500
+# Re-published attempts wait a tenth of a second or so, not half a minute.
+retry_backoff_ms = 100
+retry_backoff_max_ms = 1000
 
 [[llm.providers]]
 name = "sim"
