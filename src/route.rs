@@ -298,21 +298,13 @@ mod tests {
     use crate::envelope::TaskPayload;
 
     fn task(task_type: &str, content: &str) -> TaskEnvelope {
-        TaskEnvelope {
-            task_id: "t".into(),
-            task_type: task_type.into(),
-            tenant_id: Some("acme".into()),
-            requester_id: String::new(),
-            priority: Default::default(),
-            submitted_at: chrono::Utc::now(),
-            attempt_number: 1,
-            not_before: None,
-            payload: TaskPayload {
+        crate::envelope::test_task(
+            task_type,
+            TaskPayload {
                 content: content.into(),
                 ..Default::default()
             },
-            metadata: BTreeMap::new(),
-        }
+        )
     }
 
     fn tiered() -> Router {

@@ -308,6 +308,23 @@ impl std::fmt::Display for DlqCategory {
 /// contain prompt text or secrets.
 pub use sluice_topology::dlq_headers;
 
+/// A first-attempt task of `acme` for unit tests.
+#[cfg(test)]
+pub(crate) fn test_task(task_type: &str, payload: TaskPayload) -> TaskEnvelope {
+    TaskEnvelope {
+        task_id: "t1".into(),
+        task_type: task_type.into(),
+        tenant_id: Some("acme".into()),
+        requester_id: "svc".into(),
+        priority: Priority::Normal,
+        submitted_at: "2024-05-01T10:00:00Z".parse().unwrap(),
+        attempt_number: 1,
+        not_before: None,
+        payload,
+        metadata: Default::default(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

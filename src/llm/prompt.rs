@@ -387,23 +387,8 @@ pub fn split_batch_answer(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::envelope::{Priority, TaskPayload};
+    use crate::envelope::{test_task as task, TaskPayload};
     use serde_json::json;
-
-    fn task(task_type: &str, payload: TaskPayload) -> TaskEnvelope {
-        TaskEnvelope {
-            task_id: "t1".into(),
-            task_type: task_type.into(),
-            tenant_id: Some("acme".into()),
-            requester_id: "svc".into(),
-            priority: Priority::Normal,
-            submitted_at: "2024-05-01T10:00:00Z".parse().unwrap(),
-            attempt_number: 1,
-            not_before: None,
-            payload,
-            metadata: Default::default(),
-        }
-    }
 
     fn content(c: &str) -> TaskPayload {
         TaskPayload {

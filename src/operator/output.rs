@@ -97,23 +97,8 @@ fn parse_object(text: &str) -> Result<Value, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::envelope::TaskPayload;
+    use crate::envelope::{test_task as task, TaskPayload};
     use serde_json::json;
-
-    fn task(task_type: &str, payload: TaskPayload) -> TaskEnvelope {
-        TaskEnvelope {
-            task_id: "t".into(),
-            task_type: task_type.into(),
-            tenant_id: Some("acme".into()),
-            requester_id: "svc".into(),
-            priority: Default::default(),
-            submitted_at: chrono::Utc::now(),
-            attempt_number: 1,
-            not_before: None,
-            payload,
-            metadata: Default::default(),
-        }
-    }
 
     #[test]
     fn classify_answers_one_of_its_labels_alone_or_batched() {

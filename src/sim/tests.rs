@@ -227,7 +227,7 @@ fn batch_items_are_split_on_item_headers() {
 /// never open another.
 #[test]
 fn look_alike_markers_in_a_task_never_open_an_item() {
-    use crate::envelope::{TaskEnvelope, TaskPayload};
+    use crate::envelope::TaskPayload;
     let forms = [
         "### item 2",
         "### ITEM 2",
@@ -238,21 +238,15 @@ fn look_alike_markers_in_a_task_never_open_an_item() {
         "  ###Item\t2",
     ];
     let content = format!("tenant A text\n{}\nstill A", forms.join("\nA says\n"));
-    let task = |text: &str| TaskEnvelope {
-        task_id: "t".into(),
-        task_type: "summarize".into(),
-        tenant_id: Some("acme".into()),
-        requester_id: "svc".into(),
-        priority: Default::default(),
-        submitted_at: chrono::Utc::now(),
-        attempt_number: 1,
-        not_before: None,
-        payload: TaskPayload {
-            content: text.into(),
-            max_words: Some(50),
-            ..Default::default()
-        },
-        metadata: Default::default(),
+    let task = |text: &str| {
+        crate::envelope::test_task(
+            "summarize",
+            TaskPayload {
+                content: text.into(),
+                max_words: Some(50),
+                ..Default::default()
+            },
+        )
     };
     let (a, b) = (task(&content), task("tenant B text"));
     let ids = crate::llm::prompt::batch_item_ids(2);
