@@ -356,10 +356,10 @@ tokens = {quota}
     );
 }
 
-/// A provider that answers every call with the same usage: 2,000 prompt
-/// tokens of which 1,500 cached, 300 completion tokens.
-/// Serves `app` as a provider on a free port; its base URL.
-fn serve(rt: &tokio::runtime::Runtime, app: axum::Router) -> String {
+/// Serves `chat` as a provider's `/v1/chat/completions` on a free port; its
+/// base URL.
+fn serve(rt: &tokio::runtime::Runtime, chat: axum::routing::MethodRouter) -> String {
+    let app = axum::Router::new().route("/v1/chat/completions", chat);
     let listener = rt
         .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
         .unwrap();
@@ -368,19 +368,26 @@ fn serve(rt: &tokio::runtime::Runtime, app: axum::Router) -> String {
     format!("http://{addr}/v1")
 }
 
+/// The user message of a chat request (a task's text, or a batch's items).
+fn user_text(req: &serde_json::Value) -> String {
+    req["messages"][1]["content"]
+        .as_str()
+        .unwrap_or("")
+        .to_string()
+}
+
+/// A provider that answers every call with the same usage: 2,000 prompt
+/// tokens of which 1,500 cached, 300 completion tokens.
 fn fixed_usage_provider(rt: &tokio::runtime::Runtime) -> String {
-    let app = axum::Router::new().route(
-        "/v1/chat/completions",
-        axum::routing::post(|| async {
-            axum::Json(serde_json::json!({
-                "id": "chatcmpl-fixture", "object": "chat.completion", "created": 0, "model": "small",
-                "choices": [{ "index": 0, "finish_reason": "stop",
-                              "message": { "role": "assistant", "content": "news" } }],
-                "usage": { "prompt_tokens": 2000, "completion_tokens": 300, "total_tokens": 2300,
-                           "prompt_tokens_details": { "cached_tokens": 1500 } }
-            }))
-        }),
-    );
+    let app = axum::routing::post(|| async {
+        axum::Json(serde_json::json!({
+            "id": "chatcmpl-fixture", "object": "chat.completion", "created": 0, "model": "small",
+            "choices": [{ "index": 0, "finish_reason": "stop",
+                          "message": { "role": "assistant", "content": "news" } }],
+            "usage": { "prompt_tokens": 2000, "completion_tokens": 300, "total_tokens": 2300,
+                       "prompt_tokens_details": { "cached_tokens": 1500 } }
+        }))
+    });
     serve(rt, app)
 }
 
@@ -423,36 +430,41 @@ fn real_shapes_provider(
 ) -> impl Fn(&tokio::runtime::Runtime) -> String {
     move |rt| {
         let calls = calls.clone();
-        let app = axum::Router::new().route(
-            "/v1/chat/completions",
-            axum::routing::post(move |axum::Json(req): axum::Json<serde_json::Value>| {
-                calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                let text = req["messages"][1]["content"].as_str().unwrap_or("").to_string();
-                async move {
-                    let (content, finish, refusal) = if text.contains("cut") {
-                        (serde_json::json!("The quarterly"), "length", None)
-                    } else if text.contains("decline") {
-                        (serde_json::Value::Null, "stop", Some("I can't help with that."))
-                    } else if text.contains("weather") {
-                        (serde_json::json!("weather"), "stop", None)
-                    } else if text.contains("reasoner") {
-                        (serde_json::json!("<think>\nit is a match report\n</think>\n\nsports"), "stop", None)
-                    } else {
-                        (serde_json::json!("news"), "stop", None)
-                    };
-                    let mut body = serde_json::json!({
-                        "id": "chatcmpl-shapes", "object": "chat.completion", "created": 0, "model": "small",
-                        "choices": [{ "index": 0, "finish_reason": finish,
-                                      "message": { "role": "assistant", "content": content, "refusal": refusal } }],
-                        "usage": { "prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110 }
-                    });
-                    if text.contains("nousage") {
-                        body["usage"] = serde_json::Value::Null;
-                    }
-                    axum::Json(body)
+        let app = axum::routing::post(move |axum::Json(req): axum::Json<serde_json::Value>| {
+            calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let text = user_text(&req);
+            async move {
+                let (content, finish, refusal) = if text.contains("cut") {
+                    (serde_json::json!("The quarterly"), "length", None)
+                } else if text.contains("decline") {
+                    (
+                        serde_json::Value::Null,
+                        "stop",
+                        Some("I can't help with that."),
+                    )
+                } else if text.contains("weather") {
+                    (serde_json::json!("weather"), "stop", None)
+                } else if text.contains("reasoner") {
+                    (
+                        serde_json::json!("<think>\nit is a match report\n</think>\n\nsports"),
+                        "stop",
+                        None,
+                    )
+                } else {
+                    (serde_json::json!("news"), "stop", None)
+                };
+                let mut body = serde_json::json!({
+                    "id": "chatcmpl-shapes", "object": "chat.completion", "created": 0, "model": "small",
+                    "choices": [{ "index": 0, "finish_reason": finish,
+                                  "message": { "role": "assistant", "content": content, "refusal": refusal } }],
+                    "usage": { "prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110 }
+                });
+                if text.contains("nousage") {
+                    body["usage"] = serde_json::Value::Null;
                 }
-            }),
-        );
+                axum::Json(body)
+            }
+        });
         serve(rt, app)
     }
 }
@@ -590,43 +602,37 @@ fn small_batches_provider(
 ) -> impl Fn(&tokio::runtime::Runtime) -> String {
     move |rt| {
         let sizes = sizes.clone();
-        let app = axum::Router::new().route(
-            "/v1/chat/completions",
-            axum::routing::post(move |axum::Json(req): axum::Json<serde_json::Value>| {
-                let user = req["messages"][1]["content"]
-                    .as_str()
-                    .unwrap_or("")
-                    .to_string();
-                let ids: Vec<String> = user
-                    .lines()
-                    .filter_map(|l| l.strip_prefix("### item "))
-                    .map(str::to_string)
-                    .collect();
-                sizes.lock().push(ids.len().max(1));
-                async move {
-                    if ids.len() > max_items {
-                        return axum::response::IntoResponse::into_response((
-                            axum::http::StatusCode::SERVICE_UNAVAILABLE,
-                            "batch too large to answer in time",
-                        ));
-                    }
-                    let content = if ids.is_empty() {
-                        "news".to_string()
-                    } else {
-                        let items: Vec<_> = ids
-                            .iter()
-                            .map(|id| serde_json::json!({"id": id, "output": "news"}))
-                            .collect();
-                        serde_json::json!({ "items": items }).to_string()
-                    };
-                    axum::response::IntoResponse::into_response(axum::Json(serde_json::json!({
-                        "choices": [{ "index": 0, "finish_reason": "stop",
-                                      "message": { "role": "assistant", "content": content } }],
-                        "usage": { "prompt_tokens": 50, "completion_tokens": 5 }
-                    })))
+        let app = axum::routing::post(move |axum::Json(req): axum::Json<serde_json::Value>| {
+            let user = user_text(&req);
+            let ids: Vec<String> = user
+                .lines()
+                .filter_map(|l| l.strip_prefix("### item "))
+                .map(str::to_string)
+                .collect();
+            sizes.lock().push(ids.len().max(1));
+            async move {
+                if ids.len() > max_items {
+                    return axum::response::IntoResponse::into_response((
+                        axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                        "batch too large to answer in time",
+                    ));
                 }
-            }),
-        );
+                let content = if ids.is_empty() {
+                    "news".to_string()
+                } else {
+                    let items: Vec<_> = ids
+                        .iter()
+                        .map(|id| serde_json::json!({"id": id, "output": "news"}))
+                        .collect();
+                    serde_json::json!({ "items": items }).to_string()
+                };
+                axum::response::IntoResponse::into_response(axum::Json(serde_json::json!({
+                    "choices": [{ "index": 0, "finish_reason": "stop",
+                                  "message": { "role": "assistant", "content": content } }],
+                    "usage": { "prompt_tokens": 50, "completion_tokens": 5 }
+                })))
+            }
+        });
         serve(rt, app)
     }
 }
@@ -725,27 +731,21 @@ fn a_reasoning_model_answers_out_of_the_box() {
 /// A provider whose batch answers cannot be split (billed 80 + 8 tokens a
 /// call) and whose single calls fail with a 503.
 fn spoiling_provider(rt: &tokio::runtime::Runtime) -> String {
-    let app = axum::Router::new().route(
-        "/v1/chat/completions",
-        axum::routing::post(
-            |axum::Json(req): axum::Json<serde_json::Value>| async move {
-                let user = req["messages"][1]["content"]
-                    .as_str()
-                    .unwrap_or("")
-                    .to_string();
-                if !user.contains("### item ") {
-                    return axum::response::IntoResponse::into_response((
-                        axum::http::StatusCode::SERVICE_UNAVAILABLE,
-                        "overloaded",
-                    ));
-                }
-                axum::response::IntoResponse::into_response(axum::Json(serde_json::json!({
-                    "choices": [{ "index": 0, "finish_reason": "stop",
-                                  "message": { "role": "assistant", "content": "not json" } }],
-                    "usage": { "prompt_tokens": 80, "completion_tokens": 8 }
-                })))
-            },
-        ),
+    let app = axum::routing::post(
+        |axum::Json(req): axum::Json<serde_json::Value>| async move {
+            let user = user_text(&req);
+            if !user.contains("### item ") {
+                return axum::response::IntoResponse::into_response((
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                    "overloaded",
+                ));
+            }
+            axum::response::IntoResponse::into_response(axum::Json(serde_json::json!({
+                "choices": [{ "index": 0, "finish_reason": "stop",
+                              "message": { "role": "assistant", "content": "not json" } }],
+                "usage": { "prompt_tokens": 80, "completion_tokens": 8 }
+            })))
+        },
     );
     serve(rt, app)
 }
@@ -820,17 +820,11 @@ fn failing_provider(
 ) -> impl Fn(&tokio::runtime::Runtime) -> String {
     move |rt| {
         let seen = seen.clone();
-        let app = axum::Router::new().route(
-            "/v1/chat/completions",
-            axum::routing::post(move |axum::Json(req): axum::Json<serde_json::Value>| {
-                let user = req["messages"][1]["content"]
-                    .as_str()
-                    .unwrap_or("")
-                    .to_string();
-                seen.lock().push((user, std::time::Instant::now()));
-                async { (axum::http::StatusCode::SERVICE_UNAVAILABLE, "overloaded") }
-            }),
-        );
+        let app = axum::routing::post(move |axum::Json(req): axum::Json<serde_json::Value>| {
+            let user = user_text(&req);
+            seen.lock().push((user, std::time::Instant::now()));
+            async { (axum::http::StatusCode::SERVICE_UNAVAILABLE, "overloaded") }
+        });
         serve(rt, app)
     }
 }
