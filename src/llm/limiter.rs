@@ -579,8 +579,9 @@ impl Growth {
     }
 }
 
-/// Longest interval the limiter computes with (keeps `Instant` arithmetic in range).
-const MAX_INTERVAL: Duration = Duration::from_secs(86_400);
+/// Longest interval the limiter computes with (keeps `Instant` arithmetic in
+/// range): the longest wait a provider's header can ask for.
+const MAX_INTERVAL: Duration = super::ratelimit::MAX_WAIT;
 
 fn secs(s: f64) -> Duration {
     Duration::try_from_secs_f64(s.max(0.0))

@@ -33,10 +33,10 @@ pub mod lines {
 
 /// Completion tokens a batch answer spends per item beyond the item's own output: its
 /// `{"id":"…","output":…}` wrapper.
-pub const BATCH_ITEM_OVERHEAD: u32 = 24;
+const BATCH_ITEM_OVERHEAD: u32 = 24;
 
 /// Completion token cap of a task type without one configured.
-pub const DEFAULT_ITEM_CAP: u32 = 256;
+const DEFAULT_ITEM_CAP: u32 = 256;
 
 /// Built-in task types with their own task lines.
 pub mod task_types {
@@ -268,6 +268,15 @@ impl PromptBuilder {
         &self,
         items: &[(String, &TaskEnvelope)],
     ) -> Result<Vec<Message>, PromptError> {
+        self.build_batch(items).map(|b| b.messages)
+    }
+
+    /// A micro-batch's messages, with the length of each item's own part of the prompt
+    /// (see [`BatchPrompt`]).
+    pub fn build_batch(
+        &self,
+        items: &[(String, &TaskEnvelope)],
+    ) -> Result<BatchPrompt, PromptError> {
         let (_, first) = items.first().ok_or(PromptError::EmptyBatch)?;
         let template = self.template(&first.task_type)?;
         let task_lines = self.task_lines(first)?;
@@ -289,17 +298,34 @@ impl PromptBuilder {
             lines::ITEM
         ));
         let mut user = String::new();
+        let mut own_chars = Vec::with_capacity(items.len());
         for (i, (id, task)) in items.iter().enumerate() {
             if i > 0 {
                 user.push_str("\n\n");
             }
+            let start = user.len();
             user.push_str(lines::ITEM);
             user.push_str(id);
             user.push('\n');
             user.push_str(&escape_item_markers(&task.payload.content));
+            own_chars.push(user.len() - start);
         }
-        Ok(vec![Message::system(system), Message::user(user)])
+        Ok(BatchPrompt {
+            messages: vec![Message::system(system), Message::user(user)],
+            own_chars,
+        })
     }
+}
+
+/// A micro-batch prompt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchPrompt {
+    /// The system message (instructions every item shares) and the user message (the
+    /// items).
+    pub messages: Vec<Message>,
+    /// Per item, in order, the bytes of its own part of the user message (its marker line
+    /// and its text); the rest of the prompt is shared.
+    pub own_chars: Vec<usize>,
 }
 
 /// Fresh ids for the `n` items of a batch: random, unique within the batch, never reused, so
@@ -488,6 +514,15 @@ mod tests {
             .collect();
         assert_eq!(item_lines, vec!["### item a1", "### item a2"]);
         assert!(m[1].content.starts_with("### item a1\nfirst text\n"));
+        // Each item's own part: its marker line and (escaped) text; the
+        // items are joined by a blank line.
+        let built = b
+            .build_batch(&[("a1".into(), &t1), ("a2".into(), &t2)])
+            .unwrap();
+        assert_eq!(built.messages, m);
+        let second = "### item a2\nsecond text".len();
+        assert_eq!(built.own_chars[1], second);
+        assert_eq!(built.own_chars[0] + 2 + second, m[1].content.len());
 
         let answer = r#"```json
 {"items":[{"id":"a2","output":"two"},{"id":"a1","output":"one"}]}

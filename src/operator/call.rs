@@ -10,10 +10,9 @@ use super::{idempotency_key, in_flight_key, now_ms, Ctx, Failure, Item, LlmProce
 use crate::accounting::Amount;
 use crate::envelope::DlqCategory;
 use crate::llm::apportion::apportion_batch_usage;
-use crate::llm::prompt::{self, lines, split_batch_answer, BatchSplitError};
+use crate::llm::prompt::{self, split_batch_answer, BatchSplitError};
 use crate::llm::{
-    CallFailure, CallOutcome, ChatRequest, ErrorClass, Message, PermanentKind, ResponseFormat,
-    Usage,
+    CallFailure, CallOutcome, ChatRequest, ErrorClass, PermanentKind, ResponseFormat, Usage,
 };
 
 /// One provider call: a task, or a micro-batch of tasks.
@@ -45,6 +44,9 @@ struct BatchCall {
     request: ChatRequest,
     /// Batch-local item ids, in item order.
     ids: Vec<String>,
+    /// Per item, the length of its own part of the prompt (the rest is
+    /// shared): how the prompt tokens are split.
+    own_prompt: Vec<u64>,
 }
 
 /// A task's share of a successful call.
@@ -99,18 +101,14 @@ impl LlmProcessor {
             .cloned()
             .zip(items.iter().map(|i| &i.routed.task.envelope))
             .collect();
-        let messages: Vec<Message> = self.step.0.prompts.build_batch_messages(&pairs).ok()?;
+        let prompts = &self.step.0.prompts;
+        let built = prompts.build_batch(&pairs).ok()?;
         // Each item's cap and its JSON wrapper, within what the model can
         // answer at once (the batcher sizes batches to fit; this is the
         // bound whatever assembled the batch).
         let summed = items
             .iter()
-            .map(|i| {
-                i.request
-                    .max_tokens
-                    .unwrap_or(prompt::DEFAULT_ITEM_CAP)
-                    .saturating_add(prompt::BATCH_ITEM_OVERHEAD)
-            })
+            .map(|i| prompts.batch_item_cap(&i.routed.task.envelope.task_type))
             .fold(0u32, u32::saturating_add);
         let limit = self
             .step
@@ -123,13 +121,14 @@ impl LlmProcessor {
             id,
             request: ChatRequest {
                 model: String::new(),
-                messages,
+                messages: built.messages,
                 max_tokens,
                 max_completion_tokens: None,
                 temperature: items[0].request.temperature,
                 response_format: Some(ResponseFormat::JsonObject),
             },
             ids,
+            own_prompt: built.own_chars.iter().map(|c| *c as u64).collect(),
         })
     }
 
@@ -396,17 +395,7 @@ impl LlmProcessor {
             };
             return self.succeed(ctx, &job.model, item, answer);
         };
-        // Each item's own prompt text; the rest of the prompt (instructions,
-        // framing) is shared.
-        let own: Vec<u64> = job
-            .items
-            .iter()
-            .zip(&batch.ids)
-            .map(|(i, id)| {
-                (i.routed.task.envelope.payload.content.len() + lines::ITEM.len() + id.len() + 2)
-                    as u64
-            })
-            .collect();
+        let own = &batch.own_prompt;
         let whole: usize = batch.request.messages.iter().map(|m| m.content.len()).sum();
         let shared = (whole as u64).saturating_sub(own.iter().sum());
         let price = self.price(&job.model);
@@ -427,7 +416,7 @@ impl LlmProcessor {
                     .iter()
                     .map(|(id, o)| (id.len() + o.to_string().len() + 16) as u64)
                     .collect();
-                let shares = apportion_batch_usage(&usage, &own, shared, Some(&answers));
+                let shares = apportion_batch_usage(&usage, own, shared, Some(&answers));
                 let costs = super::apportion_cost(&price, &shares);
                 let items = std::mem::take(&mut job.items);
                 for (((item, (_, output)), share), cost) in
@@ -453,7 +442,7 @@ impl LlmProcessor {
                 // share into its result.
                 tracing::warn!(batch = %batch.id, error = %e, "batch answer unusable; calling per task");
                 self.metrics().batch_fallbacks.inc();
-                let shares = apportion_batch_usage(&usage, &own, shared, None);
+                let shares = apportion_batch_usage(&usage, own, shared, None);
                 let costs = super::apportion_cost(&price, &shares);
                 let mut again = Vec::with_capacity(job.items.len());
                 for ((mut item, share), cost) in job.items.into_iter().zip(shares).zip(costs) {
@@ -545,10 +534,7 @@ impl LlmProcessor {
             )
         });
         let mut r = self.base_result(&item.routed, model, answer.output.is_ok());
-        r.input_tokens = usage.prompt_tokens;
-        r.output_tokens = usage.completion_tokens;
-        r.cached_tokens = usage.cached_tokens.min(usage.prompt_tokens);
-        r.cost_micros = own_cost + item.extra_cost_micros;
+        self.bill(&mut r, usage, own_cost + item.extra_cost_micros);
         r.attempts = item.routed.task.envelope.attempt_number - 1 + answer.attempts;
         match answer.output {
             Ok(output) => r.output = output,
@@ -558,17 +544,6 @@ impl LlmProcessor {
             }
         }
         r.batch_id = answer.batch_id;
-        let m = match self.counters.get(model) {
-            Some(m) => m,
-            None => {
-                let m = self.metrics().model_counters(model);
-                self.counters.entry(model.to_string()).or_insert(m)
-            }
-        };
-        m.input.inc_by(r.input_tokens);
-        m.output.inc_by(r.output_tokens);
-        m.cached.inc_by(r.cached_tokens);
-        m.cost.inc_by(r.cost_micros.max(0) as u64);
         let held = item.held.clone();
         ctx.with_record(&held, |ctx| self.emit_result(ctx, &item.headers, r))
     }

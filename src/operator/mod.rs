@@ -543,13 +543,30 @@ impl LlmProcessor {
         let mut r = self.base_result(routed, model, false);
         r.attempts = why.attempts;
         let (usage, cost) = why.billed;
-        r.input_tokens = usage.prompt_tokens;
-        r.output_tokens = usage.completion_tokens;
-        r.cached_tokens = usage.cached_tokens.min(usage.prompt_tokens);
-        r.cost_micros = cost;
+        self.bill(&mut r, usage, cost);
         r.error_code = Some(code.to_string());
         r.error_message = Some(why.message);
         self.emit_result(ctx, headers, r)
+    }
+
+    /// Puts what the provider billed for a task on its result (completed or
+    /// failed) and counts it in the result model's token and cost counters.
+    fn bill(&mut self, r: &mut TaskResult, usage: Usage, cost_micros: i64) {
+        r.input_tokens = usage.prompt_tokens;
+        r.output_tokens = usage.completion_tokens;
+        r.cached_tokens = usage.cached_tokens.min(usage.prompt_tokens);
+        r.cost_micros = cost_micros;
+        let m = match self.counters.get(&r.model) {
+            Some(m) => m,
+            None => {
+                let m = self.metrics().model_counters(&r.model);
+                self.counters.entry(r.model.clone()).or_insert(m)
+            }
+        };
+        m.input.inc_by(r.input_tokens);
+        m.output.inc_by(r.output_tokens);
+        m.cached.inc_by(r.cached_tokens);
+        m.cost.inc_by(r.cost_micros.max(0) as u64);
     }
 
     /// Removes idempotency entries whose time is up, a page per tick: an

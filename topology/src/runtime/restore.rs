@@ -66,9 +66,6 @@ pub(crate) fn connect_restore_consumer(
     changelogs: &[(StoreId, String)],
     partition: i32,
 ) -> Option<RestoreConsumer> {
-    if changelogs.is_empty() {
-        return None;
-    }
     let consumer = create_restore_consumer(cfg).ok()?;
     for (_, topic) in changelogs {
         let _ = consumer.fetch_watermarks(topic, partition, CONNECT_TIMEOUT);
@@ -101,17 +98,17 @@ fn create_restore_consumer(cfg: &StreamsConfig) -> Result<RestoreConsumer, Runti
     Ok(Arc::new(c.create_with_context(RestoreContext)?))
 }
 
-/// Restores the changelogged stores of one task, with `consumer` if one was
-/// connected beforehand (see [`connect_restore_consumer`]). Returns what was
-/// applied.
+/// Restores the changelogged `stores` of one task (see [`changelogs`]), with
+/// `consumer` if one was connected beforehand (see
+/// [`connect_restore_consumer`]). Returns what was applied.
 pub(crate) fn restore_task(
     cfg: &StreamsConfig,
     task: TaskId,
     state: &mut TaskState,
+    stores: &[(StoreId, String)],
     consumer: Option<RestoreConsumer>,
     cancel: &AtomicBool,
 ) -> Result<RestoreStats, RuntimeError> {
-    let stores = changelogs(cfg, state.specs());
     let mut stats = RestoreStats::default();
     if stores.is_empty() {
         return Ok(stats);
@@ -123,7 +120,7 @@ pub(crate) fn restore_task(
     let mut tpl = TopicPartitionList::new();
     // Per changelog being restored: its store and the next offset to apply.
     let mut remaining: Vec<(String, StoreId, i64)> = Vec::new();
-    for (id, topic) in &stores {
+    for (id, topic) in stores {
         let (low, high) = watermarks(&consumer, topic, task.partition, cancel)?;
         let mut from = state.restore_offset(*id);
         if from > high {

@@ -103,11 +103,12 @@ fn init_task(
     let sub = &topology.subtopologies()[id.subtopology as usize];
     let changelogs = restore::changelogs(cfg, sub.stores());
     let dir = cfg.state_dir.join(&cfg.application_id).join(id.to_string());
-    // The restore consumer connects while the task fences its previous
-    // owner and opens its state, so the restore starts connected.
+    // The restore consumer (of a task with changelogs) connects while the
+    // task fences its previous owner and opens its state, so the restore
+    // starts connected.
     let (fenced, opened, consumer) = std::thread::scope(|s| {
-        let connecting =
-            s.spawn(|| restore::connect_restore_consumer(cfg, &changelogs, id.partition));
+        let connecting = (!changelogs.is_empty())
+            .then(|| s.spawn(|| restore::connect_restore_consumer(cfg, &changelogs, id.partition)));
         let fenced = match shared {
             Some(p) => Ok(p),
             None => fence(cfg, sub, id, cancel),
@@ -116,14 +117,15 @@ fn init_task(
             Ok(_) if !sub.stores().is_empty() => TaskState::open(&dir, sub.stores(), env).map(Some),
             _ => Ok(None),
         };
-        (fenced, opened, connecting.join().ok().flatten())
+        let consumer = connecting.and_then(|c| c.join().ok().flatten());
+        (fenced, opened, consumer)
     });
     let (producer, delivery) = fenced?;
     let state = match opened? {
         None => None,
         Some(mut state) => {
             let restore_started = Instant::now();
-            let stats = restore_task(cfg, id, &mut state, consumer, cancel)?;
+            let stats = restore_task(cfg, id, &mut state, &changelogs, consumer, cancel)?;
             metrics.observe_restore(restore_started.elapsed());
             metrics.restore_records.inc_by(stats.records);
             tracing::info!(task = %id, records = stats.records, "restored");
