@@ -64,7 +64,7 @@ pub struct FilterArgs {
     #[arg(long = "type", value_name = "TYPE")]
     pub types: Vec<String>,
     /// Only this category (repeatable): poison, bad_request, content_policy,
-    /// too_large or exhausted.
+    /// too_large, exhausted or panic.
     #[arg(long, value_name = "CATEGORY", value_parser = parse_category)]
     pub category: Vec<DlqCategory>,
     /// Only dead letters whose reason contains this text.

@@ -269,16 +269,20 @@ pub enum DlqCategory {
     TooLarge,
     /// Transient failures outlasted every retry.
     Exhausted,
+    /// The task's async call panicked (the engine dead-letters the records
+    /// of such a call under this category).
+    Panic,
 }
 
 impl DlqCategory {
     /// Every category.
-    pub const ALL: [DlqCategory; 5] = [
+    pub const ALL: [DlqCategory; 6] = [
         DlqCategory::Poison,
         DlqCategory::BadRequest,
         DlqCategory::ContentPolicy,
         DlqCategory::TooLarge,
         DlqCategory::Exhausted,
+        DlqCategory::Panic,
     ];
 
     /// The header value and metric label.
@@ -289,6 +293,7 @@ impl DlqCategory {
             DlqCategory::ContentPolicy => "content_policy",
             DlqCategory::TooLarge => "too_large",
             DlqCategory::Exhausted => "exhausted",
+            DlqCategory::Panic => "panic",
         }
     }
 
