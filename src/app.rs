@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus::Registry;
-use sluice_topology::runtime::{EngineMetrics, IntakeControl, Queries, RunningApp, StreamsApp};
+use sluice_topology::runtime::{EngineMetrics, Queries, RunningApp, StreamsApp};
 
 use crate::accounting::{Accounting, AccountingSettings};
 use crate::config::{Config, ConfigError, Repartition};
@@ -82,8 +82,7 @@ pub async fn run_pipeline(
         key: "llm".into(),
         message: e.to_string(),
     })?;
-    let intake = IntakeControl::default();
-    let health = Health::new(intake.clone());
+    let health = Health::new(config.llm.models.iter().map(|m| m.name.clone()));
     let by_tenant = repartition_by_tenant(&config)?;
     let shared_limits = client.has_group_limits().then(|| client.clone());
     let steps = steps(&config, by_tenant, client, &registry, health.clone())?;
@@ -104,7 +103,6 @@ pub async fn run_pipeline(
         .unwrap_or_else(|| format!("http://{bound}"));
     let app = StreamsApp::new(topology, streams, engine_metrics.clone())
         .with_runtime(tokio::runtime::Handle::current())
-        .with_intake(intake)
         .start()
         .map_err(RunError::Start)?;
     let group_share = shared_limits.map(|client| {

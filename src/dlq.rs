@@ -32,7 +32,7 @@ use sluice_topology::{dlq_headers, Headers};
 use crate::config::{Config, ConfigError};
 use crate::envelope::DlqCategory;
 use crate::kafka::{Flow, KafkaError, OutRecord, Publisher, Start};
-pub use crate::operator::HEADER_REPLAY_OF;
+pub use crate::operator::{HEADER_BILLED, HEADER_REPLAY_OF};
 
 /// `sluice dlq`.
 #[derive(clap::Args, Debug)]
@@ -383,13 +383,14 @@ impl DeadLetter {
     }
 
     /// The task to re-publish: the original key, value with `attemptNumber`
-    /// 1, and headers without the `dlq.*` ones and an earlier replay's mark;
+    /// 1, and headers without the `dlq.*` ones, an earlier replay's mark and
+    /// what earlier attempts were billed (the failed result billed it);
     /// marked as a replay of this dead letter.
     pub fn replay_record(&self, partition: Option<i32>) -> OutRecord {
         let mut headers: Headers = self
             .headers
             .iter()
-            .filter(|(k, _)| !k.starts_with("dlq.") && k != HEADER_REPLAY_OF)
+            .filter(|(k, _)| !k.starts_with("dlq.") && k != HEADER_REPLAY_OF && k != HEADER_BILLED)
             .cloned()
             .collect();
         headers.push((HEADER_REPLAY_OF.into(), self.coordinates().into_bytes()));
@@ -920,6 +921,7 @@ mod tests {
             &[
                 ("traceparent", "00-abc-01"),
                 ("sluice.replay.of", "old/0/1"),
+                ("sluice.billed", "10,2,0,7"),
                 ("dlq.reason", "exhausted"),
                 ("dlq.category", "exhausted"),
                 ("dlq.original.topic", "ai.tasks.summarize"),

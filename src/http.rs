@@ -76,13 +76,15 @@ async fn healthz(State(s): State<HttpState>) -> Response {
 
 async fn readyz(State(s): State<HttpState>) -> Response {
     let state = s.status.state();
-    let faults = s.health.faults();
-    let ready = state == AppState::Running && faults.is_empty();
+    // Ready while some model serves: a held model's tasks wait, the
+    // others flow; the body names the held models and their faults.
+    let ready = state == AppState::Running && s.health.serving();
     let body = Json(serde_json::json!({
         "ready": ready,
         "state": format!("{state:?}"),
         "tasks": s.status.tasks().iter().map(|t| t.to_string()).collect::<Vec<_>>(),
-        "faults": faults,
+        "held_models": s.health.held_models(),
+        "faults": s.health.faults(),
     }));
     if ready {
         (StatusCode::OK, body).into_response()

@@ -21,3 +21,4 @@ pub mod route;
 pub mod sim;
 pub mod trace;
 pub mod usage;
+pub mod work;

@@ -16,7 +16,7 @@ use prometheus::{IntCounterVec, Opts, Registry};
 use serde::{Deserialize, Serialize};
 
 use crate::envelope::{Route, TaskEnvelope};
-use crate::pipeline::{Routed, Task};
+use crate::work::{Routed, Task};
 
 /// A score range and the model that serves it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -115,8 +115,8 @@ impl Router {
             .schema
             .as_ref()
             .map_or(0, |s| s.to_string().len());
-        // About four characters per token.
-        let tokens = ((task.payload.content.len() + schema_len) / 4) as f64;
+        let tokens =
+            crate::llm::wire::estimate_tokens(task.payload.content.len() + schema_len) as f64;
         let full = f.full_size_tokens.max(2) as f64;
         let size = ((1.0 + tokens).ln() / (1.0 + full).ln()).min(1.0);
         let structure = structure(task);

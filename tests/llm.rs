@@ -209,33 +209,93 @@ fn poison_records_go_to_their_dead_letter_topics() {
     app.proc.stop();
 }
 
+/// Tiers sending tasks of complexity above 0.5 to `large`, the rest to `small`.
+const TWO_TIERS: &str = r#"
+[[routing.tiers]]
+name = "cheap"
+max_score = 0.5
+model = "small"
+
+[[routing.tiers]]
+name = "strong"
+max_score = 1.0
+model = "large"
+"#;
+
+/// `n` summarize tasks of `tenant` for the strong tier (model `large`).
+fn strong_tasks(range: std::ops::Range<usize>, tenant: &str) -> Vec<Task> {
+    range
+        .map(|i| {
+            let mut t = Task::new(i, "summarize", tenant, "normal");
+            t.complexity = Some(0.9);
+            t
+        })
+        .collect()
+}
+
+/// Whether `/readyz` answers `code` and names each of `held` as a held
+/// model (and no other).
+fn ready_with_held(p: &Pipeline, app: &App, code: u16, held: &[&str]) -> bool {
+    let (status, body) = p.http(app, "/readyz");
+    let Ok(body) = serde_json::from_str::<serde_json::Value>(&body) else {
+        return false;
+    };
+    let named: Vec<&str> = body["held_models"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|m| m.as_str()).collect())
+        .unwrap_or_default();
+    status == code && named == held
+}
+
 #[test]
-fn rejected_credentials_hold_intake_until_the_provider_recovers() {
+fn rejected_credentials_hold_the_models_tasks_until_it_recovers() {
+    // The provider rejects the key for every model. Only the models called
+    // are held; the instance stays ready while one of its models is not.
     let sim = SimConfig::from_json_value(serde_json::json!({ "status_override": 401 })).unwrap();
-    let p = Pipeline::new(sim, "");
-    let mut app = p.start("auth");
+    let p = Pipeline::new(sim, TWO_TIERS);
+    // A partition takes no more records than its in-flight budget: its
+    // parked jobs fill it, and then it waits.
+    let mut app = p.start_env("auth", &[("SLUICE_APP__MAX_IN_FLIGHT_PER_PARTITION", "50")]);
     let tasks: Vec<Task> = (0..20)
         .map(|i| Task::new(i, "classify", "acme", "normal"))
         .collect();
     p.produce(&tasks);
-    eventually(Duration::from_secs(30), "readiness fails", || {
-        let (code, body) = p.http(&app, "/readyz");
-        (code == 503 && body.contains("provider:small")).then_some(())
+    eventually(Duration::from_secs(30), "small held, still ready", || {
+        let (_, body) = p.http(&app, "/readyz");
+        (ready_with_held(&p, &app, 200, &["small"]) && body.contains("provider:small"))
+            .then_some(())
     });
-    // Intake is stopped: tasks published now stay on the topic.
-    let read_before = p.metric(&app, "sluice_records_in_total");
+    // 200 more of acme's tasks (one partition): the partition takes tasks
+    // until 50 are parked, then leaves the rest on the topic.
     let later: Vec<Task> = (100..300)
         .map(|i| Task::new(i, "classify", "acme", "normal"))
         .collect();
     p.produce(&later);
+    eventually(Duration::from_secs(30), "the budget filled", || {
+        (p.metric(&app, "sluice_tasks_parked") == 50.0).then_some(())
+    });
+    let read = p.metric(&app, "sluice_records_in_total");
     std::thread::sleep(Duration::from_secs(3));
-    let read_during = p.metric(&app, "sluice_records_in_total") - read_before;
-    assert!(
-        read_during < 20.0,
-        "{read_during} records taken in while intake is held"
+    assert_eq!(p.metric(&app, "sluice_tasks_parked"), 50.0);
+    assert_eq!(
+        p.metric(&app, "sluice_records_in_total"),
+        read,
+        "records taken in past the budget"
     );
-    // Every partition of the three task topics (two each) is paused.
-    assert_eq!(p.metric(&app, "sluice_paused_partitions"), 6.0);
+    // A task for large, of a tenant on the other partition: large is held
+    // too, and with every model held the instance is unready.
+    let other = (0..100)
+        .map(|i| format!("tenant-{i}"))
+        .find(|t| {
+            sluice_topology::runtime::key_partition(t.as_bytes(), 2)
+                != sluice_topology::runtime::key_partition(b"acme", 2)
+        })
+        .unwrap();
+    let strong = strong_tasks(1000..1001, &other);
+    p.produce(&strong);
+    eventually(Duration::from_secs(30), "every model held", || {
+        ready_with_held(&p, &app, 503, &["large", "small"]).then_some(())
+    });
     let none = read_topics(
         &bootstrap(),
         &[&p.completed(), &p.failed()],
@@ -246,26 +306,102 @@ fn rejected_credentials_hold_intake_until_the_provider_recovers() {
     .unwrap();
     assert!(none.is_empty(), "no result while the key is rejected");
     assert!(
-        p.dead_letters("classify").is_empty(),
+        p.dead_letters("classify").is_empty() && p.dead_letters("summarize").is_empty(),
         "nothing is dead-lettered for a bad key"
     );
     p.sim.update(|c| c.status_override = None).unwrap();
-    let all = [tasks, later].concat();
+    let all = [tasks, later, strong].concat();
     let counts = count_by_task(&p.results(all.len(), Duration::from_secs(60)));
     assert!(
         all.iter().all(|t| counts.get(&t.id) == Some(&1)),
         "{counts:?}"
     );
     eventually(Duration::from_secs(20), "ready again", || {
-        (p.http(&app, "/readyz").0 == 200).then_some(())
+        ready_with_held(&p, &app, 200, &[]).then_some(())
     });
+    assert_eq!(p.metric(&app, "sluice_tasks_parked"), 0.0);
     assert!(p.dead_letters("classify").is_empty());
     app.proc.stop();
 }
 
 #[test]
+fn a_401_on_large_leaves_small_flowing_at_its_rate() {
+    // One tenant, one partition. large rejects the key; small answers at
+    // most 40 calls a second. Once large is held, the tenant's tasks for
+    // small and for large come interleaved: small's must go on at its rate
+    // while large's wait.
+    let sim = SimConfig::from_json_value(serde_json::json!({
+        "model_overrides": {
+            "small": { "rps": 40.0, "burst": 5 },
+            "large": { "status_override": 401 },
+        }
+    }))
+    .unwrap();
+    let p = Pipeline::new(sim, &format!("{UNBATCHED}{TWO_TIERS}"));
+    p.edit_config(&[(
+        "limiter = { initial_rps = 400 }\nbreaker",
+        "limiter = { initial_rps = 40 }\nbreaker",
+    )]);
+    let mut app = p.start("per-model");
+    let first = strong_tasks(0..5, "acme");
+    p.produce(&first);
+    eventually(Duration::from_secs(30), "large held", || {
+        ready_with_held(&p, &app, 200, &["large"]).then_some(())
+    });
+    let strong = strong_tasks(5..45, "acme");
+    let cheap: Vec<Task> = (100..300)
+        .map(|i| Task::new(i, "summarize", "acme", "normal"))
+        .collect();
+    let mut mixed: Vec<Task> = Vec::new();
+    for (i, t) in cheap.iter().enumerate() {
+        if i % 5 == 0 {
+            mixed.push(strong[i / 5].clone());
+        }
+        mixed.push(t.clone());
+    }
+    let started = Instant::now();
+    p.produce(&mixed);
+    let results = p.results(cheap.len(), Duration::from_secs(120));
+    let took = started.elapsed().as_secs_f64();
+    assert_each_answered_once(&cheap, &results);
+    assert!(
+        results.iter().all(|(r, _)| r.success && r.model == "small"),
+        "only small's tasks answered"
+    );
+    // small allows 40 calls a second: 200 tasks in 5 s. Held large jobs
+    // must not hold them up (under half that rate allows for a loaded
+    // machine).
+    let rate = cheap.len() as f64 / took;
+    assert!(
+        rate >= 15.0,
+        "small's tasks at {rate:.1}/s while large is held"
+    );
+    assert!(ready_with_held(&p, &app, 200, &["large"]));
+    let (_, body) = p.http(&app, "/readyz");
+    assert!(body.contains("provider:large"), "{body}");
+    let held = first.len() + strong.len();
+    assert_eq!(p.metric(&app, "sluice_tasks_parked"), held as f64);
+    assert!(p.dead_letters("summarize").is_empty());
+    // large's key works again: its tasks are answered, once each.
+    p.sim
+        .update(|c| {
+            c.model_overrides.remove("large");
+        })
+        .unwrap();
+    let all = [first, mixed].concat();
+    let results = p.results(all.len(), Duration::from_secs(60));
+    assert_each_answered_once(&all, &results);
+    let on_large = results.iter().filter(|(r, _)| r.model == "large").count();
+    assert_eq!(on_large, held);
+    eventually(Duration::from_secs(20), "nothing held", || {
+        ready_with_held(&p, &app, 200, &[]).then_some(())
+    });
+    app.proc.stop();
+}
+
+#[test]
 fn parked_tasks_kept_across_a_rebalance_are_answered_once() {
-    // A rejected key parks every job (intake held, records in flight). A
+    // A rejected key parks every job (records in flight). A
     // second instance joins: the first keeps one of its tasks, with its
     // parked jobs. It must not read their records again (a re-read record
     // would wait on its own job and be answered twice).
@@ -274,9 +410,11 @@ fn parked_tasks_kept_across_a_rebalance_are_answered_once() {
     let mut a = p.start("park-a");
     let tasks = mixed_tasks(40);
     p.produce(&tasks);
-    eventually(Duration::from_secs(30), "intake held", || {
-        let (code, body) = p.http(&a, "/readyz");
-        (code == 503 && body.contains("provider:small")).then_some(())
+    eventually(Duration::from_secs(30), "every job parked", || {
+        let (_, body) = p.http(&a, "/readyz");
+        (body.contains("provider:small")
+            && p.metric(&a, "sluice_tasks_parked") == tasks.len() as f64)
+            .then_some(())
     });
     let b_state = temp_dir();
     let b_dir = b_state.path().display().to_string();
@@ -338,7 +476,7 @@ fn a_long_retry_after_holds_the_tasks_instead_of_spending_their_attempts() {
 #[test]
 fn a_hold_leaves_with_the_task_whose_jobs_it_held() {
     // A rejected key parks every job of partition 0's task on A and holds
-    // A's intake. B joins and, sorting first in the group, takes partition 0:
+    // model small there. B joins and, sorting first in the group, takes partition 0:
     // the parked jobs' task moves to B. A's hold must go with it (A has
     // nothing left that would ever probe the provider), while B holds.
     // The classic protocol's range assignment sorts members by client id;
@@ -360,11 +498,8 @@ fn a_hold_leaves_with_the_task_whose_jobs_it_held() {
         .map(|i| Task::new(i, "classify", &tenants[i % tenants.len()], "normal"))
         .collect();
     p.produce(&tasks);
-    let held = |app: &App| {
-        let (code, body) = p.http(app, "/readyz");
-        code == 503 && body.contains("provider:small")
-    };
-    eventually(Duration::from_secs(30), "A holds intake", || {
+    let held = |app: &App| ready_with_held(&p, app, 200, &["small"]);
+    eventually(Duration::from_secs(30), "A holds small", || {
         held(&a).then_some(())
     });
     let (mut b, _b_state) =
@@ -372,8 +507,8 @@ fn a_hold_leaves_with_the_task_whose_jobs_it_held() {
     eventually(Duration::from_secs(90), "B holds the moved jobs", || {
         held(&b).then_some(())
     });
-    eventually(Duration::from_secs(30), "A is ready again", || {
-        (p.http(&a, "/readyz").0 == 200).then_some(())
+    eventually(Duration::from_secs(30), "A holds nothing", || {
+        ready_with_held(&p, &a, 200, &[]).then_some(())
     });
     p.sim.update(|c| c.status_override = None).unwrap();
     let results = p.results(tasks.len(), Duration::from_secs(90));
@@ -1028,8 +1163,8 @@ fn held_jobs_return_to_their_recovered_model_and_the_hold_goes_with_them() {
         .map(|i| Task::new(i, "summarize", "acme", "normal"))
         .collect();
     p.produce(&tasks);
-    eventually(Duration::from_secs(60), "intake held", || {
-        (p.http(&app, "/readyz").0 == 503).then_some(())
+    eventually(Duration::from_secs(60), "large held", || {
+        ready_with_held(&p, &app, 200, &["large"]).then_some(())
     });
     // small recovers; large still rejects the key. The held jobs go back to
     // small, and with no job left for large the hold ends.
@@ -1043,8 +1178,8 @@ fn held_jobs_return_to_their_recovered_model_and_the_hold_goes_with_them() {
     for (r, _) in &results {
         assert!(r.success && r.model == "small", "{r:?}");
     }
-    eventually(Duration::from_secs(30), "ready again", || {
-        (p.http(&app, "/readyz").0 == 200).then_some(())
+    eventually(Duration::from_secs(30), "nothing held", || {
+        ready_with_held(&p, &app, 200, &[]).then_some(())
     });
     app.proc.stop();
 }
@@ -1097,9 +1232,9 @@ fn a_model_refusing_every_request_with_the_same_400_holds_its_tasks_instead_of_d
         .collect();
     p.produce(&tasks);
     // Readiness says which model and what the provider answered.
-    eventually(Duration::from_secs(30), "readiness fails", || {
-        let (code, body) = p.http(&app, "/readyz");
-        (code == 503
+    eventually(Duration::from_secs(30), "small held", || {
+        let (_, body) = p.http(&app, "/readyz");
+        (ready_with_held(&p, &app, 200, &["small"])
             && body.contains("bad_request:small")
             && body.contains("Invalid request (simulated)"))
         .then_some(())
@@ -1107,7 +1242,7 @@ fn a_model_refusing_every_request_with_the_same_400_holds_its_tasks_instead_of_d
     // Well past the wait a lone refusal gets: still nothing dead-lettered,
     // no result, the tasks kept.
     std::thread::sleep(Duration::from_secs(4));
-    assert_eq!(p.http(&app, "/readyz").0, 503);
+    assert!(ready_with_held(&p, &app, 200, &["small"]));
     assert!(
         p.dead_letters("classify").is_empty(),
         "nothing drains into the dead-letter topic"
@@ -1134,8 +1269,8 @@ fn a_model_refusing_every_request_with_the_same_400_holds_its_tasks_instead_of_d
     let results = p.results(tasks.len(), Duration::from_secs(60));
     assert_each_answered_once(&tasks, &results);
     assert!(results.iter().all(|(r, _)| r.success), "{results:?}");
-    eventually(Duration::from_secs(20), "ready again", || {
-        (p.http(&app, "/readyz").0 == 200).then_some(())
+    eventually(Duration::from_secs(20), "nothing held", || {
+        ready_with_held(&p, &app, 200, &[]).then_some(())
     });
     assert!(p.dead_letters("classify").is_empty());
     app.proc.stop();
@@ -1165,9 +1300,8 @@ fn a_400_too_few_tasks_share_is_the_tasks_own_and_dead_lettered_after_the_wait()
     assert!(dead
         .iter()
         .all(|m| header(m, "dlq.category").as_deref() == Some("bad_request")));
-    assert_eq!(
-        p.http(&app, "/readyz").0,
-        200,
+    assert!(
+        ready_with_held(&p, &app, 200, &[]),
         "never a configuration fault"
     );
     app.proc.stop();

@@ -116,6 +116,10 @@ fn non_empty(key: &str, provider: &str, source: &str) -> Result<Secret, LlmError
     }
 }
 
+fn default_ms_per_output_token() -> u32 {
+    20
+}
+
 fn default_timeout_ms() -> u64 {
     60_000
 }
@@ -172,6 +176,11 @@ pub struct ModelConfig {
     /// Per-call timeout in milliseconds (one attempt, not the retries).
     #[serde(default = "default_timeout_ms")]
     pub timeout_ms: u64,
+    /// How long the model takes per completion token, ms (20: 50 tokens a
+    /// second): a micro-batch's call gets this much more time per completion
+    /// token its items are expected to produce, on top of `timeout_ms`.
+    #[serde(default = "default_ms_per_output_token")]
+    pub ms_per_output_token: u32,
     /// Adaptive rate limiter of this model.
     #[serde(default)]
     pub limiter: LimiterConfig,
@@ -192,6 +201,7 @@ impl ModelConfig {
             reasoning_tokens: None,
             max_output_tokens: default_max_output_tokens(),
             timeout_ms: default_timeout_ms(),
+            ms_per_output_token: default_ms_per_output_token(),
             limiter: LimiterConfig::default(),
             breaker: BreakerConfig::default(),
         }

@@ -84,9 +84,10 @@ pub enum LlmError {
         /// Rate-limit headers of the response (boxed: keeps the error small).
         rate_limit: Box<RateLimitInfo>,
     },
-    /// A 2xx whose only choice was withheld by the provider's content filter.
+    /// A 2xx whose only choice was withheld by the provider's content filter;
+    /// the provider billed its usage all the same.
     #[error("answer withheld by the provider's content filter")]
-    ContentFiltered,
+    ContentFiltered(super::Usage),
     /// No answer within the model's timeout.
     #[error("no answer within {0:?}")]
     Timeout(Duration),
@@ -147,6 +148,15 @@ const CONFIG_CODES: [&str; 5] = [
 ];
 
 impl LlmError {
+    /// What the provider billed for a failed call that it answered (a
+    /// withheld answer's usage).
+    pub fn billed(&self) -> Option<super::Usage> {
+        match self {
+            LlmError::ContentFiltered(usage) => Some(*usage),
+            _ => None,
+        }
+    }
+
     /// The class the caller acts on.
     pub fn class(&self) -> ErrorClass {
         match self {
@@ -163,7 +173,7 @@ impl LlmError {
                 message,
                 rate_limit,
             ),
-            LlmError::ContentFiltered => ErrorClass::Permanent(PermanentKind::ContentPolicy),
+            LlmError::ContentFiltered(_) => ErrorClass::Permanent(PermanentKind::ContentPolicy),
             LlmError::Timeout(_) | LlmError::Connect(_) | LlmError::Transport(_) => {
                 ErrorClass::Transient
             }

@@ -66,6 +66,9 @@ pub struct ModelEndpoint {
     pub max_output_tokens: u32,
     /// Timeout of one attempt.
     pub timeout: Duration,
+    /// Time the model takes per completion token (a batch's timeout grows
+    /// by it for each completion token its items are expected to produce).
+    pub per_output_token: Duration,
     /// The provider hop.
     pub transport: Arc<dyn ChatTransport>,
     /// Adaptive rate limiter of this (provider, model).
@@ -95,6 +98,7 @@ impl ModelEndpoint {
             reasoning_tokens: config.reasoning_budget(),
             max_output_tokens: config.max_output_tokens,
             timeout: config.timeout(),
+            per_output_token: Duration::from_millis(config.ms_per_output_token.into()),
             transport,
             limiter: AimdLimiter::new(config.limiter.clone()),
             breaker: CircuitBreaker::new(config.breaker),
@@ -228,8 +232,22 @@ impl LlmClient {
     pub async fn call(
         &self,
         model: &str,
+        request: ChatRequest,
+        priority: Priority,
+    ) -> Result<CallOutcome, CallFailure> {
+        self.call_expecting(model, request, priority, 0).await
+    }
+
+    /// As [`LlmClient::call`], for an answer expected to run to
+    /// `expected_output` completion tokens (a micro-batch's): each attempt
+    /// may take the model's timeout plus the time the model takes to write
+    /// them.
+    pub async fn call_expecting(
+        &self,
+        model: &str,
         mut request: ChatRequest,
         priority: Priority,
+        expected_output: u32,
     ) -> Result<CallOutcome, CallFailure> {
         let Some((ep, mm)) = self.endpoints.get(model) else {
             return Err(CallFailure {
@@ -254,11 +272,14 @@ impl LlmClient {
                 request.max_tokens.take().or(request.max_completion_tokens);
         }
         let est_tokens = request.estimated_tokens();
+        let timeout = ep.timeout + ep.per_output_token * expected_output;
         let started = Instant::now();
         let mut attempts = 0u32;
         let mut slept = Duration::ZERO;
         loop {
-            let result = self.attempt(ep, mm, &request, priority, est_tokens).await;
+            let result = self
+                .attempt(ep, mm, &request, (priority, est_tokens), timeout)
+                .await;
             mm.publish_state(&ep.limiter, ep.breaker.state());
             let error = match result {
                 Attempt::Answered(response) => {
@@ -290,8 +311,8 @@ impl LlmClient {
         ep: &ModelEndpoint,
         mm: &metrics::ModelMetrics,
         request: &ChatRequest,
-        priority: Priority,
-        est_tokens: u32,
+        (priority, est_tokens): (Priority, u32),
+        timeout: Duration,
     ) -> Attempt {
         let refused = || {
             self.metrics.observe_refused(&ep.name, "circuit_open");
@@ -308,8 +329,8 @@ impl LlmClient {
             return refused();
         };
         let sent = Instant::now();
-        let result = match tokio::time::timeout(ep.timeout, ep.transport.send(request)).await {
-            Ok(Err(LlmError::Timeout(_))) | Err(_) => Err(LlmError::Timeout(ep.timeout)),
+        let result = match tokio::time::timeout(timeout, ep.transport.send(request)).await {
+            Ok(Err(LlmError::Timeout(_))) | Err(_) => Err(LlmError::Timeout(timeout)),
             Ok(r) => r,
         };
         let seconds = sent.elapsed().as_secs_f64();

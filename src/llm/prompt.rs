@@ -57,6 +57,11 @@ pub struct TaskTemplate {
     /// Completion token cap sent with each request.
     #[serde(default)]
     pub max_tokens: Option<u32>,
+    /// A larger cap for one more call of a task whose answer was cut at
+    /// `max_tokens` (`finish_reason = length`); unset: none, the task fails
+    /// as `truncated`.
+    #[serde(default)]
+    pub retry_max_tokens: Option<u32>,
     /// Sampling temperature.
     #[serde(default)]
     pub temperature: Option<f32>,
@@ -70,6 +75,8 @@ fn default_templates() -> BTreeMap<String, TaskTemplate> {
     let t = |instructions: &str, max_tokens: u32| TaskTemplate {
         instructions: instructions.to_string(),
         max_tokens: Some(max_tokens),
+        // A cut answer is asked again once with four times the room.
+        retry_max_tokens: Some(max_tokens * 4),
         temperature: Some(0.0),
     };
     BTreeMap::from([
@@ -194,6 +201,29 @@ impl PromptBuilder {
             .and_then(|t| t.max_tokens)
             .unwrap_or(DEFAULT_ITEM_CAP);
         cap.saturating_add(BATCH_ITEM_OVERHEAD)
+    }
+
+    /// The larger cap a task of `task_type` whose answer was cut at `cap`
+    /// is asked again with, if its template allows one.
+    pub fn retry_cap(&self, task_type: &str, cap: Option<u32>) -> Option<u32> {
+        let larger = self.template(task_type).ok()?.retry_max_tokens?;
+        (larger > cap?).then_some(larger)
+    }
+
+    /// Completion tokens `task` is expected to take in a batch answer (what
+    /// its call's time grows by): a summary's word limit at about 4/3 tokens
+    /// a word, else its cap; with the item's JSON wrapper.
+    pub fn expected_item_output(&self, task: &TaskEnvelope) -> u32 {
+        let cap = self.batch_item_cap(&task.task_type);
+        if task.task_type != task_types::SUMMARIZE {
+            return cap;
+        }
+        let words = task
+            .payload
+            .max_words
+            .unwrap_or(self.config.default_max_words);
+        let tokens = words.saturating_mul(4).div_ceil(3);
+        tokens.saturating_add(BATCH_ITEM_OVERHEAD).min(cap)
     }
 
     /// The machine-readable task lines of `task` (equal lines ⇒ batchable together).
@@ -482,6 +512,7 @@ mod tests {
             TaskTemplate {
                 instructions: "Translate to French.".into(),
                 max_tokens: None,
+                retry_max_tokens: None,
                 temperature: None,
             },
         );

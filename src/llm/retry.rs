@@ -200,7 +200,7 @@ mod tests {
             status(401, None, None),
             status(404, Some("model_not_found"), None),
             LlmError::CircuitOpen("m".into()),
-            LlmError::ContentFiltered,
+            LlmError::ContentFiltered(Default::default()),
         ] {
             assert_eq!(p.decide(1, &err), RetryDecision::Stop, "{err}");
         }

@@ -96,12 +96,18 @@ impl ChatRequest {
 }
 
 impl ChatRequest {
-    /// Estimated prompt tokens: about 4 characters per token plus a small per-message
-    /// overhead.
+    /// Estimated prompt tokens: the messages' text and a small per-message
+    /// overhead (see [`estimate_tokens`]).
     pub fn estimated_prompt_tokens(&self) -> u64 {
-        let chars: usize = self.messages.iter().map(|m| m.content.len() + 16).sum();
-        chars.div_ceil(4) as u64
+        estimate_tokens(self.messages.iter().map(|m| m.content.len() + 16).sum())
     }
+}
+
+/// Sluice's one token estimate of a text of `bytes` bytes, wherever a
+/// count is needed before (or without) the provider's: about four
+/// characters per token, rounded up.
+pub fn estimate_tokens(bytes: usize) -> u64 {
+    bytes.div_ceil(4) as u64
 }
 
 /// Token usage reported by the provider.
@@ -151,7 +157,7 @@ impl ChatResponse {
         let answer = self.content.len() + self.refusal.as_ref().map_or(0, String::len);
         self.usage = Usage {
             prompt_tokens: request.estimated_prompt_tokens(),
-            completion_tokens: answer.div_ceil(4) as u64,
+            completion_tokens: estimate_tokens(answer),
             cached_tokens: 0,
         };
     }
@@ -264,12 +270,6 @@ pub fn parse_chat_body(body: &[u8], rate_limit: RateLimitInfo) -> Result<ChatRes
         ),
         None => (None, None),
     };
-    if content.is_none()
-        && refusal.is_none()
-        && choice.finish_reason.as_deref() == Some("content_filter")
-    {
-        return Err(LlmError::ContentFiltered);
-    }
     let usage_missing = wire.usage.is_none();
     let usage = wire.usage.unwrap_or_default();
     let prompt_tokens = usage.prompt_tokens.unwrap_or(0);
@@ -279,13 +279,20 @@ pub fn parse_chat_body(body: &[u8], rate_limit: RateLimitInfo) -> Result<ChatRes
         .or(usage.prompt_cache_hit_tokens)
         .unwrap_or(0)
         .min(prompt_tokens);
+    let usage = Usage {
+        prompt_tokens,
+        completion_tokens: usage.completion_tokens.unwrap_or(0),
+        cached_tokens,
+    };
+    if content.is_none()
+        && refusal.is_none()
+        && choice.finish_reason.as_deref() == Some("content_filter")
+    {
+        return Err(LlmError::ContentFiltered(usage));
+    }
     Ok(ChatResponse {
         content: strip_think(content.as_deref().unwrap_or_default()).to_string(),
-        usage: Usage {
-            prompt_tokens,
-            completion_tokens: usage.completion_tokens.unwrap_or(0),
-            cached_tokens,
-        },
+        usage,
         usage_missing,
         finish_reason: choice.finish_reason,
         refusal,

@@ -5,6 +5,7 @@
 use sluice_topology::{OutputRecord, ProcessError};
 
 use super::output;
+use super::policy::{self, Action};
 use super::trap::{self, Verdict};
 use super::{idempotency_key, in_flight_key, now_ms, Ctx, Failure, Item, LlmProcessor};
 use crate::accounting::Amount;
@@ -21,8 +22,21 @@ pub(super) struct Job {
     /// The model called (a fallback replaces the routed one).
     model: String,
     batch: Option<BatchCall>,
-    /// Set on a call that probes a held provider.
-    pub(super) probe: bool,
+    /// On a call that probes a held model: that model.
+    pub(super) probe: Option<String>,
+    /// Refused with a `400` before: its refusal again, with the same
+    /// message, is no new evidence that the model refuses every task.
+    refused_before: bool,
+}
+
+/// A model this task holds jobs for, probed now and then.
+#[derive(Debug, Default)]
+pub(super) struct ModelHold {
+    /// A probe of it is under way.
+    probing: bool,
+    last_probe_ms: i64,
+    /// No probe before this time (a provider's `Retry-After`).
+    not_before_ms: i64,
 }
 
 /// A job refused with a `400`, waiting for its model's run of refusals to
@@ -47,6 +61,21 @@ struct BatchCall {
     /// Per item, the length of its own part of the prompt (the rest is
     /// shared): how the prompt tokens are split.
     own_prompt: Vec<u64>,
+    /// Completion tokens the answer is expected to take: the call's timeout
+    /// grows by the time the model needs to write them.
+    expected_output: u32,
+}
+
+impl BatchCall {
+    /// The items' shares of the call's usage: prompt tokens by each item's
+    /// own text and an equal part of the shared instructions; completion
+    /// tokens by each item's answer (`answers`, their lengths) when there
+    /// are answers, else as the prompt.
+    fn shares(&self, usage: &Usage, answers: Option<&[u64]>) -> Vec<Usage> {
+        let whole: usize = self.request.messages.iter().map(|m| m.content.len()).sum();
+        let shared = (whole as u64).saturating_sub(self.own_prompt.iter().sum());
+        apportion_batch_usage(usage, &self.own_prompt, shared, answers)
+    }
 }
 
 /// A task's share of a successful call.
@@ -85,7 +114,8 @@ impl LlmProcessor {
                     items,
                     model,
                     batch: Some(batch),
-                    probe: false,
+                    probe: None,
+                    refused_before: false,
                 };
                 self.start_call(ctx, job);
             }
@@ -129,6 +159,10 @@ impl LlmProcessor {
             },
             ids,
             own_prompt: built.own_chars.iter().map(|c| *c as u64).collect(),
+            expected_output: items
+                .iter()
+                .map(|i| prompts.expected_item_output(&i.routed.task.envelope))
+                .fold(0u32, u32::saturating_add),
         })
     }
 
@@ -139,7 +173,8 @@ impl LlmProcessor {
                 items: vec![item],
                 model: model.clone(),
                 batch: None,
-                probe: false,
+                probe: None,
+                refused_before: false,
             };
             self.start_call(ctx, job);
         }
@@ -154,16 +189,22 @@ impl LlmProcessor {
         if job.model != *routed && !client.is_open(routed) {
             job.model = routed.clone();
         }
-        if !job.probe && client.is_open(&job.model) {
+        if job.probe.is_none() && client.is_open(&job.model) {
             match self.reroute(ctx, job) {
                 Some(j) => job = j,
                 None => return,
             }
         }
-        if !job.probe {
+        if job.probe.is_none() {
             let runs = &self.step.0.bad_requests;
             if let Some(message) = runs.trapped(&job.model) {
                 let (fault, detail) = runs.fault(&job.model, &message);
+                self.hold(ctx, &fault, &detail, job);
+                return;
+            }
+            // Held by a fault (met here or by another task): parked without
+            // a call until a probe finds the model answering.
+            if let Some((fault, detail)) = self.step.0.health.holding(&job.model) {
                 self.hold(ctx, &fault, &detail, job);
                 return;
             }
@@ -193,9 +234,9 @@ impl LlmProcessor {
 
     fn spawn_call(&mut self, ctx: &mut Ctx<'_>, job: Job) {
         let client = self.step.0.client.clone();
-        let request = match &job.batch {
-            Some(b) => b.request.clone(),
-            None => job.items[0].request.clone(),
+        let (request, expected) = match &job.batch {
+            Some(b) => (b.request.clone(), b.expected_output),
+            None => (job.items[0].request.clone(), 0),
         };
         let priority = job
             .items
@@ -204,102 +245,165 @@ impl LlmProcessor {
             .min()
             .unwrap_or_default();
         ctx.spawn_detached(async move {
-            let result = client.call(&job.model, request, priority).await;
+            let result = client
+                .call_expecting(&job.model, request, priority, expected)
+                .await;
             CallDone { job, result }
         });
     }
 
-    /// Raises `fault` for this task (holding intake) and parks the job
-    /// until a probe finds the provider answering again.
+    /// Raises `fault` of the job's model for this task and parks the job
+    /// (its records stay in flight) until a probe finds the model answering
+    /// again. Only the model's jobs wait: the others go on.
     fn hold(&mut self, ctx: &Ctx<'_>, fault: &str, detail: &str, job: Job) {
-        self.step.0.health.raise(ctx.task_id(), fault, detail);
-        self.faulted.insert(job.model.clone());
+        let model = job.model.clone();
+        let not_before = self
+            .step
+            .0
+            .health
+            .raise(ctx.task_id(), &model, fault, detail);
+        let hold = self.held.entry(model).or_default();
+        hold.not_before_ms = hold.not_before_ms.max(not_before);
         self.parked.push(job);
         self.count_parked();
     }
 
-    pub(super) fn count_parked(&self) {
+    /// Counts this task's parked tasks into the gauge every task shares.
+    fn count_parked(&mut self) {
         let n: usize = self.parked.iter().map(|j| j.items.len()).sum();
-        self.metrics().parked.set(n as i64);
+        self.metrics().parked.add(n as i64 - self.parked_counted);
+        self.parked_counted = n as i64;
+    }
+
+    /// Per held model: resumes its jobs when another task's probe cleared
+    /// its fault, else probes it with one of its parked jobs, each model on
+    /// its own schedule; lets go of models with no job left here.
+    pub(super) fn probe_held(&mut self, ctx: &mut Ctx<'_>, now: i64) {
+        let every = self.step.settings().probe_interval_ms as i64;
+        let models: Vec<String> = self.held.keys().cloned().collect();
+        for model in models {
+            if self.step.0.health.holding(&model).is_none()
+                && self.step.0.bad_requests.trapped(&model).is_none()
+            {
+                self.resume(ctx, &model);
+                continue;
+            }
+            let Some(hold) = self.held.get_mut(&model) else {
+                continue;
+            };
+            if hold.probing || now - hold.last_probe_ms < every || now < hold.not_before_ms {
+                continue;
+            }
+            // A task not refused yet, when there is one: a second task
+            // refused alike confirms the fault, an answer ends it.
+            let of_model = |j: &&Job| j.model == model;
+            let fresh = self
+                .parked
+                .iter()
+                .position(|j| of_model(&j) && !j.refused_before);
+            let Some(i) = fresh.or_else(|| self.parked.iter().position(|j| of_model(&j))) else {
+                continue;
+            };
+            hold.last_probe_ms = now;
+            hold.probing = true;
+            let mut job = self.parked.remove(i);
+            job.probe = Some(model);
+            self.count_parked();
+            self.start_call(ctx, job);
+        }
+        self.let_go_of_empty_holds(ctx);
+    }
+
+    /// Models this task holds no job of (parked or probing): their faults no
+    /// longer count this task among their holders.
+    fn let_go_of_empty_holds(&mut self, ctx: &Ctx<'_>) {
+        let parked = &self.parked;
+        let health = &self.step.0.health;
+        self.held.retain(|model, hold| {
+            let keep = hold.probing || parked.iter().any(|j| j.model == *model);
+            if !keep {
+                health.release_model(ctx.task_id(), model);
+            }
+            keep
+        });
     }
 
     /// Handles a call's outcome.
     pub(super) fn finish(&mut self, ctx: &mut Ctx<'_>, done: CallDone) -> Result<(), ProcessError> {
         let CallDone { mut job, result } = done;
-        let was_probe = std::mem::take(&mut job.probe);
-        if was_probe {
-            self.probing = false;
+        let probed = job.probe.take();
+        if let Some(hold) = probed.as_ref().and_then(|m| self.held.get_mut(m)) {
+            hold.probing = false;
         }
+        let was_probe = probed.is_some();
         let failure = match result {
             Ok(outcome) => {
                 if self.step.0.bad_requests.enabled() {
                     self.step.0.bad_requests.answered(&job.model);
                 }
-                if was_probe || self.faulted.contains(&job.model) {
+                if was_probe || self.held.contains_key(&job.model) {
                     self.recovered(ctx, &job.model);
                 }
                 return self.answered(ctx, job, outcome);
             }
             Err(failure) => failure,
         };
-        match failure.class() {
-            ErrorClass::Permanent(kind) => {
-                let step = self.step.clone();
-                let runs = &step.0.bad_requests;
-                let message = failure.error.to_string();
-                let attempts = failure.attempts.max(1);
-                if kind == PermanentKind::BadRequest && job.batch.is_none() && runs.enabled() {
-                    // Not dead-lettered yet: the model's run of refusals
-                    // decides (see `trap`).
-                    // The same refusal: the same status, code and message.
-                    // (A message many tasks share quotes none of them: it
-                    // may be shown.)
-                    let answer = match failure.error.provider_message() {
-                        Some(said) => format!("{message}: {said}"),
-                        None => message.clone(),
-                    };
-                    let (epoch, trapped) = runs.refused(&job.model, &answer);
-                    if trapped {
-                        let (fault, detail) = runs.fault(&job.model, &answer);
-                        self.hold(ctx, &fault, &detail, job);
-                        return self.decide_refused(ctx);
-                    }
-                    if was_probe {
-                        self.recovered(ctx, &job.model);
-                    }
-                    self.refused.push(Refused {
-                        job,
-                        epoch,
-                        since_ms: now_ms(),
-                        message,
-                        attempts,
-                    });
-                    return Ok(());
-                }
-                if kind != PermanentKind::BadRequest && runs.enabled() {
-                    // Another refusal ends the run (a batch's 400 neither
-                    // counts nor ends it: its tasks are called alone next).
-                    runs.answered(&job.model);
-                }
-                if was_probe {
-                    self.recovered(ctx, &job.model);
-                }
-                if job.batch.is_some() {
-                    // Which task the provider refused is unknown: each gets a
-                    // call of its own, so only that one fails.
-                    self.metrics().batch_fallbacks.inc();
-                    let model = job.model.clone();
-                    self.call_singly(ctx, job.items, model);
-                    return Ok(());
-                }
-                self.fail_job(ctx, job, kind.dlq_category(), &message, attempts)
+        // An answer withheld by the provider's filter was billed: its tasks
+        // carry the usage into their results, whatever comes next.
+        if let Some(usage) = failure.error.billed() {
+            let model = job.model.clone();
+            job.items = self.carry_spoiled(ctx, job.items, &job.batch, &model, usage)?;
+            if job.items.is_empty() {
+                return Ok(());
             }
-            ErrorClass::Config => {
-                let fault = format!("provider:{}", job.model);
-                self.hold(ctx, &fault, &failure.error.to_string(), job);
+        }
+        let runs = &self.step.0.bad_requests;
+        let class = failure.class();
+        let act = policy::action(class, job.batch.is_some(), runs.enabled());
+        if let ErrorClass::Permanent(kind) = class {
+            if act != Action::AwaitRun && kind != PermanentKind::BadRequest && runs.enabled() {
+                // Another refusal ends the model's run of `400`s (a batch's
+                // `400` neither counts nor ends it: its tasks are called
+                // alone next).
+                runs.answered(&job.model);
+            }
+            if act != Action::AwaitRun && was_probe {
+                // The model answered (with the task's own refusal).
+                self.recovered(ctx, &job.model);
+            }
+        }
+        let message = failure.error.to_string();
+        let attempts = failure.attempts.max(1);
+        match act {
+            Action::AwaitRun => self.await_run(ctx, job, &failure, was_probe),
+            Action::CallEachAlone => {
+                // Only the task the provider refused fails.
+                self.metrics().batch_fallbacks.inc();
+                let model = job.model.clone();
+                self.call_singly(ctx, job.items, model);
                 Ok(())
             }
-            ErrorClass::CircuitOpen => {
+            Action::DeadLetter(kind) => {
+                self.fail_job(ctx, job, kind.dlq_category(), &message, attempts)
+            }
+            Action::HoldModel { fault, not_before } => {
+                // Never a task failure: the model's jobs wait (a rejected
+                // key until fixed; a Retry-After longer than a call may wait,
+                // Azure's 30-60 s or a daily quota, as long as told), then a
+                // probe tries again.
+                let fault = format!("{fault}:{}", job.model);
+                let detail = match not_before {
+                    Some(wait) => {
+                        let until = now_ms() + wait.as_millis() as i64;
+                        self.step.0.health.defer(&fault, &job.model, until);
+                        "rate limited by the provider; waiting as told".to_string()
+                    }
+                    None => message,
+                };
+                self.hold(ctx, &fault, &detail, job);
+                Ok(())
+            }
+            Action::Reroute => {
                 // Refused without a call: open, or half-open with every probe
                 // slot taken. Not the same model again at once (that would spin
                 // while the probes run): a fallback, else held for a probe.
@@ -308,35 +412,20 @@ impl LlmProcessor {
                 }
                 Ok(())
             }
-            ErrorClass::RateLimited { retry_after } => {
-                // Rate limiting is never a task failure: the job waits,
-                // intake held, until the time the provider gave (a
-                // Retry-After longer than a call may wait: Azure's 30-60 s,
-                // a daily quota), then a probe tries again.
-                let wait = retry_after.map_or(0, |d| d.as_millis() as i64);
-                self.probe_not_before_ms = self.probe_not_before_ms.max(now_ms() + wait);
-                let fault = format!("rate_limited:{}", job.model);
-                let detail = "rate limited by the provider; waiting as told";
-                self.hold(ctx, &fault, detail, job);
+            Action::Halve => {
+                // A batch too large to answer in time (or at all): each half
+                // is asked on its own, down to single tasks, before any task
+                // spends an attempt.
+                let id = job.batch.as_ref().map(|b| b.id.clone()).unwrap_or_default();
+                tracing::debug!(batch = %id, error = %failure.error, items = job.items.len(), "batch call failed; halving it");
+                self.metrics().batch_fallbacks.inc();
+                let mut first = job.items;
+                let second = first.split_off(first.len() / 2);
+                self.start(ctx, first, Some(format!("{id}.a")));
+                self.start(ctx, second, Some(format!("{id}.b")));
                 Ok(())
             }
-            ErrorClass::Transient | ErrorClass::Malformed => {
-                if job.items.len() > 1 {
-                    if let Some(batch) = &job.batch {
-                        // A batch too large to answer in time (or at all):
-                        // each half is asked on its own, down to single
-                        // tasks, before any task spends an attempt.
-                        tracing::debug!(batch = %batch.id, error = %failure.error, items = job.items.len(), "batch call failed; halving it");
-                        self.metrics().batch_fallbacks.inc();
-                        let id = batch.id.clone();
-                        let mut first = job.items;
-                        let second = first.split_off(first.len() / 2);
-                        self.start(ctx, first, Some(format!("{id}.a")));
-                        self.start(ctx, second, Some(format!("{id}.b")));
-                        return Ok(());
-                    }
-                }
-                let message = failure.error.to_string();
+            Action::Republish => {
                 let max_attempts = self.step.settings().max_attempts;
                 for item in job.items {
                     let held = item.held.clone();
@@ -348,7 +437,7 @@ impl LlmProcessor {
                             let why = Failure {
                                 category: DlqCategory::Exhausted,
                                 message: message.clone(),
-                                attempts: attempt - 1 + failure.attempts.max(1),
+                                attempts: attempt - 1 + attempts,
                                 billed: (item.extra, item.extra_cost_micros),
                             };
                             self.fail(ctx, &item.routed, &item.headers, &job.model, why)
@@ -358,6 +447,55 @@ impl LlmProcessor {
                 Ok(())
             }
         }
+    }
+
+    /// A task refused with a `400`: not dead-lettered yet, its model's run
+    /// of refusals decides (see [`trap`]). The same refusal: the same status,
+    /// code and message (a message many tasks share quotes none of them: it
+    /// may be shown).
+    fn await_run(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        mut job: Job,
+        failure: &CallFailure,
+        was_probe: bool,
+    ) -> Result<(), ProcessError> {
+        let step = self.step.clone();
+        let runs = &step.0.bad_requests;
+        let message = failure.error.to_string();
+        let attempts = failure.attempts.max(1);
+        let answer = match failure.error.provider_message() {
+            Some(said) => format!("{message}: {said}"),
+            None => message.clone(),
+        };
+        let refused = |job, epoch| Refused {
+            job,
+            epoch,
+            since_ms: now_ms(),
+            message: message.clone(),
+            attempts,
+        };
+        if job.refused_before && runs.is_run_of(&job.model, &answer) {
+            // The same task refused alike again: not counted (a model's bad
+            // tasks would trap it again each time it recovered). The run
+            // decides: the model answered another task since → its own
+            // `400`, dead-lettered.
+            let epoch = runs.epoch(&job.model);
+            self.refused.push(refused(job, epoch));
+            return self.decide_refused(ctx);
+        }
+        job.refused_before = true;
+        let (epoch, trapped) = runs.refused(&job.model, &answer);
+        if trapped {
+            let (fault, detail) = runs.fault(&job.model, &answer);
+            self.hold(ctx, &fault, &detail, job);
+            return self.decide_refused(ctx);
+        }
+        if was_probe {
+            self.recovered(ctx, &job.model);
+        }
+        self.refused.push(refused(job, epoch));
+        Ok(())
     }
 
     /// A successful call: a result per task.
@@ -375,6 +513,23 @@ impl LlmProcessor {
             let Some(item) = items.pop() else {
                 return Ok(());
             };
+            let prompts = &self.step.0.prompts;
+            let env = &item.routed.task.envelope;
+            if response.truncated() && response.refusal.is_none() {
+                if let Some(larger) = prompts.retry_cap(&env.task_type, item.request.max_tokens) {
+                    // Cut at the cap: asked once more with the template's
+                    // larger cap; this call's tokens go on its result.
+                    let model = job.model.clone();
+                    let none = None;
+                    let mut again = self.carry_spoiled(ctx, vec![item], &none, &model, usage)?;
+                    if let Some(item) = again.first_mut() {
+                        item.request.max_tokens = Some(larger);
+                    }
+                    self.metrics().truncation_retries.inc();
+                    self.call_singly(ctx, again, model);
+                    return Ok(());
+                }
+            }
             let output = if let Some(refusal) = &response.refusal {
                 Err((output::REFUSED, format!("the model declined: {refusal}")))
             } else if response.truncated() {
@@ -395,9 +550,6 @@ impl LlmProcessor {
             };
             return self.succeed(ctx, &job.model, item, answer);
         };
-        let own = &batch.own_prompt;
-        let whole: usize = batch.request.messages.iter().map(|m| m.content.len()).sum();
-        let shared = (whole as u64).saturating_sub(own.iter().sum());
         let price = self.price(&job.model);
         // A batch answer cut short or declined cannot be trusted item by
         // item: each task is asked alone.
@@ -416,7 +568,7 @@ impl LlmProcessor {
                     .iter()
                     .map(|(id, o)| (id.len() + o.to_string().len() + 16) as u64)
                     .collect();
-                let shares = apportion_batch_usage(&usage, own, shared, Some(&answers));
+                let shares = batch.shares(&usage, Some(&answers));
                 let costs = super::apportion_cost(&price, &shares);
                 let items = std::mem::take(&mut job.items);
                 for (((item, (_, output)), share), cost) in
@@ -442,21 +594,43 @@ impl LlmProcessor {
                 // share into its result.
                 tracing::warn!(batch = %batch.id, error = %e, "batch answer unusable; calling per task");
                 self.metrics().batch_fallbacks.inc();
-                let shares = apportion_batch_usage(&usage, own, shared, None);
-                let costs = super::apportion_cost(&price, &shares);
-                let mut again = Vec::with_capacity(job.items.len());
-                for ((mut item, share), cost) in job.items.into_iter().zip(shares).zip(costs) {
-                    item.extra = add_usage(item.extra, share);
-                    item.extra_cost_micros += cost;
-                    if self.reserve_spoiled(ctx, &item, share, cost)? {
-                        again.push(item);
-                    }
-                }
                 let model = job.model.clone();
+                let batch = Some(batch);
+                let again = self.carry_spoiled(ctx, job.items, &batch, &model, usage)?;
                 self.call_singly(ctx, again, model);
                 Ok(())
             }
         }
+    }
+
+    /// The usage of a call whose answer none of its tasks can use (a batch's
+    /// unsplittable answer, a withheld answer), billed to them: each task's
+    /// share (a batch's prompt by each item's own text, the rest evenly) and
+    /// its cost go with it into its result. Returns the tasks that go on (a
+    /// hard-quota tenant's task whose share no longer fits its quota gets
+    /// `quota_exceeded`).
+    fn carry_spoiled(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        items: Vec<Item>,
+        batch: &Option<BatchCall>,
+        model: &str,
+        usage: Usage,
+    ) -> Result<Vec<Item>, ProcessError> {
+        let shares = match batch {
+            Some(b) => b.shares(&usage, None),
+            None => vec![usage],
+        };
+        let costs = super::apportion_cost(&self.price(model), &shares);
+        let mut again = Vec::with_capacity(items.len());
+        for ((mut item, share), cost) in items.into_iter().zip(shares).zip(costs) {
+            item.extra = add_usage(item.extra, share);
+            item.extra_cost_micros += cost;
+            if self.reserve_spoiled(ctx, &item, share, cost)? {
+                again.push(item);
+            }
+        }
+        Ok(again)
     }
 
     /// The price of `model` (zero when it has none).
@@ -472,8 +646,9 @@ impl LlmProcessor {
     /// A task of a hard-quota tenant called again after its batch's answer
     /// was unusable: its reservation grows by its share of the spoiled call
     /// (billed with its result), or, when that no longer fits the quota, it
-    /// gets `quota_exceeded` (and the spoiled share is not billed to the
-    /// tenant). `false` when refused.
+    /// gets `quota_exceeded`, carrying the shares it was billed (spent
+    /// already, within the reservation of the call that spent them).
+    /// `false` when refused.
     fn reserve_spoiled(
         &mut self,
         ctx: &mut Ctx<'_>,
@@ -506,7 +681,8 @@ impl LlmProcessor {
                     Ok(true)
                 }
                 Err(exceeded) => {
-                    self.reject(ctx, &item.routed, &item.headers, exceeded.message)?;
+                    let billed = (item.extra, item.extra_cost_micros);
+                    self.reject(ctx, &item.routed, &item.headers, exceeded.message, billed)?;
                     Ok(false)
                 }
             }
@@ -557,7 +733,17 @@ impl LlmProcessor {
         health.clear(&format!("breaker:{model}"));
         health.clear(&format!("rate_limited:{model}"));
         health.clear(&trap::fault_name(model));
-        self.faulted.remove(model);
+        self.resume(ctx, model);
+    }
+
+    /// Restarts the jobs held for `model` or moved away from it (a job whose
+    /// model is still held is parked again); a hold needs a job here to probe
+    /// it, so the holds left without one go (a fault no task holds is
+    /// cleared).
+    fn resume(&mut self, ctx: &mut Ctx<'_>, model: &str) {
+        if let Some(hold) = self.held.get_mut(model) {
+            hold.not_before_ms = 0;
+        }
         let (resume, keep): (Vec<Job>, Vec<Job>) = std::mem::take(&mut self.parked)
             .into_iter()
             .partition(|j| j.model == model || j.items[0].routed.model == model);
@@ -566,12 +752,7 @@ impl LlmProcessor {
         for job in resume {
             self.start_call(ctx, job);
         }
-        // A hold needs a job here to probe it: with none left, this task's
-        // holds go (a fault no task holds is cleared).
-        if self.parked.is_empty() && !self.faulted.is_empty() {
-            self.step.0.health.release(ctx.task_id());
-            self.faulted.clear();
-        }
+        self.let_go_of_empty_holds(ctx);
     }
 
     /// Dead-letters every task of a job refused for good, with a failed
@@ -647,7 +828,8 @@ impl LlmProcessor {
             key: task.key.clone(),
             value: Some(value),
             timestamp: now_ms(),
-            headers: item.headers.clone(),
+            // What the provider billed so far goes with the attempt.
+            headers: super::with_billed(&item.headers, item.extra, item.extra_cost_micros),
         })?;
         self.metrics().republished.inc();
         // Redeliveries that waited on this attempt finish without a result of

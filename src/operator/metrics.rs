@@ -11,8 +11,12 @@ pub mod names {
     pub const DUPLICATES: &str = "sluice_duplicates_skipped_total";
     /// Tasks re-published for another attempt after transient failures.
     pub const REPUBLISHED: &str = "sluice_tasks_republished_total";
-    /// Tasks held while intake is stopped (bad credentials, open breaker).
+    /// Tasks parked for a held model (bad credentials, open breaker
+    /// without fallback, a long `Retry-After`, a trapped `400`).
     pub const PARKED: &str = "sluice_tasks_parked";
+    /// Tasks asked again with their template's larger cap after an answer
+    /// cut at the cap.
+    pub const TRUNCATION_RETRIES: &str = "sluice_truncation_retries_total";
     /// Tokens by model and kind (`input`, `output`, `cached`).
     pub const TOKENS: &str = "sluice_tokens_total";
     /// Cost by model, micro-dollars.
@@ -46,6 +50,7 @@ pub struct OperatorMetrics {
     pub(crate) id_conflicts: IntCounter,
     pub(crate) batch_calls_saved: IntCounter,
     pub(crate) batch_fallbacks: IntCounter,
+    pub(crate) truncation_retries: IntCounter,
     pub(crate) quota_rejections: IntCounter,
     pub(crate) reservations: IntGauge,
 }
@@ -68,7 +73,7 @@ impl OperatorMetrics {
                 names::REPUBLISHED,
                 "Tasks re-published after transient failures",
             )?,
-            parked: IntGauge::new(names::PARKED, "Tasks held while intake is stopped")?,
+            parked: IntGauge::new(names::PARKED, "Tasks parked for a held model")?,
             tokens: IntCounterVec::new(
                 Opts::new(names::TOKENS, "Tokens by model and kind"),
                 &["model", "kind"],
@@ -93,6 +98,10 @@ impl OperatorMetrics {
                 names::BATCH_FALLBACKS,
                 "Micro-batches answered by a call per task instead, or halved after their call failed",
             )?,
+            truncation_retries: IntCounter::new(
+                names::TRUNCATION_RETRIES,
+                "Tasks asked again with a larger cap after an answer cut at the cap",
+            )?,
             quota_rejections: IntCounter::new(
                 names::QUOTA_REJECTIONS,
                 "Tasks refused by a hard quota (quota_exceeded)",
@@ -111,6 +120,7 @@ impl OperatorMetrics {
         registry.register(Box::new(m.id_conflicts.clone()))?;
         registry.register(Box::new(m.batch_calls_saved.clone()))?;
         registry.register(Box::new(m.batch_fallbacks.clone()))?;
+        registry.register(Box::new(m.truncation_retries.clone()))?;
         registry.register(Box::new(m.quota_rejections.clone()))?;
         registry.register(Box::new(m.reservations.clone()))?;
         Ok(m)

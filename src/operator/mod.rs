@@ -12,8 +12,11 @@
 //! to a run of calls is a configuration fault, see [`trap`]); transient failure past the in-call retries → re-published
 //! with `attemptNumber + 1`, or dead-lettered as `exhausted` on the last
 //! attempt; configuration fault (401/403/unknown model), open breaker
-//! without fallback, long rate limit → the task is held, intake stops,
-//! readiness fails, and one held task probes the provider until it answers.
+//! without fallback, long rate limit → the fault holds that model only: its
+//! jobs are parked (their records in flight, so a partition's intake pauses
+//! only once they fill its in-flight budget), `/readyz` names the model, one
+//! parked job per model probes it until it answers, and the other models'
+//! tasks keep flowing.
 //!
 //! A micro-batch is one call with the batch prompt; its answer is split back
 //! per task and its usage apportioned exactly over them. An answer that cannot
@@ -30,6 +33,7 @@ mod call;
 pub mod health;
 pub mod metrics;
 mod output;
+mod policy;
 mod trap;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -45,8 +49,8 @@ use crate::accounting::{Accounting, Amount, QuotaGate, Reservations};
 use crate::config::Price;
 use crate::envelope::{DlqCategory, Route, TaskResult};
 use crate::llm::{ChatRequest, LlmClient, PromptBuilder, Usage};
-use crate::pipeline::{BatchItem, LlmInput, Routed, Work};
 use crate::trace::Tracer;
+use crate::work::{BatchItem, LlmInput, Routed, Work};
 pub use call::CallDone;
 pub use health::Health;
 pub use metrics::OperatorMetrics;
@@ -59,6 +63,55 @@ pub const HEADER_DUPLICATE: &str = "sluice.duplicate";
 /// already succeeded emits nothing (its result is out already), so
 /// replaying twice never adds a second result.
 pub const HEADER_REPLAY_OF: &str = "sluice.replay.of";
+/// Task header on a re-published attempt whose earlier calls the provider
+/// billed without an answer it could use (its shares of spoiled batches, a
+/// withheld answer): `<prompt>,<completion>,<cached>,<cost micros>`. The
+/// attempt carries them into its result; `sluice dlq replay` drops it (the
+/// dead letter's failed result billed them).
+pub const HEADER_BILLED: &str = "sluice.billed";
+
+/// What a task's earlier attempts were billed ([`HEADER_BILLED`]), if any.
+fn billed_before(headers: &Headers) -> (Usage, i64) {
+    let parsed = headers
+        .iter()
+        .rev()
+        .find(|(k, _)| k == HEADER_BILLED)
+        .and_then(|(_, v)| std::str::from_utf8(v).ok())
+        .and_then(|v| {
+            let mut n = v.split(',').map(|x| x.trim().parse::<u64>().ok());
+            let mut next = || n.next().flatten();
+            Some((
+                Usage {
+                    prompt_tokens: next()?,
+                    completion_tokens: next()?,
+                    cached_tokens: next()?,
+                },
+                i64::try_from(next()?).ok()?,
+            ))
+        });
+    parsed.unwrap_or_default()
+}
+
+/// `headers` with [`HEADER_BILLED`] set to what a task was billed so far.
+fn with_billed(headers: &Headers, usage: Usage, cost_micros: i64) -> Headers {
+    let mut out: Headers = headers
+        .iter()
+        .filter(|(k, _)| k != HEADER_BILLED)
+        .cloned()
+        .collect();
+    if usage != Usage::default() || cost_micros != 0 {
+        let v = format!(
+            "{},{},{},{}",
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            usage.cached_tokens,
+            cost_micros.max(0)
+        );
+        out.push((HEADER_BILLED.into(), v.into_bytes()));
+    }
+    out
+}
+
 /// W3C trace context headers of a task (a result carries a child span of
 /// its `traceparent`, see [`crate::trace`]).
 pub const TRACE_HEADERS: [&str; 2] = ["traceparent", "tracestate"];
@@ -93,7 +146,7 @@ pub struct LlmSettings {
     pub retry_backoff: (std::time::Duration, std::time::Duration),
     /// How long completed task ids are remembered, hours.
     pub idempotency_ttl_hours: u64,
-    /// While intake is held, how often one held task probes the provider, ms.
+    /// While a model is held, how often one of its parked jobs probes it, ms.
     pub probe_interval_ms: u64,
     /// Consecutive calls of a model refused with the same `400` that make it
     /// a configuration fault (see [`trap`]); 0 dead-letters every `400` at once.
@@ -170,9 +223,15 @@ impl LlmStep {
         &self.0.settings.name
     }
 
-    /// Its own stores: completed tasks (idempotency).
-    pub fn store_names(&self) -> [String; 1] {
-        [self.completed_store()]
+    /// Its own window store: task outcomes (idempotency), and how long it
+    /// keeps them.
+    pub fn idempotency_store(&self) -> (String, std::time::Duration) {
+        let w = self.idempotency_windows();
+        let kept = w.ttl_ms + w.segment_ms;
+        (
+            self.completed_store(),
+            std::time::Duration::from_millis(kept as u64),
+        )
     }
 
     /// The hard-quota gate, if any.
@@ -185,18 +244,63 @@ impl LlmStep {
         self.settings().accounting.as_ref()
     }
 
-    /// The idempotency store: `<task type>/<task id>` → stored result.
+    /// The idempotency store: `<task type>/<task id>` → stored result, in
+    /// windows of its writing time.
     pub fn completed_store(&self) -> String {
-        format!("{}-completed", self.name())
+        format!("{}-outcomes", self.name())
     }
 
     fn settings(&self) -> &LlmSettings {
         &self.0.settings
     }
 
-    /// The minute an idempotency entry written now expires in.
-    pub(crate) fn expiry_bucket(&self) -> i64 {
-        now_ms() / MINUTE_MS + self.settings().idempotency_ttl_hours as i64 * 60
+    fn idempotency_windows(&self) -> IdempotencyWindows {
+        IdempotencyWindows::new(self.settings().idempotency_ttl_hours as i64 * 60 * MINUTE_MS)
+    }
+}
+
+/// The idempotency store's windows: an outcome goes into the window of the
+/// time it is written (a seventh of the time to live, at least a minute),
+/// and a whole window is dropped (one range delete, nothing per entry) once
+/// its newest entry is older than the time to live. So the store holds at
+/// most the outcomes of the last `ttl + segment`, whatever the rate, and a
+/// look-up reads one key in each of at most nine windows, newest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct IdempotencyWindows {
+    ttl_ms: i64,
+    segment_ms: i64,
+}
+
+impl IdempotencyWindows {
+    pub(crate) fn new(ttl_ms: i64) -> Self {
+        let ttl_ms = ttl_ms.max(MINUTE_MS);
+        IdempotencyWindows {
+            ttl_ms,
+            segment_ms: (ttl_ms / 7).max(MINUTE_MS),
+        }
+    }
+
+    /// The window an outcome written at `now` goes into.
+    pub(crate) fn window_of(&self, now: i64) -> i64 {
+        now.div_euclid(self.segment_ms) * self.segment_ms
+    }
+
+    /// Windows starting before this hold only outcomes older than the time
+    /// to live: they are dropped.
+    pub(crate) fn expire_before(&self, now: i64) -> i64 {
+        self.window_of(now - self.ttl_ms)
+    }
+
+    /// The windows a look-up at `now` reads, newest first.
+    pub(crate) fn live(&self, now: i64) -> impl Iterator<Item = i64> {
+        let (newest, oldest, step) = (
+            self.window_of(now),
+            self.expire_before(now),
+            self.segment_ms,
+        );
+        (0..)
+            .map(move |i| newest - i * step)
+            .take_while(move |w| *w >= oldest)
     }
 }
 
@@ -208,8 +312,6 @@ pub struct StoredOutcome {
     pub result_json: Vec<u8>,
     /// Whether it went to the completed topic.
     pub success: bool,
-    /// When the entry expires: minutes since the epoch.
-    pub bucket: i64,
 }
 
 /// A `Vec<u8>` field as one byte string (a copy) instead of a sequence of
@@ -282,19 +384,17 @@ pub struct LlmProcessor {
     /// Jobs refused with a `400`, waiting for their model's run to decide
     /// (see [`trap`]).
     refused: Vec<call::Refused>,
-    /// Models this task raised a fault for; a success of one clears it.
-    faulted: HashSet<String>,
-    probing: bool,
-    last_probe_ms: i64,
-    /// No probe before this time (a provider's `Retry-After`).
-    probe_not_before_ms: i64,
+    /// Models this task holds jobs for (it raised or joined their faults),
+    /// each probed on its own.
+    held: HashMap<String, call::ModelHold>,
+    /// Jobs parked, as last counted in the shared gauge.
+    parked_counted: i64,
     /// The task this processor runs in (known from `init`).
     task: Option<sluice_topology::TaskId>,
     /// Token and cost series per model, resolved on first use.
     counters: HashMap<String, metrics::ModelCounters>,
-    /// Where the expiry sweep of the completed store goes on from.
-    sweep_cursor: Option<Vec<u8>>,
-    last_sweep_ms: i64,
+    /// The idempotency store's windows.
+    windows: IdempotencyWindows,
     /// Hard-quota reservations of the calls under way, per tenant.
     reservations: Reservations,
     /// The reservation of each task under way (by in-flight key).
@@ -310,18 +410,15 @@ impl LlmProcessor {
     pub fn new(step: LlmStep) -> Self {
         LlmProcessor {
             completed_store: step.completed_store(),
+            windows: step.idempotency_windows(),
             step,
             in_flight: Default::default(),
             parked: Vec::new(),
             refused: Vec::new(),
-            faulted: HashSet::new(),
-            probing: false,
-            last_probe_ms: 0,
-            probe_not_before_ms: 0,
+            held: HashMap::new(),
+            parked_counted: 0,
             task: None,
             counters: Default::default(),
-            sweep_cursor: None,
-            last_sweep_ms: 0,
             reservations: Reservations::default(),
             reserved: HashMap::new(),
         }
@@ -340,10 +437,7 @@ impl LlmProcessor {
         // without a call, a replayed dead letter of it nothing. A stored
         // failure is not final: a task that failed and comes back (or is
         // replayed) is a new attempt (its cause may be gone).
-        if let Some(stored) = ctx
-            .kv::<String, StoredOutcome>(&self.completed_store)?
-            .get(&key)?
-        {
+        if let Some(stored) = self.stored_outcome(ctx, &key)? {
             if stored.success {
                 match serde_json::from_slice::<TaskResult>(&stored.result_json) {
                     Ok(result) if result.tenant_id == item.task.task.tenant() => {
@@ -367,6 +461,9 @@ impl LlmProcessor {
             waiters.push((item.held, item.headers));
             return Ok(None);
         }
+        // What earlier attempts were billed without an answer: on this
+        // attempt's result, whatever it is.
+        let billed = billed_before(&item.headers);
         let request = match self.step.0.prompts.build_request(env) {
             Ok(r) => r,
             Err(e) => {
@@ -374,7 +471,7 @@ impl LlmProcessor {
                     category: DlqCategory::BadRequest,
                     message: e.to_string(),
                     attempts: 0,
-                    billed: (Usage::default(), 0),
+                    billed,
                 };
                 let model = item.task.model.clone();
                 self.fail(ctx, &item.task, &item.headers, &model, why)?;
@@ -386,7 +483,7 @@ impl LlmProcessor {
             let worst = self.worst_case(&item.task, &request);
             match gate.reserve(ctx, &mut self.reservations, &tenant, worst, now_ms())? {
                 Err(exceeded) => {
-                    self.reject(ctx, &item.task, &item.headers, exceeded.message)?;
+                    self.reject(ctx, &item.task, &item.headers, exceeded.message, billed)?;
                     return Ok(None);
                 }
                 Ok(true) => {
@@ -397,13 +494,14 @@ impl LlmProcessor {
             }
         }
         self.in_flight.insert(flight, Vec::new());
+        let (extra, extra_cost_micros) = billed;
         Ok(Some(Item {
             routed: item.task,
             headers: item.headers,
             held: item.held,
             request,
-            extra: Usage::default(),
-            extra_cost_micros: 0,
+            extra,
+            extra_cost_micros,
         }))
     }
 
@@ -433,16 +531,20 @@ impl LlmProcessor {
     }
 
     /// A task a hard quota refuses: a failed result `quota_exceeded` (no
-    /// call, no dead letter). Its record is current.
+    /// further call, no dead letter) carrying what its earlier calls were
+    /// billed (`billed`: usage and cost, spent already). Its record is
+    /// current.
     fn reject(
         &mut self,
         ctx: &mut Ctx<'_>,
         routed: &Routed,
         headers: &Headers,
         message: String,
+        (usage, cost_micros): (Usage, i64),
     ) -> Result<(), ProcessError> {
         self.metrics().quota_rejections.inc();
         let mut r = self.base_result(routed, &routed.model, false);
+        self.bill(&mut r, usage, cost_micros);
         r.error_code = Some(QUOTA_EXCEEDED.to_string());
         r.error_message = Some(message);
         self.emit_result(ctx, headers, r)
@@ -503,14 +605,15 @@ impl LlmProcessor {
             .map_err(|e| ProcessError::Fatal(format!("result encoding: {e}")))?;
         let key = idempotency_key(&result.task_type, &result.task_id);
         let success = result.success;
-        ctx.kv::<String, StoredOutcome>(&self.completed_store)?.put(
-            &key,
-            &StoredOutcome {
-                result_json: json,
-                success,
-                bucket: self.step.expiry_bucket(),
-            },
-        );
+        ctx.window::<String, StoredOutcome>(&self.completed_store)?
+            .put(
+                &key,
+                self.windows.window_of(now_ms()),
+                &StoredOutcome {
+                    result_json: json,
+                    success,
+                },
+            );
         self.metrics().result(success).inc();
         // Redeliveries that arrived while the call was under way get the same
         // result, without a call of their own.
@@ -569,28 +672,27 @@ impl LlmProcessor {
         m.cost.inc_by(r.cost_micros.max(0) as u64);
     }
 
-    /// Removes idempotency entries whose time is up, a page per tick: an
-    /// incremental sweep costs nothing per task and bounds the work per tick.
-    fn sweep(&mut self, ctx: &mut Ctx<'_>, now: i64) -> Result<(), ProcessError> {
-        const PAGE: usize = 1024;
-        if now - self.last_sweep_ms < 1_000 {
-            return Ok(());
-        }
-        self.last_sweep_ms = now;
-        let current = now / MINUTE_MS;
-        let mut completed = ctx.kv::<String, StoredOutcome>(&self.completed_store)?;
-        let page = completed.scan_after_bytes(self.sweep_cursor.as_deref(), PAGE)?;
-        if page.is_empty() {
-            self.sweep_cursor = None;
-            return Ok(());
-        }
-        for (_, task_id, outcome) in &page {
-            if outcome.bucket <= current {
-                completed.delete(task_id);
+    /// A task's latest outcome in the idempotency store (the newest window
+    /// holding one).
+    fn stored_outcome(
+        &self,
+        ctx: &mut Ctx<'_>,
+        key: &String,
+    ) -> Result<Option<StoredOutcome>, ProcessError> {
+        let store = ctx.window::<String, StoredOutcome>(&self.completed_store)?;
+        for window in self.windows.live(now_ms()) {
+            if let Some(found) = store.get(key, window)? {
+                return Ok(Some(found));
             }
         }
-        self.sweep_cursor = page.last().map(|(kb, _, _)| kb.clone());
-        Ok(())
+        Ok(None)
+    }
+
+    /// Drops the idempotency windows whose outcomes are all past their time
+    /// (a no-op until a window's time comes).
+    fn expire(&mut self, ctx: &mut Ctx<'_>, now: i64) -> Result<(), ProcessError> {
+        ctx.window::<String, StoredOutcome>(&self.completed_store)?
+            .expire_before(self.windows.expire_before(now))
     }
 }
 
@@ -603,6 +705,7 @@ impl Drop for LlmProcessor {
             self.step.0.health.release(task);
         }
         self.metrics().reservations.sub(self.reserved.len() as i64);
+        self.metrics().parked.sub(self.parked_counted);
     }
 }
 
@@ -613,7 +716,7 @@ impl<K: Data, V: LlmInput> Processor<K, V> for LlmProcessor {
 
     fn init(&mut self, ctx: &mut Ctx<'_>) -> Result<(), ProcessError> {
         self.task = Some(ctx.task_id());
-        Ok(())
+        self.expire(ctx, now_ms())
     }
 
     fn process(&mut self, record: Record<K, V>, ctx: &mut Ctx<'_>) -> Result<(), ProcessError> {
@@ -647,22 +750,9 @@ impl<K: Data, V: LlmInput> Processor<K, V> for LlmProcessor {
     }
 
     fn punctuate(&mut self, time: Punctuation, ctx: &mut Ctx<'_>) -> Result<(), ProcessError> {
-        // Probe a held provider with one held job.
-        let probe_every = self.step.settings().probe_interval_ms as i64;
-        if !self.parked.is_empty()
-            && !self.probing
-            && time.wall_clock_ms - self.last_probe_ms >= probe_every
-            && time.wall_clock_ms >= self.probe_not_before_ms
-        {
-            self.last_probe_ms = time.wall_clock_ms;
-            let mut job = self.parked.remove(0);
-            self.count_parked();
-            job.probe = true;
-            self.probing = true;
-            self.start_call(ctx, job);
-        }
+        self.probe_held(ctx, time.wall_clock_ms);
         self.decide_refused(ctx)?;
-        self.sweep(ctx, time.wall_clock_ms)
+        self.expire(ctx, time.wall_clock_ms)
     }
 }
 
@@ -800,30 +890,134 @@ mod tests {
     }
 
     #[test]
-    fn stored_outcomes_encode_as_before_and_round_trip() {
-        /// The encoding before `result_json` was a byte string.
+    fn stored_outcomes_encode_their_json_as_one_byte_string() {
+        /// The encoding of a plain byte vector.
         #[derive(Serialize)]
-        struct Before {
+        struct Plain {
             result_json: Vec<u8>,
             success: bool,
-            bucket: i64,
         }
         let json = br#"{"taskId":"t1","success":true}"#.to_vec();
         let now = StoredOutcome {
             result_json: json.clone(),
             success: true,
-            bucket: 29_000_000,
         };
         let bytes = sluice_topology::to_bincode(&now);
-        let before = Before {
+        let plain = Plain {
             result_json: json.clone(),
             success: true,
-            bucket: 29_000_000,
         };
-        assert_eq!(bytes, sluice_topology::to_bincode(&before));
+        assert_eq!(bytes, sluice_topology::to_bincode(&plain));
         let back: StoredOutcome = sluice_topology::from_bincode(&bytes).unwrap();
         assert_eq!(back.result_json, json);
         assert!(back.success);
-        assert_eq!(back.bucket, 29_000_000);
+    }
+
+    #[test]
+    fn idempotency_windows_keep_an_outcome_its_time_to_live_and_at_most_a_segment_more() {
+        const DAY: i64 = 24 * 60 * MINUTE_MS;
+        let w = IdempotencyWindows::new(7 * DAY);
+        assert_eq!(w.segment_ms, DAY);
+        let written = 100 * DAY + 12_345_678;
+        let window = w.window_of(written);
+        for later in [0, DAY, 7 * DAY - 1, 7 * DAY] {
+            let now = written + later;
+            assert!(w.expire_before(now) <= window, "dropped {later} ms later");
+            assert!(
+                w.live(now).any(|x| x == window),
+                "not read {later} ms later"
+            );
+        }
+        // Gone once its whole window is older than the time to live.
+        let now = window + 8 * DAY;
+        assert!(w.expire_before(now) > window);
+        assert!(w.live(now).all(|x| x != window));
+        // A look-up reads at most nine windows, newest first.
+        let live: Vec<i64> = w.live(written).collect();
+        assert!(
+            live.len() <= 9 && live.windows(2).all(|p| p[0] - p[1] == DAY),
+            "{live:?}"
+        );
+        // A short time to live: windows of a minute.
+        assert_eq!(IdempotencyWindows::new(1).segment_ms, MINUTE_MS);
+    }
+
+    /// A million outcomes written over two weeks at a steady rate: the
+    /// store holds only the windows still live (dropped whole, a range
+    /// delete each, whatever the rate), every outcome younger than the time
+    /// to live is found, and none older than it plus a segment.
+    #[test]
+    fn a_million_outcomes_stay_bounded_by_their_windows() {
+        use sluice_state::{RocksEnv, StoreKind, StoreSpec, TaskState};
+        use sluice_topology::to_bincode;
+        const DAY: i64 = 24 * 60 * MINUTE_MS;
+        let w = IdempotencyWindows::new(7 * DAY);
+        let dir = tempfile::tempdir().unwrap();
+        let spec = StoreSpec {
+            name: "outcomes".into(),
+            kind: StoreKind::Window {
+                retention_ms: 8 * DAY,
+            },
+            // Not restored from a changelog on reopening: what RocksDB kept.
+            changelogged: false,
+            cached: false,
+        };
+        let env = RocksEnv::new(Default::default());
+        let mut st = TaskState::open(dir.path(), std::slice::from_ref(&spec), &env).unwrap();
+        let id = st.store_id("outcomes").unwrap();
+        let value = to_bincode(&StoredOutcome {
+            result_json: b"{}".to_vec(),
+            success: true,
+        });
+        let key = |minute: i64, j: i64| to_bincode(&format!("summarize/task-{minute}-{j}"));
+        let (minutes, per_minute) = (14 * 24 * 60, 50);
+        let start = 1_000 * DAY;
+        for m in 0..minutes {
+            let now = start + m * MINUTE_MS;
+            for j in 0..per_minute {
+                st.window_put(id, &key(m, j), w.window_of(now), &value);
+            }
+            if m % 10 == 9 {
+                st.expire_windows(id, w.expire_before(now)).unwrap();
+                st.flush_changelog();
+                st.commit_local(&HashMap::new()).unwrap();
+            }
+        }
+        assert_eq!(minutes * per_minute, 1_008_000);
+        let now = start + (minutes - 1) * MINUTE_MS;
+        drop(st);
+        // Reopened: what RocksDB itself holds.
+        let st = TaskState::open(dir.path(), &[spec], &env).unwrap();
+        let oldest = w.expire_before(now);
+        assert!(st.window_range(id, i64::MIN, oldest).unwrap().is_empty());
+        let held: usize = w
+            .live(now)
+            .map(|x| st.window_range(id, x, x + w.segment_ms).unwrap().len())
+            .sum();
+        let expected = (0..minutes)
+            .filter(|m| w.window_of(start + m * MINUTE_MS) >= oldest)
+            .count() as i64
+            * per_minute;
+        assert_eq!(held as i64, expected);
+        assert!(held as i64 <= 8 * 24 * 60 * per_minute, "{held}");
+        // Look-ups as the operator makes them: newest window first.
+        let find = |m: i64| {
+            w.live(now)
+                .find(|x| st.window_get(id, &key(m, 7), *x).unwrap().is_some())
+                .is_some()
+        };
+        let age = |m: i64| now - (start + m * MINUTE_MS);
+        let young = (0..minutes).rev().take_while(|m| age(*m) < 7 * DAY);
+        assert!(young.clone().count() > 9_000);
+        assert!(
+            young.step_by(97).all(find),
+            "an outcome younger than the TTL lost"
+        );
+        let old = (0..minutes).filter(|m| age(*m) >= 8 * DAY);
+        assert!(old.clone().count() > 8_000);
+        assert!(
+            !old.step_by(97).any(find),
+            "an outcome past TTL + segment kept"
+        );
     }
 }

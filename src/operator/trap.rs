@@ -10,12 +10,19 @@
 //!   another message): the waiting task's `400` was its own, and it is
 //!   dead-lettered.
 //! * The run reaches `after` calls with the same message: the model is
-//!   trapped. Its jobs are held like those of a rejected key (intake held,
-//!   `/readyz` failing with the provider's message, a probe now and then),
-//!   and calls of it stop until a probe is answered.
+//!   trapped. Its jobs are held like those of a rejected key (parked,
+//!   `/readyz` naming the model with the provider's message, a probe now and
+//!   then), and calls of it stop until a probe is answered.
 //! * Nothing decides within the wait (a lone task with nothing else calling
 //!   the model): the task is dead-lettered, and the run still counts, so
 //!   a trickle of identical refusals is trapped all the same.
+//!
+//! * A task refused again with its run's message after the model was held
+//!   (a probe, or a resumed job) does not count: the probes go to tasks not
+//!   refused yet, so a second task refused alike confirms the fault and an
+//!   answer ends it; then a task that is refused again while its model
+//!   answers others is dead-lettered, instead of its refusal trapping the
+//!   model again (a few bad tasks in a row would hold it for good).
 //!
 //! The runs are shared by every task of an instance, like the client's
 //! breakers, since a model's calls come from every task.
@@ -82,6 +89,19 @@ impl BadRequestRuns {
         }
         run.count = run.count.saturating_add(1);
         (run.epoch, run.count >= self.after)
+    }
+
+    /// The epoch of `model`'s current run.
+    pub(crate) fn epoch(&self, model: &str) -> u64 {
+        self.runs.lock().get(model).map_or(0, |r| r.epoch)
+    }
+
+    /// Whether `message` is the refusal of `model`'s current (or last) run.
+    pub(crate) fn is_run_of(&self, model: &str, message: &str) -> bool {
+        self.runs
+            .lock()
+            .get(model)
+            .is_some_and(|r| r.message == message)
     }
 
     /// A call of `model` was answered (or refused otherwise): its run ends.

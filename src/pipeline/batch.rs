@@ -27,11 +27,11 @@ use std::time::Duration;
 
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts, Registry};
 use serde::{Deserialize, Serialize};
-use sluice_topology::{Headers, InFlight, ProcessError, Processor, ProcessorContext, Record};
+use sluice_topology::{ProcessError, Processor, ProcessorContext, Record};
 
-use super::Routed;
 use crate::envelope::Priority;
 use crate::llm::PromptBuilder;
+use crate::work::{Batch, BatchItem, Routed};
 
 /// `[batching]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -69,10 +69,10 @@ impl Default for BatchingConfig {
     }
 }
 
-/// Estimated prompt tokens of a task's content (about four characters per
-/// token); also the weight of its share of a batch's usage.
+/// Estimated prompt tokens of a task's content, one for its item line: what
+/// it adds to a window's `max_tokens`.
 pub fn estimated_tokens(task: &Routed) -> u64 {
-    (task.task.envelope.payload.content.len() as u64).div_ceil(4) + 1
+    crate::llm::wire::estimate_tokens(task.task.envelope.payload.content.len()) + 1
 }
 
 /// The micro-batching metrics.
@@ -169,26 +169,6 @@ impl Batching {
         self.isolated = Some(isolated);
         self
     }
-}
-
-/// Tasks that share one provider call (or a task alone).
-#[derive(Clone)]
-pub struct Batch {
-    /// The batch's id, recorded in its results (`None` for a task alone).
-    pub id: Option<String>,
-    /// Its tasks, in arrival order.
-    pub items: Vec<BatchItem>,
-}
-
-/// A task in a batch, holding its input record in flight.
-#[derive(Clone)]
-pub struct BatchItem {
-    /// The task.
-    pub task: Routed,
-    /// Its record's headers (trace context).
-    pub headers: Headers,
-    /// Its input record, finished when the last clone is dropped.
-    pub held: InFlight,
 }
 
 /// One open window.

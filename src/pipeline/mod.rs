@@ -30,10 +30,11 @@ mod source;
 use sluice_topology::{Data, KStream, StreamBuilder, Topology, TopologyError};
 
 use crate::accounting::{AccountStreamExt, Accounting};
-use crate::envelope::{Route, TaskEnvelope, TaskResult};
+use crate::envelope::TaskResult;
 use crate::operator::{LlmProcessor, LlmStep};
 use crate::route::RouteStep;
-pub use batch::{Batch, BatchItem, BatchMetrics, Batching, BatchingConfig, MicroBatcher};
+pub use crate::work::{Batch, BatchItem, LlmInput, RawKey, Routed, Task, Work};
+pub use batch::{BatchMetrics, Batching, BatchingConfig, MicroBatcher};
 pub use delay::RetryWait;
 pub use results::{ResultsSink, ResultsWriter};
 pub use source::{tasks, TaskSource, TaskTopic};
@@ -45,41 +46,6 @@ pub mod prelude {
     };
     pub use crate::accounting::AccountStreamExt;
     pub use sluice_topology::{KStream, Record, StreamBuilder};
-}
-
-/// Kafka key of a task record (its tenant id), as read.
-pub type RawKey = Option<Vec<u8>>;
-
-/// A decoded, validated task, with what re-publishing it needs.
-#[derive(Clone, Debug)]
-pub struct Task {
-    /// The envelope (`tenantId` filled in).
-    pub envelope: TaskEnvelope,
-    /// The topic it was read from (re-published there with the next attempt).
-    pub topic: String,
-    /// Its Kafka key as read (a re-published task keeps it).
-    pub key: RawKey,
-    /// When it was read, ms since the epoch (results report processing time
-    /// from here).
-    pub received_ms: i64,
-}
-
-impl Task {
-    /// The tenant the task is accounted to.
-    pub fn tenant(&self) -> &str {
-        self.envelope.tenant().unwrap_or_default()
-    }
-}
-
-/// A task with the model that answers it.
-#[derive(Clone, Debug)]
-pub struct Routed {
-    /// The task.
-    pub task: Task,
-    /// The model to call.
-    pub model: String,
-    /// Tier and reason, recorded in the result.
-    pub route: Route,
 }
 
 /// `route` on a stream of tasks.
@@ -139,10 +105,13 @@ fn invoke<K: Data, V: LlmInput>(
     stream: &KStream<K, V>,
     llm: &LlmStep,
 ) -> KStream<String, TaskResult> {
-    let mut stores = llm.store_names().to_vec();
-    for s in &stores {
-        stream.builder().add_kv_store(s, true);
-    }
+    // Outcomes are read again only for redeliveries: not kept in the
+    // record cache the accounts' windows use.
+    let (outcomes, kept) = llm.idempotency_store();
+    stream
+        .builder()
+        .add_window_store_with(&outcomes, kept, false);
+    let mut stores = vec![outcomes];
     // Hard quotas read the tenant windows the accountant keeps; recovered
     // results are added to them.
     if let Some(accounting) = llm.accounting() {
@@ -151,34 +120,6 @@ fn invoke<K: Data, V: LlmInput>(
     let refs: Vec<&str> = stores.iter().map(String::as_str).collect();
     let step = llm.clone();
     stream.process(llm.name(), &refs, move || LlmProcessor::new(step.clone()))
-}
-
-/// What `invoke_llm` accepts: a routed task, or a micro-batch of them.
-pub trait LlmInput: Data {
-    /// The tasks, one or several.
-    fn into_work(self) -> Work;
-}
-
-/// The tasks of one `invoke_llm` input record (taken apart at once, never
-/// stored, so the variants' sizes do not matter).
-#[allow(clippy::large_enum_variant)]
-pub enum Work {
-    /// One task: the current record.
-    One(Routed),
-    /// A batch: each item holds its own input record.
-    Batch(Batch),
-}
-
-impl LlmInput for Routed {
-    fn into_work(self) -> Work {
-        Work::One(self)
-    }
-}
-
-impl LlmInput for Batch {
-    fn into_work(self) -> Work {
-        Work::Batch(self)
-    }
 }
 
 /// `to_results` on a stream of results.

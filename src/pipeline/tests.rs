@@ -1,7 +1,7 @@
 //! The default pipeline in the in-process `TopologyTestDriver`, against the
 //! simulated provider over a real socket.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use prometheus::Registry;
@@ -260,6 +260,68 @@ fn next_quota_window() {
     std::thread::sleep(Duration::from_millis(wait as u64));
 }
 
+/// A hard-quota tenant's batches all come back unsplittable: each task
+/// carries its share of the spoiled call, and its reservation grows by it
+/// before its own call, or it is refused. Refused or answered, every token
+/// the provider billed is on a result (before, a refused task's share was
+/// dropped), and the tenant is never billed past its quota.
+#[test]
+fn spoiled_shares_of_a_hard_quota_tenant_land_on_its_results() {
+    // Room for the twenty tasks' reservations (62 tokens each at most),
+    // not for their spoiled shares on top.
+    let quota = 20 * 62 + 20u64;
+    let sim = SimConfig {
+        batch_malformed_rate: 1.0,
+        ..Default::default()
+    };
+    let mut s = setup_full(
+        &format!(
+            r#"
+[batching]
+max_items = 10
+
+[[accounting.windows]]
+name = "q"
+size_ms = {QUOTA_WINDOW_MS}
+retention_ms = 60000
+
+[accounting.quotas.tenants.capped]
+window = "q"
+tokens = {quota}
+"#
+        ),
+        "",
+        sim,
+        None,
+    );
+    next_quota_window();
+    for i in 0..20 {
+        s.driver
+            .pipe_raw(
+                "ai.tasks.classify",
+                Some(b"capped"),
+                Some(&tenant_task(i, "capped")),
+                0,
+            )
+            .unwrap();
+    }
+    assert_eq!(s.driver.wait_for_async(Duration::from_secs(20)).unwrap(), 0);
+    let done = results(s.driver.read_output("ai.results.completed"));
+    let failed = results(s.driver.read_output("ai.results.failed"));
+    assert_eq!(done.len() + failed.len(), 20, "one result per task");
+    let tokens = |r: &TaskResult| r.input_tokens + r.output_tokens;
+    let billed: u64 = done.values().chain(failed.values()).map(tokens).sum();
+    let stats = s.sim.stats();
+    assert!(stats.injected.batch_malformed > 0);
+    assert_eq!(billed, stats.prompt_tokens + stats.completion_tokens);
+    assert!(billed <= quota, "billed {billed} over a quota of {quota}");
+    let refused_with_shares = failed
+        .values()
+        .filter(|r| r.error_code.as_deref() == Some("quota_exceeded") && tokens(r) > 0)
+        .count();
+    assert!(refused_with_shares > 0, "{failed:?}");
+}
+
 #[test]
 fn a_hard_token_quota_is_never_passed_in_a_burst_and_resets_with_its_window() {
     let quota = 2_000u64;
@@ -510,11 +572,9 @@ fn real_servers_answers_become_the_right_results_and_are_billed() {
     let done = results(s.driver.read_output("ai.results.completed"));
     let failed = results(s.driver.read_output("ai.results.failed"));
     assert_eq!(done.len() + failed.len(), tasks.len(), "one result each");
-    assert_eq!(
-        calls.load(std::sync::atomic::Ordering::SeqCst),
-        6,
-        "no retries"
-    );
+    // The cut answer is asked once more with the template's larger cap
+    // (still cut: truncated); nothing else is retried.
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 7);
     assert!(s.driver.read_output("ai.tasks.classify.dlq").is_empty());
     for (id, label) in [("ok", "news"), ("reasoner", "sports"), ("nousage", "news")] {
         let r = &done[id];
@@ -523,18 +583,18 @@ fn real_servers_answers_become_the_right_results_and_are_billed() {
     }
     assert!(done["nousage"].input_tokens > 0 && done["nousage"].output_tokens > 0);
     assert!(done["nousage"].cost_micros > 0, "estimated usage is billed");
-    for (id, code) in [
-        ("cut", "truncated"),
-        ("decline", "refused"),
-        ("weather", "invalid_output"),
+    for (id, code, calls) in [
+        ("cut", "truncated", 2),
+        ("decline", "refused", 1),
+        ("weather", "invalid_output", 1),
     ] {
         let r = &failed[id];
         assert!(!r.success);
         assert_eq!(r.error_code.as_deref(), Some(code), "{id}");
         assert_eq!(
             (r.input_tokens, r.output_tokens),
-            (100, 10),
-            "{id} is billed"
+            (100 * calls, 10 * calls),
+            "{id} is billed for its calls"
         );
         assert!(r.cost_micros > 0);
     }
@@ -663,6 +723,299 @@ fn a_failed_batch_is_halved_until_answered_without_republishing() {
         "the halves answered every task once: {sizes:?}"
     );
     assert!(sizes.contains(&16) && sizes.contains(&8));
+}
+
+/// A 32-item summary batch against a model writing 3 ms per output token
+/// (the simulator's `ms_per_output_token`; 4-5 s for the batch's answer)
+/// with a 1 s call timeout: the batch's call gets the time its expected
+/// output needs, and is answered at once. Before, it timed out and was
+/// halved down to batches small enough to answer within the second.
+#[test]
+fn a_long_batch_answer_gets_the_time_its_output_needs() {
+    let sim = SimConfig {
+        ms_per_output_token: 3.0,
+        ..Default::default()
+    };
+    let mut s = setup_full(
+        "[batching]\nmax_items = 32\nwindow_ms = 10000\n",
+        "timeout_ms = 1000\nms_per_output_token = 3\nmax_output_tokens = 20000",
+        sim,
+        None,
+    );
+    let words: Vec<String> = (0..40).map(|w| format!("word{w}")).collect();
+    for i in 0..32 {
+        let task = serde_json::json!({
+            "taskId": format!("s{i}"),
+            "taskType": "summarize",
+            "tenantId": "acme",
+            "requesterId": "svc",
+            "priority": "normal",
+            "submittedAt": "2026-12-01T10:00:00Z",
+            "attemptNumber": 1,
+            "payload": { "content": format!("Report {i}: {}", words.join(" ")), "maxWords": 30 },
+        });
+        s.driver
+            .pipe_raw(
+                "ai.tasks.summarize",
+                Some(b"acme"),
+                Some(&serde_json::to_vec(&task).unwrap()),
+                0,
+            )
+            .unwrap();
+    }
+    assert_eq!(s.driver.wait_for_async(Duration::from_secs(60)).unwrap(), 0);
+    let done = results(s.driver.read_output("ai.results.completed"));
+    assert_eq!(done.len(), 32);
+    let batches: HashSet<_> = done.values().map(|r| r.batch_id.clone()).collect();
+    assert!(
+        done.values().all(|r| r.success && r.attempts == 1),
+        "{done:?}"
+    );
+    assert_eq!(batches.len(), 1, "{batches:?}");
+    let stats = s.sim.stats();
+    assert_eq!(
+        stats.requests_total, 1,
+        "one call, not timed out: {stats:?}"
+    );
+}
+
+/// A provider refusing every task whose text holds `BAD` with the same 400,
+/// at once, and answering the others after 300 ms.
+fn bad_tasks_provider(rt: &tokio::runtime::Runtime) -> String {
+    let app = axum::routing::post(
+        |axum::Json(req): axum::Json<serde_json::Value>| async move {
+            if user_text(&req).contains("BAD") {
+                return axum::response::IntoResponse::into_response((
+                    axum::http::StatusCode::BAD_REQUEST,
+                    axum::Json(serde_json::json!({ "error": {
+                    "message": "Unsupported input.", "type": "invalid_request_error" } })),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            axum::response::IntoResponse::into_response(axum::Json(serde_json::json!({
+                "id": "chatcmpl-fixture", "object": "chat.completion", "created": 0, "model": "small",
+                "choices": [{ "index": 0, "finish_reason": "stop",
+                              "message": { "role": "assistant", "content": "news" } }],
+                "usage": { "prompt_tokens": 20, "completion_tokens": 1, "total_tokens": 21 }
+            })))
+        },
+    );
+    serve(rt, app)
+}
+
+/// Four bad tasks in a row trap the model (three alike make a fault), and
+/// the good tasks after them are held. A probe of a good task is answered:
+/// the bad tasks, refused again while the model answers others, are
+/// dead-lettered, once each. Before, each recovery called them again, their
+/// refusals trapped the model again, and they were never settled.
+#[test]
+fn a_few_bad_tasks_in_a_row_never_hold_their_model_for_good() {
+    let mut s = setup_with(
+        "[batching]\nenabled = false\n[tasks]\nbad_request_trap_after = 3\n\
+         bad_request_wait_ms = 600000\nprobe_interval_ms = 10\n",
+        Some(&bad_tasks_provider),
+    );
+    let pipe = |s: &mut Setup, id: String, content: &str| {
+        let task = serde_json::json!({
+            "taskId": id, "taskType": "classify", "tenantId": "acme", "requesterId": "svc",
+            "priority": "normal", "submittedAt": "2026-12-01T10:00:00Z", "attemptNumber": 1,
+            "payload": { "content": content, "labels": ["news", "sports"] },
+        });
+        let bytes = serde_json::to_vec(&task).unwrap();
+        s.driver
+            .pipe_raw("ai.tasks.classify", Some(b"acme"), Some(&bytes), 0)
+            .unwrap();
+    };
+    for i in 0..4 {
+        pipe(&mut s, format!("bad{i}"), "BAD input");
+    }
+    s.driver.wait_for_async(Duration::from_secs(10)).unwrap();
+    for i in 0..6 {
+        pipe(
+            &mut s,
+            format!("good{i}"),
+            &format!("Item {i}: markets rallied."),
+        );
+    }
+    let (mut done, mut failed) = (Vec::new(), Vec::new());
+    let mut now = chrono::Utc::now().timestamp_millis();
+    for _ in 0..40 {
+        now += 1_000;
+        s.driver.punctuate(now).unwrap();
+        s.driver.wait_for_async(Duration::from_secs(10)).unwrap();
+        done.extend(s.driver.read_output("ai.results.completed"));
+        failed.extend(s.driver.read_output("ai.results.failed"));
+        if done.len() + failed.len() >= 10 {
+            break;
+        }
+    }
+    let (done, failed) = (results(done), results(failed));
+    assert_eq!(done.len(), 6, "good tasks answered: {:?}", done.keys());
+    assert!(done.keys().all(|k| k.starts_with("good")));
+    let mut bad: Vec<_> = failed.keys().cloned().collect();
+    bad.sort();
+    assert_eq!(bad, ["bad0", "bad1", "bad2", "bad3"], "bad tasks settled");
+    assert!(failed
+        .values()
+        .all(|r| r.error_code.as_deref() == Some("bad_request")));
+    assert_eq!(s.driver.read_output("ai.tasks.classify.dlq").len(), 4);
+}
+
+/// An answer withheld by the provider's content filter (200, `content:
+/// null`, `finish_reason: content_filter`) is billed: the task's failed
+/// result carries the usage (before, the tokens were dropped), alone and
+/// as its share of a batch's.
+#[test]
+fn a_withheld_answer_is_billed_to_its_task() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    for batched in [false, true] {
+        let calls = std::sync::Arc::new(AtomicU64::new(0));
+        let counted = calls.clone();
+        let filtered = move |rt: &tokio::runtime::Runtime| {
+            let counted = counted.clone();
+            serve(
+                rt,
+                axum::routing::post(move || async move {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    axum::Json(serde_json::json!({
+                        "id": "chatcmpl-fixture", "object": "chat.completion", "created": 0,
+                        "model": "small",
+                        "choices": [{ "index": 0, "finish_reason": "content_filter",
+                                      "message": { "role": "assistant", "content": null } }],
+                        "usage": { "prompt_tokens": 400, "completion_tokens": 0,
+                                   "total_tokens": 400 }
+                    }))
+                }),
+            )
+        };
+        let extra = if batched {
+            ""
+        } else {
+            "[batching]\nenabled = false\n"
+        };
+        let mut s = setup_with(extra, Some(&filtered));
+        classify_all(&mut s, 4, 20);
+        let failed = results(s.driver.read_output("ai.results.failed"));
+        assert_eq!(failed.len(), 4, "batched {batched}");
+        assert_eq!(s.driver.read_output("ai.tasks.classify.dlq").len(), 4);
+        for r in failed.values() {
+            assert_eq!(r.error_code.as_deref(), Some("content_policy"), "{r:?}");
+            assert!(r.input_tokens > 0 && r.cost_micros > 0, "{r:?}");
+        }
+        // Every call's 400 tokens, a batch's call's too, are on the results.
+        let billed: u64 = failed.values().map(|r| r.input_tokens).sum();
+        let calls = calls.load(Ordering::SeqCst);
+        assert_eq!(billed, 400 * calls, "batched {batched}");
+        assert_eq!(calls > 4, batched, "a batch's call, then one per task");
+    }
+}
+
+/// A batch's answer cannot be split (each task carries its share of the
+/// call's 1,000 prompt tokens); each task's own call then fails with a 503
+/// and the task is re-published; its next attempt is answered. The shares
+/// go with the re-published attempts (header `sluice.billed`) into their
+/// results: the results bill every token the provider billed. Before, the
+/// shares were dropped at the re-publish.
+#[test]
+fn a_spoiled_batchs_shares_go_with_re_published_attempts() {
+    let seen = std::sync::Arc::new(parking_lot::Mutex::new(HashSet::new()));
+    let calls = seen.clone();
+    let provider = move |rt: &tokio::runtime::Runtime| {
+        let seen = seen.clone();
+        serve(
+            rt,
+            axum::routing::post(move |axum::Json(req): axum::Json<serde_json::Value>| {
+                let user = user_text(&req);
+                let batch = user.contains("### item");
+                let first = seen.lock().insert(user);
+                async move {
+                    let (content, prompt) = match (batch, first) {
+                        (true, _) => ("not the items' JSON", 1000),
+                        (false, true) => {
+                            return axum::response::IntoResponse::into_response((
+                                axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                                "overloaded",
+                            ))
+                        }
+                        (false, false) => ("news", 10),
+                    };
+                    axum::response::IntoResponse::into_response(axum::Json(serde_json::json!({
+                        "id": "chatcmpl-fixture", "object": "chat.completion", "created": 0,
+                        "model": "small",
+                        "choices": [{ "index": 0, "finish_reason": "stop",
+                                      "message": { "role": "assistant", "content": content } }],
+                        "usage": { "prompt_tokens": prompt, "completion_tokens": 1,
+                                   "total_tokens": prompt + 1 }
+                    })))
+                }
+            }),
+        )
+    };
+    let mut s = setup_with(
+        "[llm.retry]\nmax_attempts = 1\n[tasks]\nretry_backoff_ms = 10\nretry_backoff_max_ms = 10\n",
+        Some(&provider),
+    );
+    classify_all(&mut s, 4, 30);
+    let done = results(s.driver.read_output("ai.results.completed"));
+    assert_eq!(done.len(), 4);
+    assert!(
+        done.values().all(|r| r.success && r.attempts == 2),
+        "{done:?}"
+    );
+    let prompt: u64 = done.values().map(|r| r.input_tokens).sum();
+    let completion: u64 = done.values().map(|r| r.output_tokens).sum();
+    let batches = calls
+        .lock()
+        .iter()
+        .filter(|u| u.contains("### item"))
+        .count() as u64;
+    assert!(batches >= 1);
+    assert_eq!(
+        (prompt, completion),
+        (batches * 1000 + 4 * 10, batches + 4),
+        "{done:?}"
+    );
+}
+
+/// Batch answers as models give them: items in another order (each still
+/// its own task's answer), or an item given twice (the batch cannot be
+/// trusted: each task is asked alone). Every task gets its own summary,
+/// once.
+#[test]
+fn reordered_or_duplicated_batch_items_still_give_each_task_its_answer() {
+    for (reorder, malformed) in [(1.0, 0.0), (0.0, 1.0)] {
+        let sim = SimConfig {
+            batch_reorder_rate: reorder,
+            batch_malformed_rate: malformed,
+            ..Default::default()
+        };
+        let mut s = setup_full("[batching]\nmax_items = 8\n", "", sim, None);
+        for i in 0..16 {
+            let task = serde_json::json!({
+                "taskId": format!("s{i}"), "taskType": "summarize", "tenantId": "acme",
+                "requesterId": "svc", "priority": "normal",
+                "submittedAt": "2026-12-01T10:00:00Z", "attemptNumber": 1,
+                "payload": { "content": format!("Report{i} says markets rallied"), "maxWords": 3 },
+            });
+            let bytes = serde_json::to_vec(&task).unwrap();
+            s.driver
+                .pipe_raw("ai.tasks.summarize", Some(b"acme"), Some(&bytes), 0)
+                .unwrap();
+        }
+        assert_eq!(s.driver.wait_for_async(Duration::from_secs(30)).unwrap(), 0);
+        let done = results(s.driver.read_output("ai.results.completed"));
+        assert_eq!(done.len(), 16, "reorder {reorder} malformed {malformed}");
+        for (id, r) in &done {
+            let own = format!("Report{}", &id[1..]);
+            let out = r.output.as_str().unwrap_or_default();
+            assert!(out.starts_with(&own), "{id}: {out:?}");
+        }
+        let stats = s.sim.stats();
+        assert!(stats.batch_requests >= 2, "{stats:?}");
+        if malformed > 0.0 {
+            assert_eq!(stats.injected.batch_malformed, stats.batch_requests);
+        }
+    }
 }
 
 /// A batch's summed completion caps stay within its model's output limit:

@@ -105,9 +105,13 @@ pub struct SimConfig {
     pub content_policy_marker: Option<String>,
 
     /// Fraction (0..=1) of micro-batch requests whose answer cannot be split (an item
-    /// dropped, a wrong id, or text that is not JSON). The choice hashes the request, so the
-    /// same batch always gets the same answer.
+    /// dropped, an item given twice, text that is not JSON, or JSON cut short). The choice
+    /// hashes the request, so the same batch always gets the same answer.
     pub batch_malformed_rate: f64,
+
+    /// Fraction (0..=1) of well-formed micro-batch answers that list their items in
+    /// another order than asked (as models do): each still under its own id.
+    pub batch_reorder_rate: f64,
 
     /// Prompts longer than this many tokens are rejected with 400 `context_length_exceeded`.
     pub context_length: Option<u32>,
@@ -185,6 +189,7 @@ impl Default for SimConfig {
             content_policy_rate: 0.0,
             content_policy_marker: None,
             batch_malformed_rate: 0.0,
+            batch_reorder_rate: 0.0,
             context_length: None,
             prompt_cache_entries: 10_000,
             api_key_header: None,
@@ -363,6 +368,7 @@ impl SimConfig {
         fraction("malformed_rate", self.malformed_rate)?;
         fraction("content_policy_rate", self.content_policy_rate)?;
         fraction("batch_malformed_rate", self.batch_malformed_rate)?;
+        fraction("batch_reorder_rate", self.batch_reorder_rate)?;
         if self.hang_ms > MAX_DELAY_MS {
             return Err(ConfigError::Invalid(format!(
                 "hang_ms: at most {MAX_DELAY_MS}"

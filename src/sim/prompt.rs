@@ -305,11 +305,22 @@ pub(crate) fn batch_answer(kind: &TaskKind, items: &[BatchItem]) -> String {
     json!({ "items": items }).to_string()
 }
 
+/// A well-formed answer to a micro-batch listing its items last to first.
+pub(crate) fn reordered_batch_answer(kind: &TaskKind, items: &[BatchItem]) -> String {
+    let reversed: Vec<BatchItem> = items.iter().rev().cloned().collect();
+    batch_answer(kind, &reversed)
+}
+
 /// An answer to a micro-batch that a client cannot split, chosen by `hash`: an item dropped,
-/// text that is not JSON, or JSON cut short.
+/// an item given twice, text that is not JSON, or JSON cut short.
 pub(crate) fn malformed_batch_answer(kind: &TaskKind, items: &[BatchItem], hash: u64) -> String {
-    match hash % 3 {
+    match hash % 4 {
         0 if !items.is_empty() => batch_answer(kind, &items[..items.len() - 1]),
+        3 if !items.is_empty() => {
+            let mut twice = items.to_vec();
+            twice.push(items[0].clone());
+            batch_answer(kind, &twice)
+        }
         1 => {
             let mut text = String::from("Sure! Here are the results:\n");
             for item in items {

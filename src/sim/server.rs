@@ -27,8 +27,8 @@ use super::config::{ConfigError, ContextErrorStyle, Latency, LimitScope, SimConf
 use super::limits::{format_reset, Admission, LimitSnapshot, RateLimiter};
 use super::prompt::{
     batch_answer, fnv1a64, fnv1a64_parts, malformed_batch_answer, output_text, parse_batch_items,
-    parse_spec, task_output, tokens_for_message, tokens_for_text, truncate_to_tokens,
-    unit_fraction,
+    parse_spec, reordered_batch_answer, task_output, tokens_for_message, tokens_for_text,
+    truncate_to_tokens, unit_fraction,
 };
 use super::stats::{CallIndex, PromptCache, SimStats};
 
@@ -642,9 +642,12 @@ fn compose_answer(prompt: &Prompt, config: &SimConfig) -> Answer {
         let items = parse_batch_items(&prompt.user);
         batch_items = Some(items.len());
         let hash = fnv1a64_parts(&[prompt.system.as_str(), prompt.user.as_str(), "batch"]);
+        let reorder = fnv1a64_parts(&[prompt.user.as_str(), "reorder"]);
         if unit_fraction(hash) < config.batch_malformed_rate {
             batch_malformed = true;
             malformed_batch_answer(&spec.kind, &items, hash)
+        } else if unit_fraction(reorder) < config.batch_reorder_rate {
+            reordered_batch_answer(&spec.kind, &items)
         } else {
             batch_answer(&spec.kind, &items)
         }

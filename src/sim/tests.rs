@@ -613,6 +613,23 @@ async fn micro_batch_round_trips_in_order_with_single_task_outputs() {
 }
 
 #[tokio::test]
+async fn reordered_batch_answers_keep_each_items_id() {
+    let sim = start_sim(SimConfig {
+        batch_reorder_rate: 1.0,
+        ..SimConfig::default()
+    })
+    .await;
+    let system = "Task: summarize\nMax words: 3\nBatch: v1";
+    let user = "### item a1\nalpha one two three\n### item b2\nbravo four five six\n";
+    let answer = post(&sim, &request(system, user)).await;
+    let parsed: Value = serde_json::from_str(&answer.content()).expect("JSON");
+    let items = parsed["items"].as_array().unwrap();
+    assert_eq!(items[0]["id"], "b2");
+    assert_eq!(items[1]["id"], "a1");
+    assert!(items[0]["output"].as_str().unwrap().starts_with("bravo"));
+}
+
+#[tokio::test]
 async fn malformed_batches_cannot_be_split_and_are_deterministic() {
     let sim = start_sim(SimConfig {
         batch_malformed_rate: 1.0,

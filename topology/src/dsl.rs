@@ -209,6 +209,13 @@ impl StreamBuilder {
 
     /// Declares a window store for processors.
     pub fn add_window_store(&self, name: &str, retention: Duration) {
+        self.add_window_store_with(name, retention, true);
+    }
+
+    /// Declares a window store whose committed entries stay in the record
+    /// cache (`cached`, for windows read again, as an aggregation's are) or
+    /// not (entries rarely read again: they would only push others out).
+    pub fn add_window_store_with(&self, name: &str, retention: Duration, cached: bool) {
         self.inner.lock().add_store(
             StoreSpec {
                 name: name.to_string(),
@@ -216,7 +223,7 @@ impl StreamBuilder {
                     retention_ms: retention.as_millis() as i64,
                 },
                 changelogged: true,
-                cached: true,
+                cached,
             },
             None,
         );

@@ -52,7 +52,10 @@ fn classification_by_status_and_code() {
         (LlmError::Timeout(Duration::from_secs(1)), Transient),
         (LlmError::Connect("refused".into()), Transient),
         (LlmError::Malformed("x".into()), Malformed),
-        (LlmError::ContentFiltered, Permanent(ContentPolicy)),
+        (
+            LlmError::ContentFiltered(Default::default()),
+            Permanent(ContentPolicy),
+        ),
         (LlmError::CircuitOpen("m".into()), CircuitOpen),
     ];
     for (err, class) in cases {

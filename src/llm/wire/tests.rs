@@ -110,10 +110,15 @@ fn only_bodies_that_are_not_completions_are_malformed() {
     }
     let filtered = r#"{"choices":[{"message":{"content":null},"finish_reason":"content_filter"}],
         "usage":{"prompt_tokens":5,"completion_tokens":0}}"#;
-    assert!(matches!(
+    // Withheld, and billed all the same.
+    assert_eq!(
         parse_chat_body(filtered.as_bytes(), RateLimitInfo::default()),
-        Err(LlmError::ContentFiltered)
-    ));
+        Err(LlmError::ContentFiltered(Usage {
+            prompt_tokens: 5,
+            completion_tokens: 0,
+            cached_tokens: 0,
+        }))
+    );
 }
 
 #[test]
