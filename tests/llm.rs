@@ -699,21 +699,8 @@ fn high_priority_tasks_finish_first_when_the_limiter_is_the_bottleneck() {
 
 #[test]
 fn complexity_picks_the_tier_and_an_open_breaker_the_fallback_chain() {
-    let tiers = r#"
-[routing.fallbacks]
-large = "small"
-
-[[routing.tiers]]
-name = "cheap"
-max_score = 0.5
-model = "small"
-
-[[routing.tiers]]
-name = "strong"
-max_score = 1.0
-model = "large"
-"#;
-    let p = Pipeline::new(SimConfig::default(), tiers);
+    let tiers = format!("[routing.fallbacks]\nlarge = \"small\"\n{TWO_TIERS}");
+    let p = Pipeline::new(SimConfig::default(), &tiers);
     let mut app = p.start("route");
     let scored = |range: std::ops::Range<usize>| -> Vec<Task> {
         range

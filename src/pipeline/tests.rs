@@ -253,6 +253,41 @@ fn a_batch_holds_one_tenants_tasks_unless_tenants_may_share() {
 
 const QUOTA_WINDOW_MS: i64 = 6_000;
 
+/// Pipes a summarize task of `acme` (without waiting).
+fn pipe_summary(s: &mut Setup, id: &str, content: &str, max_words: u32) {
+    let task = serde_json::json!({
+        "taskId": id,
+        "taskType": "summarize",
+        "tenantId": "acme",
+        "submittedAt": "2026-12-01T10:00:00Z",
+        "payload": { "content": content, "maxWords": max_words },
+    });
+    s.driver
+        .pipe_raw(
+            "ai.tasks.summarize",
+            Some(b"acme"),
+            Some(&serde_json::to_vec(&task).unwrap()),
+            0,
+        )
+        .unwrap();
+}
+
+/// Pipes classify tasks `range` of `tenant` and waits for every call they
+/// start.
+fn pipe_classify(s: &mut Setup, tenant: &str, range: std::ops::Range<usize>) {
+    for i in range {
+        s.driver
+            .pipe_raw(
+                "ai.tasks.classify",
+                Some(tenant.as_bytes()),
+                Some(&tenant_task(i, tenant)),
+                0,
+            )
+            .unwrap();
+    }
+    assert_eq!(s.driver.wait_for_async(Duration::from_secs(20)).unwrap(), 0);
+}
+
 /// Waits for the start of the next quota window (plus a little).
 fn next_quota_window() {
     let now = chrono::Utc::now().timestamp_millis();
@@ -295,17 +330,7 @@ tokens = {quota}
         None,
     );
     next_quota_window();
-    for i in 0..20 {
-        s.driver
-            .pipe_raw(
-                "ai.tasks.classify",
-                Some(b"capped"),
-                Some(&tenant_task(i, "capped")),
-                0,
-            )
-            .unwrap();
-    }
-    assert_eq!(s.driver.wait_for_async(Duration::from_secs(20)).unwrap(), 0);
+    pipe_classify(&mut s, "capped", 0..20);
     let done = results(s.driver.read_output("ai.results.completed"));
     let failed = results(s.driver.read_output("ai.results.failed"));
     assert_eq!(done.len() + failed.len(), 20, "one result per task");
@@ -398,17 +423,7 @@ tokens = {quota}
     assert_eq!(all_billed, stats.prompt_tokens + stats.completion_tokens);
     // The next window starts with a fresh quota.
     next_quota_window();
-    for i in 100..110 {
-        s.driver
-            .pipe_raw(
-                "ai.tasks.classify",
-                Some(b"capped"),
-                Some(&tenant_task(i, "capped")),
-                0,
-            )
-            .unwrap();
-    }
-    assert_eq!(s.driver.wait_for_async(Duration::from_secs(20)).unwrap(), 0);
+    pipe_classify(&mut s, "capped", 100..110);
     let next = results(s.driver.read_output("ai.results.completed"));
     assert_eq!(
         next.len(),
@@ -607,21 +622,12 @@ fn real_servers_answers_become_the_right_results_and_are_billed() {
 fn a_batch_bills_each_task_its_own_answer_and_sums_to_the_calls_cost() {
     let mut s = setup("");
     for i in 0..25 {
-        let task = serde_json::json!({
-            "taskId": format!("s{i:02}"),
-            "taskType": "summarize",
-            "tenantId": "acme",
-            "submittedAt": "2026-12-01T10:00:00Z",
-            "payload": { "content": "word ".repeat(3 * (i + 1)), "maxWords": 200 },
-        });
-        s.driver
-            .pipe_raw(
-                "ai.tasks.summarize",
-                Some(b"acme"),
-                Some(&serde_json::to_vec(&task).unwrap()),
-                0,
-            )
-            .unwrap();
+        pipe_summary(
+            &mut s,
+            &format!("s{i:02}"),
+            &"word ".repeat(3 * (i + 1)),
+            200,
+        );
     }
     assert_eq!(s.driver.wait_for_async(Duration::from_secs(20)).unwrap(), 0);
     let done = results(s.driver.read_output("ai.results.completed"));
@@ -744,24 +750,8 @@ fn a_long_batch_answer_gets_the_time_its_output_needs() {
     );
     let words: Vec<String> = (0..40).map(|w| format!("word{w}")).collect();
     for i in 0..32 {
-        let task = serde_json::json!({
-            "taskId": format!("s{i}"),
-            "taskType": "summarize",
-            "tenantId": "acme",
-            "requesterId": "svc",
-            "priority": "normal",
-            "submittedAt": "2026-12-01T10:00:00Z",
-            "attemptNumber": 1,
-            "payload": { "content": format!("Report {i}: {}", words.join(" ")), "maxWords": 30 },
-        });
-        s.driver
-            .pipe_raw(
-                "ai.tasks.summarize",
-                Some(b"acme"),
-                Some(&serde_json::to_vec(&task).unwrap()),
-                0,
-            )
-            .unwrap();
+        let content = format!("Report {i}: {}", words.join(" "));
+        pipe_summary(&mut s, &format!("s{i}"), &content, 30);
     }
     assert_eq!(s.driver.wait_for_async(Duration::from_secs(60)).unwrap(), 0);
     let done = results(s.driver.read_output("ai.results.completed"));
@@ -991,16 +981,12 @@ fn reordered_or_duplicated_batch_items_still_give_each_task_its_answer() {
         };
         let mut s = setup_full("[batching]\nmax_items = 8\n", "", sim, None);
         for i in 0..16 {
-            let task = serde_json::json!({
-                "taskId": format!("s{i}"), "taskType": "summarize", "tenantId": "acme",
-                "requesterId": "svc", "priority": "normal",
-                "submittedAt": "2026-12-01T10:00:00Z", "attemptNumber": 1,
-                "payload": { "content": format!("Report{i} says markets rallied"), "maxWords": 3 },
-            });
-            let bytes = serde_json::to_vec(&task).unwrap();
-            s.driver
-                .pipe_raw("ai.tasks.summarize", Some(b"acme"), Some(&bytes), 0)
-                .unwrap();
+            pipe_summary(
+                &mut s,
+                &format!("s{i}"),
+                &format!("Report{i} says markets rallied"),
+                3,
+            );
         }
         assert_eq!(s.driver.wait_for_async(Duration::from_secs(30)).unwrap(), 0);
         let done = results(s.driver.read_output("ai.results.completed"));
