@@ -6,7 +6,7 @@ use sluice_topology::{OutputRecord, ProcessError};
 
 use super::output;
 use super::policy::{self, Action};
-use super::trap::{self, Verdict};
+use super::trap::Verdict;
 use super::{idempotency_key, in_flight_key, now_ms, Ctx, Failure, Item, LlmProcessor};
 use crate::accounting::Amount;
 use crate::envelope::DlqCategory;
@@ -35,12 +35,10 @@ pub(super) struct ModelHold {
     /// A probe of it is under way.
     probing: bool,
     last_probe_ms: i64,
-    /// No probe before this time (a provider's `Retry-After`).
-    not_before_ms: i64,
 }
 
 /// A job refused with a `400`, waiting for its model's run of refusals to
-/// decide (see [`trap`]).
+/// decide (see [`super::trap`]).
 pub(super) struct Refused {
     job: Job,
     /// The run it belongs to.
@@ -257,13 +255,11 @@ impl LlmProcessor {
     /// again. Only the model's jobs wait: the others go on.
     fn hold(&mut self, ctx: &Ctx<'_>, fault: &str, detail: &str, job: Job) {
         let model = job.model.clone();
-        let not_before = self
-            .step
+        self.step
             .0
             .health
             .raise(ctx.task_id(), &model, fault, detail);
-        let hold = self.held.entry(model).or_default();
-        hold.not_before_ms = hold.not_before_ms.max(not_before);
+        self.held.entry(model).or_default();
         self.parked.push(job);
         self.count_parked();
     }
@@ -282,16 +278,18 @@ impl LlmProcessor {
         let every = self.step.settings().probe_interval_ms as i64;
         let models: Vec<String> = self.held.keys().cloned().collect();
         for model in models {
-            if self.step.0.health.holding(&model).is_none()
+            let health = &self.step.0.health;
+            if health.holding(&model).is_none()
                 && self.step.0.bad_requests.trapped(&model).is_none()
             {
                 self.resume(ctx, &model);
                 continue;
             }
+            let not_before = health.not_before(&model);
             let Some(hold) = self.held.get_mut(&model) else {
                 continue;
             };
-            if hold.probing || now - hold.last_probe_ms < every || now < hold.not_before_ms {
+            if hold.probing || now - hold.last_probe_ms < every || now < not_before {
                 continue;
             }
             // A task not refused yet, when there is one: a second task
@@ -375,7 +373,10 @@ impl LlmProcessor {
         let message = failure.error.to_string();
         let attempts = failure.attempts.max(1);
         match act {
-            Action::AwaitRun => self.await_run(ctx, job, &failure, was_probe),
+            Action::AwaitRun => {
+                let said = failure.error.provider_message();
+                self.await_run(ctx, job, (message, said, attempts), was_probe)
+            }
             Action::CallEachAlone => {
                 // Only the task the provider refused fails.
                 self.metrics().batch_fallbacks.inc();
@@ -450,21 +451,19 @@ impl LlmProcessor {
     }
 
     /// A task refused with a `400`: not dead-lettered yet, its model's run
-    /// of refusals decides (see [`trap`]). The same refusal: the same status,
+    /// of refusals decides (see [`super::trap`]). The same refusal: the same status,
     /// code and message (a message many tasks share quotes none of them: it
     /// may be shown).
     fn await_run(
         &mut self,
         ctx: &mut Ctx<'_>,
         mut job: Job,
-        failure: &CallFailure,
+        (message, said, attempts): (String, Option<&str>, u32),
         was_probe: bool,
     ) -> Result<(), ProcessError> {
         let step = self.step.clone();
         let runs = &step.0.bad_requests;
-        let message = failure.error.to_string();
-        let attempts = failure.attempts.max(1);
-        let answer = match failure.error.provider_message() {
+        let answer = match said {
             Some(said) => format!("{message}: {said}"),
             None => message.clone(),
         };
@@ -520,8 +519,7 @@ impl LlmProcessor {
                     // Cut at the cap: asked once more with the template's
                     // larger cap; this call's tokens go on its result.
                     let model = job.model.clone();
-                    let none = None;
-                    let mut again = self.carry_spoiled(ctx, vec![item], &none, &model, usage)?;
+                    let mut again = self.carry_spoiled(ctx, vec![item], &None, &model, usage)?;
                     if let Some(item) = again.first_mut() {
                         item.request.max_tokens = Some(larger);
                     }
@@ -728,11 +726,7 @@ impl LlmProcessor {
     /// for it or moved away from it (jobs held for other models wait for
     /// their own probe).
     fn recovered(&mut self, ctx: &mut Ctx<'_>, model: &str) {
-        let health = &self.step.0.health;
-        health.clear(&format!("provider:{model}"));
-        health.clear(&format!("breaker:{model}"));
-        health.clear(&format!("rate_limited:{model}"));
-        health.clear(&trap::fault_name(model));
+        self.step.0.health.clear_model(model);
         self.resume(ctx, model);
     }
 
@@ -741,9 +735,6 @@ impl LlmProcessor {
     /// it, so the holds left without one go (a fault no task holds is
     /// cleared).
     fn resume(&mut self, ctx: &mut Ctx<'_>, model: &str) {
-        if let Some(hold) = self.held.get_mut(model) {
-            hold.not_before_ms = 0;
-        }
         let (resume, keep): (Vec<Job>, Vec<Job>) = std::mem::take(&mut self.parked)
             .into_iter()
             .partition(|j| j.model == model || j.items[0].routed.model == model);

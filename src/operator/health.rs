@@ -40,8 +40,8 @@ impl Health {
     }
 
     /// Records a fault of `model` met by a task, which holds jobs because
-    /// of it; returns the time before which the model is not to be probed.
-    pub fn raise(&self, holder: TaskId, model: &str, name: &str, detail: &str) -> i64 {
+    /// of it.
+    pub fn raise(&self, holder: TaskId, model: &str, name: &str, detail: &str) {
         let mut f = self.faults.lock();
         if !f.contains_key(name) {
             tracing::error!(fault = name, model, detail, "holding the model's tasks");
@@ -49,7 +49,6 @@ impl Health {
         let fault = entry(&mut f, name, model);
         fault.detail = detail.to_string();
         fault.holders.insert(holder);
-        fault.not_before_ms
     }
 
     /// No probe of the fault's model before `until_ms` (a provider's
@@ -60,11 +59,16 @@ impl Health {
         fault.not_before_ms = fault.not_before_ms.max(until_ms);
     }
 
-    /// Clears a fault (its cause is gone for every task).
-    pub fn clear(&self, name: &str) {
-        if self.faults.lock().remove(name).is_some() {
-            tracing::info!(fault = name, "fault cleared; its model's tasks go on");
-        }
+    /// Clears every fault of `model` (it answered: their cause is gone for
+    /// every task).
+    pub fn clear_model(&self, model: &str) {
+        self.faults.lock().retain(|name, fault| {
+            let gone = fault.model == model;
+            if gone {
+                tracing::info!(fault = name, "fault cleared; its model's tasks go on");
+            }
+            !gone
+        });
     }
 
     /// A task is gone from this instance (moved, closed): the faults only it
@@ -97,6 +101,18 @@ impl Health {
             .iter()
             .find(|(_, f)| f.model == model)
             .map(|(name, f)| (name.clone(), f.detail.clone()))
+    }
+
+    /// No probe of `model` before this time (the latest `Retry-After` of its
+    /// faults; 0 when none says so).
+    pub fn not_before(&self, model: &str) -> i64 {
+        self.faults
+            .lock()
+            .values()
+            .filter(|f| f.model == model)
+            .map(|f| f.not_before_ms)
+            .max()
+            .unwrap_or(0)
     }
 
     /// Active faults (name → detail).
@@ -170,9 +186,14 @@ mod tests {
         assert!(h.holding("large").is_some(), "task 0 never held large");
         h.release_model(task(0), "small");
         assert!(h.holding("small").is_none());
-        // Clearing ends a fault whoever held it.
-        h.clear("breaker:large");
+        // A model's answer ends its faults whoever held them, and with them
+        // the wait a Retry-After set.
+        h.defer("rate_limited:large", "large", 1_000);
+        assert_eq!(h.not_before("large"), 1_000);
+        assert_eq!(h.not_before("small"), 0);
+        h.clear_model("large");
         assert!(h.faults().is_empty());
+        assert_eq!(h.not_before("large"), 0);
         assert_eq!(h.held_models(), BTreeSet::new());
     }
 }

@@ -146,7 +146,7 @@ impl BadRequestRuns {
 }
 
 /// The health fault of a trapped model.
-pub(crate) fn fault_name(model: &str) -> String {
+fn fault_name(model: &str) -> String {
     format!("bad_request:{model}")
 }
 
