@@ -420,9 +420,14 @@ fn committed(group: &str, topic: &str, partitions: i32) -> HashMap<i32, i64> {
     for p in 0..partitions {
         tpl.add_partition(topic, p);
     }
-    let got = consumer
-        .committed_offsets(tpl, Duration::from_secs(10))
-        .unwrap();
+    // A loaded broker may time a look-up out: asked again, up to three times.
+    let got = (0..3)
+        .find_map(|_| {
+            consumer
+                .committed_offsets(tpl.clone(), Duration::from_secs(10))
+                .ok()
+        })
+        .expect("committed offsets within three tries of 10 s");
     got.elements()
         .iter()
         .filter_map(|e| match e.offset() {
