@@ -240,7 +240,45 @@ fn create_topics(cfg: &StreamsConfig, topics: &[TopicSpec]) -> Result<(), Topolo
             }
         }
     }
-    Ok(())
+    await_visible(cfg, topics)
+}
+
+/// How long created topics may take to show in the cluster's metadata.
+const VISIBLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Waits until the cluster's metadata shows every created topic with all its
+/// partitions led. A topic's creation is acknowledged before every broker's
+/// metadata holds it: a client asking a moment later (a task's restore
+/// looking up its changelog's end) can be told the partition is unknown.
+fn await_visible(cfg: &StreamsConfig, topics: &[TopicSpec]) -> Result<(), TopologyError> {
+    let consumer: BaseConsumer = client_config(cfg).create()?;
+    let deadline = std::time::Instant::now() + VISIBLE_TIMEOUT;
+    loop {
+        let md = consumer.fetch_metadata(None, Duration::from_secs(10))?;
+        let missing: Vec<&str> = topics
+            .iter()
+            .filter(|t| {
+                !md.topics().iter().any(|m| {
+                    m.name() == t.name
+                        && m.error().is_none()
+                        && m.partitions().len() == t.partitions as usize
+                        && m.partitions().iter().all(|p| p.leader() >= 0)
+                })
+            })
+            .map(|t| t.name.as_str())
+            .collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(TopologyError::Invalid(format!(
+                "created topics not in the cluster's metadata after {}s: {}",
+                VISIBLE_TIMEOUT.as_secs(),
+                missing.join(", ")
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// Deletes the records below `offsets` (a reading task's committed offsets
