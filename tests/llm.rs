@@ -824,6 +824,62 @@ fn a_failure_storm_opens_the_breaker_routes_to_the_fallback_and_recovers() {
     app.proc.stop();
 }
 
+/// A provider down for a spell (every call a 503) while the breaker stays
+/// closed: with the default retry settings, scaled to a fifth so the test
+/// runs in seconds (task backoff 6 s doubling to 60 s, call retries 40 ms
+/// doubling to 1 s), a 2 s outage (10 s at the real defaults) dead-letters
+/// no task: the re-published attempts wait past it. Without the backoff
+/// (`retry_backoff_ms = 0`) every task spends its five attempts inside it.
+#[test]
+fn an_outage_shorter_than_the_backoff_exhausts_no_task() {
+    let sim = SimConfig::from_json_value(serde_json::json!({
+        "model_overrides": { "small": { "status_override": 503 } }
+    }))
+    .unwrap();
+    let p = Pipeline::new(
+        sim,
+        &format!("{UNBATCHED}[llm.retry]\nbase_ms = 40\nmax_delay_ms = 1000\nmax_total_delay_ms = 3000\n"),
+    );
+    p.edit_config(&[
+        (
+            "breaker = { open_ms = 2000 }",
+            "breaker = { open_ms = 2000, consecutive_failures = 1000000, min_requests = 1000000 }",
+        ),
+        ("retry_backoff_ms = 100\n", "retry_backoff_ms = 6000\n"),
+        (
+            "retry_backoff_max_ms = 1000\n",
+            "retry_backoff_max_ms = 60000\n",
+        ),
+    ]);
+    let mut app = p.start("outage");
+    let tasks: Vec<Task> = (0..20)
+        .map(|i| Task::new(i, "classify", "acme", "normal"))
+        .collect();
+    p.produce(&tasks);
+    eventually(Duration::from_secs(30), "every task re-published", || {
+        (p.metric(&app, "sluice_tasks_republished_total") >= tasks.len() as f64).then_some(())
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    p.sim.update(|c| c.model_overrides.clear()).unwrap();
+    let results = p.results(tasks.len(), Duration::from_secs(120));
+    assert_each_answered_once(&tasks, &results);
+    let failed: Vec<_> = results
+        .iter()
+        .filter(|(r, _)| !r.success)
+        .map(|(r, _)| (r.task_id.clone(), r.error_code.clone(), r.attempts))
+        .collect();
+    assert!(failed.is_empty(), "tasks failed by the outage: {failed:?}");
+    assert!(
+        p.dead_letters("classify").is_empty(),
+        "nothing dead-lettered"
+    );
+    assert!(
+        results.iter().all(|(r, _)| r.attempts >= 2),
+        "every task's first attempt met the outage"
+    );
+    app.proc.stop();
+}
+
 #[test]
 fn sigkill_under_load_loses_nothing_and_never_answers_twice() {
     let sim = SimConfig::from_json_value(serde_json::json!({
