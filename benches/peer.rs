@@ -200,7 +200,7 @@ fn expected_usage(n: usize, tenants: usize, now: i64) -> HashMap<UsageKey, Usage
     for r in task_results(n, tenants, now) {
         let at = r.completed_at.timestamp_millis();
         for (i, w) in windows.iter().enumerate() {
-            let start = at - at.rem_euclid(w.size_ms);
+            let start = w.start_of(at);
             usage
                 .entry((r.tenant_id.clone(), i, start))
                 .or_default()

@@ -10,7 +10,7 @@
 //! nothing else (`decode`: the ceiling of any topology over this input on
 //! this machine, since every result must be decoded and its offset
 //! committed); then the `account` operator (the default windows: 1 minute,
-//! 1 hour, 1 day, 30 days) counts it under exactly-once with fresh state,
+//! 1 hour, 1 day, calendar month) counts it under exactly-once with fresh state,
 //! writing every window update to a usage topic. Medians are compared.
 //! Then a child process (this binary again) accounts 100,000 tenants' results
 //! and reports its peak resident set (`VmHWM`).

@@ -226,6 +226,12 @@ pub fn steps(
     let prompts = PromptBuilder::new(config.prompts.clone());
     let accounting = if config.accounting.enabled {
         let a = &config.accounting;
+        if config.app.guarantee != sluice_topology::runtime::Guarantee::ExactlyOnce {
+            tracing::warn!(
+                "tenant accounts under at_least_once are approximate: a crash can count a result \
+                 twice (run exactly_once to bill from them)"
+            );
+        }
         Some(Accounting::registered(
             AccountingSettings {
                 name: "usage".into(),

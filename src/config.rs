@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use sluice_topology::runtime::{GroupProtocol, Guarantee, KeyPartitioner, StreamsConfig};
 use sluice_topology::RocksSettings;
 
+use crate::accounting::pricing::Price;
 use crate::accounting::{default_windows, Budgets, Quotas, UsageUpdates, WindowSpec};
 use crate::llm::{LlmConfig, PromptConfig};
 use crate::pipeline::BatchingConfig;
@@ -360,6 +361,13 @@ pub struct TasksSection {
     /// quotas), `always` also when they are equal (for producers that do
     /// not key tasks by tenant).
     pub repartition: Repartition,
+    /// What a tenant id must match once normalised (trimmed, ASCII letters
+    /// lower-cased); a task whose tenant does not is dead-lettered
+    /// `invalid_tenant`.
+    pub tenant_pattern: String,
+    /// The tenants accepted (empty: any matching `tenant_pattern`); a task of
+    /// another tenant is dead-lettered `unknown_tenant`.
+    pub tenants: Vec<String>,
 }
 
 /// `[tasks] repartition`.
@@ -386,6 +394,8 @@ impl Default for TasksSection {
             bad_request_wait_ms: 10_000,
             partitioner: KeyPartitioner::Murmur2,
             repartition: Repartition::Auto,
+            tenant_pattern: crate::envelope::DEFAULT_TENANT_PATTERN.into(),
+            tenants: Vec::new(),
         }
     }
 }
@@ -405,18 +415,10 @@ pub struct RoutingSection {
     pub tiers: Vec<Tier>,
     /// How the complexity of a task without `payload.complexity` is computed.
     pub features: FeatureWeights,
-}
-
-/// Price of a model, micro-dollars per million tokens.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct Price {
-    /// Uncached input tokens.
-    pub input: u64,
-    /// Output tokens.
-    pub output: u64,
-    /// Cached input tokens.
-    pub cached: u64,
+    /// Whether a task's own `payload.model` and `payload.complexity` are
+    /// honoured. Off by default: a producer could otherwise pick the dearest
+    /// model for every task.
+    pub allow_task_overrides: bool,
 }
 
 /// `[http]`.
@@ -632,6 +634,16 @@ impl Config {
         if self.tasks.max_attempts == 0 {
             return Err(ConfigError::new("tasks.max_attempts", "must be at least 1"));
         }
+        let rules = crate::envelope::TenantRules::new(&self.tasks.tenant_pattern, &[])
+            .map_err(|e| ConfigError::new("tasks.tenant_pattern", e.to_string()))?;
+        for (i, t) in self.tasks.tenants.iter().enumerate() {
+            rules.check(t).map_err(|_| {
+                ConfigError::new(
+                    format!("tasks.tenants[{i}]"),
+                    "does not match tasks.tenant_pattern",
+                )
+            })?;
+        }
         if self.tasks.retry_backoff_max_ms < self.tasks.retry_backoff_ms
             || self.tasks.retry_backoff_max_ms > 86_400_000
         {
@@ -771,6 +783,7 @@ impl Config {
             tiers: self.routing.tiers.clone(),
             fallbacks: self.routing.fallbacks.clone(),
             features: self.routing.features.clone(),
+            allow_task_overrides: self.routing.allow_task_overrides,
         }
     }
 
@@ -781,7 +794,7 @@ impl Config {
             if !self.prices.contains_key(&m.name) {
                 return Err(ConfigError::new(
                     format!("prices.{}", m.name),
-                    "every model needs a price (input, output, cached micro-dollars per million tokens)",
+                    "every model needs a price (input and output micro-dollars per million tokens; cached and cache_write optional)",
                 ));
             }
         }
@@ -797,10 +810,22 @@ impl Config {
                     "must be a unique, non-empty name of letters and digits",
                 ));
             }
-            if w.size_ms <= 0 {
-                return Err(ConfigError::new(key("size_ms"), "must be positive"));
+            match (w.calendar, w.size_ms) {
+                (None, s) if s <= 0 => {
+                    return Err(ConfigError::new(
+                        key("size_ms"),
+                        "must be positive (or set calendar = \"month\")",
+                    ))
+                }
+                (Some(_), s) if s != 0 => {
+                    return Err(ConfigError::new(
+                        key("size_ms"),
+                        "must be unset for a calendar window",
+                    ))
+                }
+                _ => {}
             }
-            if w.retention_ms < w.size_ms {
+            if w.retention_ms < w.longest_ms() {
                 return Err(ConfigError::new(
                     key("retention_ms"),
                     "must be at least the window size",
@@ -1017,6 +1042,7 @@ provider = "sim"
 
 [prices.small]
 input = 150000
+output = 600000
 "#;
 
     fn load(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
@@ -1170,14 +1196,56 @@ input = 150000
         )
         .unwrap_err();
         assert_eq!(err.key, "routing.default_model");
-        let err = load(&format!("{MINIMAL}\n[prices.nope]\ninput = 1\n"), &[]).unwrap_err();
+        let err = load(
+            &format!("{MINIMAL}\n[prices.nope]\ninput = 1\noutput = 1\n"),
+            &[],
+        )
+        .unwrap_err();
         assert_eq!(err.key, "prices.nope");
+        // A price without its output rate (or an empty one) is refused, not
+        // read as free output.
+        let err = load(&MINIMAL.replace("output = 600000\n", ""), &[]).unwrap_err();
+        assert_eq!(err.key, "prices.small", "{err}");
+        assert!(err.to_string().contains("output"), "{err}");
+        let err = load(
+            &MINIMAL.replace("input = 150000\noutput = 600000\n", ""),
+            &[],
+        )
+        .unwrap_err();
+        assert_eq!(err.key, "prices.small", "{err}");
+        // Unset cache rates follow the input price.
+        let price = load(MINIMAL, &[]).unwrap().prices["small"];
+        assert_eq!(
+            (price.cached_rate(), price.cache_write_rate()),
+            (150_000, 187_500)
+        );
         let err = load(
             &MINIMAL.replace("provider = \"sim\"", "provider = \"other\""),
             &[],
         )
         .unwrap_err();
         assert_eq!(err.key, "llm.models[0].provider");
+    }
+
+    /// A calendar-month window is configured with `calendar = "month"`,
+    /// never with a fixed size too.
+    #[test]
+    fn calendar_windows_are_configured_and_checked() {
+        let month = "\n[[accounting.windows]]\nname = \"1mo\"\ncalendar = \"month\"\nretention_ms = 8640000000\n";
+        let c = load(&format!("{MINIMAL}{month}"), &[]).unwrap();
+        assert_eq!(
+            c.accounting.windows[0].calendar,
+            Some(crate::accounting::Calendar::Month)
+        );
+        let both = month.replace("calendar", "size_ms = 1000\ncalendar");
+        let err = load(&format!("{MINIMAL}{both}"), &[]).unwrap_err();
+        assert_eq!(err.key, "accounting.windows[0].size_ms", "{err}");
+        let short = month.replace("8640000000", "86400000");
+        let err = load(&format!("{MINIMAL}{short}"), &[]).unwrap_err();
+        assert_eq!(err.key, "accounting.windows[0].retention_ms", "{err}");
+        let neither = month.replace("calendar = \"month\"\n", "");
+        let err = load(&format!("{MINIMAL}{neither}"), &[]).unwrap_err();
+        assert_eq!(err.key, "accounting.windows[0].size_ms", "{err}");
     }
 
     const TIERED: &str = r#"
@@ -1187,6 +1255,7 @@ provider = "sim"
 
 [prices.large]
 input = 2500000
+output = 10000000
 
 [routing]
 fallbacks = { large = "small" }

@@ -31,8 +31,8 @@ use sluice_topology::{dlq_headers, Headers};
 
 use crate::config::{Config, ConfigError};
 use crate::envelope::DlqCategory;
+pub use crate::envelope::{HEADER_BILLED, HEADER_REPLAY_OF};
 use crate::kafka::{Flow, KafkaError, OutRecord, Publisher, Start};
-pub use crate::operator::{HEADER_BILLED, HEADER_REPLAY_OF};
 
 /// `sluice dlq`.
 #[derive(clap::Args, Debug)]

@@ -89,13 +89,17 @@ pub struct Router {
     pub fallbacks: BTreeMap<String, String>,
     /// The computed score's weights.
     pub features: FeatureWeights,
+    /// Whether a task's `payload.model` and `payload.complexity` are
+    /// honoured (`[routing] allow_task_overrides`).
+    pub allow_task_overrides: bool,
 }
 
 impl Router {
-    /// The task's complexity and whether the caller gave it.
+    /// The task's complexity and whether the caller gave it (honoured only
+    /// with `allow_task_overrides`).
     pub fn score(&self, task: &TaskEnvelope) -> (f64, bool) {
         match task.payload.complexity {
-            Some(c) if c.is_finite() => (c.clamp(0.0, 1.0), true),
+            Some(c) if c.is_finite() && self.allow_task_overrides => (c.clamp(0.0, 1.0), true),
             _ => (self.feature_score(task), false),
         }
     }
@@ -136,7 +140,8 @@ impl Router {
         known: impl Fn(&str) -> bool,
         downgrade: bool,
     ) -> Decision {
-        if let Some(m) = task.payload.model.as_deref().filter(|m| known(m)) {
+        let explicit = task.payload.model.as_deref();
+        if let Some(m) = explicit.filter(|m| self.allow_task_overrides && known(m)) {
             return decision(m, m, "explicit_model".into());
         }
         if let Some(m) = self.by_task_type.get(&task.task_type) {
@@ -310,6 +315,7 @@ mod tests {
     fn tiered() -> Router {
         Router {
             default_model: "small".into(),
+            allow_task_overrides: true,
             tiers: vec![
                 Tier {
                     name: "cheap".into(),
@@ -352,6 +358,22 @@ mod tests {
         let d = r.route(&t, |_| true, true);
         assert_eq!(d.model, "small");
         assert_eq!(d.route.reason, "budget_downgrade:complexity:0.90");
+    }
+
+    /// Without `allow_task_overrides` a task's own model and complexity are
+    /// ignored: the producer cannot pick the strong model.
+    #[test]
+    fn a_tasks_own_model_and_complexity_need_allow_task_overrides() {
+        let mut r = tiered();
+        r.allow_task_overrides = false;
+        let mut t = task("summarize", "text");
+        t.payload.complexity = Some(0.99);
+        t.payload.model = Some("large".into());
+        let d = r.route(&t, |_| true, false);
+        assert_eq!(d.model, "small");
+        assert!(d.route.reason.starts_with("features:"), "{:?}", d.route);
+        r.allow_task_overrides = true;
+        assert_eq!(r.route(&t, |_| true, false).model, "large");
     }
 
     #[test]

@@ -125,10 +125,7 @@ impl UsageQueries {
                 )),
             });
         }
-        let starts: Vec<i64> = windows
-            .iter()
-            .map(|w| now_ms - now_ms.rem_euclid(w.size_ms))
-            .collect();
+        let starts: Vec<i64> = windows.iter().map(|w| w.start_of(now_ms)).collect();
         let ranges: Vec<WindowRange<'_>> = names
             .iter()
             .zip(&starts)

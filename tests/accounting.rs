@@ -12,7 +12,8 @@ use common::{bootstrap, eventually};
 use rdkafka::message::OwnedMessage;
 use rdkafka::Message;
 use sluice::accounting::{
-    AlertRecord, ModelUsage, TenantUsage, UsageRecord, UsageUpdates, WindowSpec, WindowUsage,
+    default_windows, AlertRecord, ModelUsage, TenantUsage, UsageRecord, UsageUpdates, WindowSpec,
+    WindowUsage,
 };
 use sluice::envelope::TaskResult;
 use sluice::kafka::{produce, read_topics, OutRecord};
@@ -44,16 +45,16 @@ fn usage_records(p: &Pipeline) -> BTreeMap<WindowKey, WindowRecords> {
     windows
 }
 
-/// The sums of the completed results per tenant window.
+/// The sums of the accounted results (answered or billed) per tenant window.
 fn sums(
     results: &[(TaskResult, OwnedMessage)],
     windows: &[WindowSpec],
 ) -> BTreeMap<WindowKey, TenantUsage> {
     let mut want: BTreeMap<WindowKey, TenantUsage> = BTreeMap::new();
-    for (r, _) in results.iter().filter(|(r, _)| r.success) {
+    for (r, _) in results.iter().filter(|(r, _)| r.accounted()) {
         let at = r.completed_at.timestamp_millis();
         for w in windows {
-            let start = at - at.rem_euclid(w.size_ms);
+            let start = w.start_of(at);
             want.entry((r.tenant_id.clone(), w.name.clone(), start))
                 .or_default()
                 .add(r);
@@ -116,7 +117,7 @@ fn assert_usage_equals_results(
             "{key:?}: each update a new state, got requests {requests:?}"
         );
     }
-    let completed = results.iter().filter(|(r, _)| r.success).count();
+    let completed = results.iter().filter(|(r, _)| r.accounted()).count();
     let n: usize = records.values().map(Vec::len).sum();
     match updates {
         UsageUpdates::OnUpdate => assert_eq!(
@@ -152,18 +153,19 @@ fn assert_stores_equal_results(
             let mut sum = TenantUsage::default();
             for (r, _) in results {
                 let at = r.completed_at.timestamp_millis();
-                if r.success
+                if r.accounted()
                     && &r.tenant_id == tenant
                     && (got.window_start..got.window_end).contains(&at)
                 {
                     sum.add(r);
                 }
             }
-            let spec = WindowSpec {
-                name: got.window.clone(),
-                size_ms: got.window_end - got.window_start,
-                retention_ms: 0,
-            };
+            let spec = default_windows()
+                .into_iter()
+                .find(|w| w.name == got.window)
+                .unwrap_or_else(|| {
+                    WindowSpec::fixed(&got.window, got.window_end - got.window_start, 0)
+                });
             let want = WindowUsage::new(&spec, got.window_start, sum);
             if got != &want {
                 let key = (tenant.clone(), got.window.clone(), got.window_start);
@@ -451,16 +453,8 @@ fn a_tenants_tasks_meet_in_one_task_when_task_topics_differ_in_partitions() {
     }))
     .unwrap();
     let windows = vec![
-        WindowSpec {
-            name: "q".into(),
-            size_ms: QUOTA_WINDOW_MS,
-            retention_ms: 600_000,
-        },
-        WindowSpec {
-            name: "1h".into(),
-            size_ms: 3_600_000,
-            retention_ms: 3_600_000,
-        },
+        WindowSpec::fixed("q", QUOTA_WINDOW_MS, 600_000),
+        WindowSpec::fixed("1h", 3_600_000, 3_600_000),
     ];
     let p = Pipeline::with_partitions(
         sim,

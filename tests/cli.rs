@@ -39,6 +39,7 @@ provider = "sim"
 
 [prices.small]
 input = 150000
+output = 600000
 "#;
 
 #[test]

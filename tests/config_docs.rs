@@ -33,6 +33,7 @@ provider = "sim"
 
 [prices.small]
 input = 150000
+output = 600000
 "#;
 
 const PROBE: &str = "__sluice_doc_probe__";

@@ -335,6 +335,7 @@ provider = "sim"
 
 [prices.small]
 input = 150000
+output = 600000
 "#,
     )
     .unwrap();

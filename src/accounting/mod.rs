@@ -5,7 +5,7 @@
 //! and no other instance ever updates them. Each completed result adds its
 //! request, tokens and cost (and its model's share) to the tenant's tumbling
 //! window of every configured size (by default 1 minute, 1 hour, 1 day and
-//! 30 days), one RocksDB window store with a changelog topic per size, each
+//! the calendar month), one RocksDB window store with a changelog topic per size, each
 //! with its own retention. The updates go to the usage topic
 //! (`ai.usage.tenant`), keyed by tenant, in the task's own partition: by
 //! default the latest state of each window updated since the task's last
@@ -15,8 +15,11 @@
 //! ([`UsageUpdates::OnUpdate`]). When a
 //! window's cost crosses a threshold of the tenant's budget for that window
 //! size (default 50 %, 80 %, 100 %), one alert goes to the alerts topic
-//! (`ai.alerts.cost`); the window itself records the thresholds alerted, so
-//! each (tenant, window, threshold) is alerted once.
+//! (`ai.alerts.cost`); the window itself records the (threshold, budget)
+//! pairs alerted, so each (tenant, window, threshold, budget) is alerted
+//! once, and a changed budget's thresholds alert again. A failed result
+//! counts with what its calls were billed; a hard-quota refusal raises one
+//! `quota_exceeded` alert per tenant and quota window.
 //!
 //! Under exactly-once the window updates, the usage records and the results
 //! commit in one transaction, so the accounts always equal the sum of the
@@ -25,6 +28,7 @@
 //! re-emitted to a redelivered task carry `sluice.duplicate` and are not
 //! counted again.
 
+pub mod pricing;
 pub mod quota;
 
 use std::collections::{BTreeMap, HashMap};
@@ -40,8 +44,7 @@ use sluice_topology::{
     StreamBuilder,
 };
 
-use crate::envelope::{TaskEnvelope, TaskResult};
-use crate::operator::HEADER_DUPLICATE;
+use crate::envelope::{TaskEnvelope, TaskResult, HEADER_DUPLICATE, QUOTA_EXCEEDED};
 use crate::route::DowngradeHook;
 pub use quota::{Amount, Quota, QuotaGate, QuotaMode, Quotas, Reservations};
 
@@ -51,35 +54,108 @@ pub use quota::{Amount, Quota, QuotaGate, QuotaMode, Quotas, Reservations};
 pub struct WindowSpec {
     /// Its name in usage records and store names (e.g. `1h`).
     pub name: String,
-    /// Window size, ms (tumbling, aligned to the epoch).
+    /// Window size, ms (tumbling, aligned to the epoch); unset for calendar
+    /// windows.
+    #[serde(default)]
     pub size_ms: i64,
+    /// Calendar windows instead of a fixed size: `"month"` (calendar
+    /// months in UTC, 1st 00:00 to the next 1st).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calendar: Option<Calendar>,
     /// How long a window is kept after it starts, ms.
     pub retention_ms: i64,
 }
 
+/// Calendar windows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Calendar {
+    /// Calendar months, in UTC.
+    Month,
+}
+
+/// The first instant (ms) of the calendar month `months` after the one
+/// holding `at_ms`, in UTC.
+fn month_start(at_ms: i64, months: i32) -> i64 {
+    use chrono::{Datelike, TimeZone};
+    let Some(at) = chrono::Utc.timestamp_millis_opt(at_ms).single() else {
+        return at_ms;
+    };
+    let index = at.year() * 12 + at.month0() as i32 + months;
+    chrono::Utc
+        .with_ymd_and_hms(
+            index.div_euclid(12),
+            index.rem_euclid(12) as u32 + 1,
+            1,
+            0,
+            0,
+            0,
+        )
+        .single()
+        .map_or(at_ms, |d| d.timestamp_millis())
+}
+
 impl WindowSpec {
+    /// A fixed-size window spec.
+    pub fn fixed(name: &str, size_ms: i64, retention_ms: i64) -> WindowSpec {
+        WindowSpec {
+            name: name.into(),
+            size_ms,
+            calendar: None,
+            retention_ms,
+        }
+    }
+
+    /// The start (ms) of the window holding `at_ms`.
+    pub fn start_of(&self, at_ms: i64) -> i64 {
+        match self.calendar {
+            Some(Calendar::Month) => month_start(at_ms, 0),
+            None => at_ms - at_ms.rem_euclid(self.size_ms.max(1)),
+        }
+    }
+
+    /// The end (ms, exclusive) of the window starting at `start`.
+    pub fn end_of(&self, start: i64) -> i64 {
+        match self.calendar {
+            Some(Calendar::Month) => month_start(start, 1),
+            None => start + self.size_ms,
+        }
+    }
+
+    /// The longest a window of this spec lasts, ms.
+    pub fn longest_ms(&self) -> i64 {
+        match self.calendar {
+            Some(Calendar::Month) => 31 * DAY_MS,
+            None => self.size_ms,
+        }
+    }
+
     /// How long a window is kept after it starts: its retention, at least its
-    /// size.
+    /// longest size.
     pub fn kept_ms(&self) -> i64 {
-        self.retention_ms.max(self.size_ms)
+        self.retention_ms.max(self.longest_ms())
     }
 }
 
 const HOUR_MS: i64 = 3_600_000;
 const DAY_MS: i64 = 24 * HOUR_MS;
 
-/// The default windows: 1 minute, 1 hour, 1 day, 30 days.
+/// A threshold in millionths of its budget (how windows record it).
+fn millionths(threshold: f64) -> u32 {
+    (threshold * 1e6).round().clamp(0.0, f64::from(u32::MAX)) as u32
+}
+
+/// The default windows: 1 minute, 1 hour, 1 day (UTC days), and the
+/// calendar month (UTC), kept long enough to bill the month before.
 pub fn default_windows() -> Vec<WindowSpec> {
-    let w = |name: &str, size_ms, retention_ms| WindowSpec {
-        name: name.into(),
-        size_ms,
-        retention_ms,
-    };
     vec![
-        w("1m", 60_000, 2 * HOUR_MS),
-        w("1h", HOUR_MS, 2 * DAY_MS),
-        w("1d", DAY_MS, 35 * DAY_MS),
-        w("30d", 30 * DAY_MS, 90 * DAY_MS),
+        WindowSpec::fixed("1m", 60_000, 2 * HOUR_MS),
+        WindowSpec::fixed("1h", HOUR_MS, 2 * DAY_MS),
+        WindowSpec::fixed("1d", DAY_MS, 35 * DAY_MS),
+        WindowSpec {
+            calendar: Some(Calendar::Month),
+            ..WindowSpec::fixed("1mo", 0, 100 * DAY_MS)
+        },
     ]
 }
 
@@ -87,7 +163,7 @@ pub fn default_windows() -> Vec<WindowSpec> {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ModelUsage {
-    /// Completed requests.
+    /// Results counted: answered, or failed after their calls were billed.
     pub requests: u64,
     /// Prompt tokens (cached included).
     pub input_tokens: u64,
@@ -208,21 +284,97 @@ impl<'de> Deserialize<'de> for ByModel {
     }
 }
 
-/// A tenant's window: totals, the per-model breakdown, and how many of the
-/// alert thresholds it has crossed (kept with the window, so an alert is
-/// emitted once per window and threshold, across restarts and replays).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// A tenant's window: totals, the per-model breakdown, and the alerts it
+/// raised (kept with the window, so an alert is emitted once per window,
+/// across restarts and replays).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TenantUsage {
     /// Totals over every model.
     pub total: ModelUsage,
     /// Per model.
     pub by_model: ByModel,
-    /// Thresholds alerted (the first `alerted` of the configured ones).
-    pub alerted: u8,
+    /// Budget alerts raised: (threshold in millionths, budget in
+    /// micro-dollars). A threshold of a budget alerts once; the same
+    /// threshold of another budget (the budget changed) alerts again.
+    pub alerted: Vec<(u32, i64)>,
     /// Whether the tenant's soft quota for this window was alerted.
     pub quota_alerted: bool,
-    // (Windows written by earlier versions carry one more field after this
-    // one, the last result counted; it is ignored when read.)
+    /// Whether a hard-quota refusal in this window was alerted.
+    pub refusal_alerted: bool,
+    /// A window written before alerts were recorded by budget: how many of
+    /// the configured thresholds it had alerted (read as those thresholds
+    /// of the current budget).
+    legacy_alerted: Option<u8>,
+}
+
+/// In place of the count of thresholds alerted that earlier versions wrote
+/// at the same position: the window records its alerts by budget.
+const ALERTS_BY_BUDGET: u8 = u8::MAX;
+
+/// Windows are stored with bincode, which has no field names: the layout is
+/// (total, by_model, marker, quota_alerted, alerted, refusal_alerted), and
+/// a window of an earlier version has its count of thresholds alerted where
+/// the marker is (and nothing after `quota_alerted` that is read).
+impl Serialize for TenantUsage {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeTuple;
+        let mut t = s.serialize_tuple(6)?;
+        t.serialize_element(&self.total)?;
+        t.serialize_element(&self.by_model)?;
+        t.serialize_element(&ALERTS_BY_BUDGET)?;
+        t.serialize_element(&self.quota_alerted)?;
+        t.serialize_element(&self.alerted)?;
+        t.serialize_element(&self.refusal_alerted)?;
+        t.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for TenantUsage {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = TenantUsage;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a tenant's window")
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<TenantUsage, A::Error> {
+                use serde::de::Error;
+                macro_rules! next {
+                    ($i:expr) => {
+                        seq.next_element()?
+                            .ok_or_else(|| A::Error::invalid_length($i, &self))?
+                    };
+                }
+                let total = next!(0);
+                let by_model = next!(1);
+                let marker: u8 = next!(2);
+                let quota_alerted = next!(3);
+                if marker != ALERTS_BY_BUDGET {
+                    return Ok(TenantUsage {
+                        total,
+                        by_model,
+                        quota_alerted,
+                        legacy_alerted: Some(marker),
+                        ..TenantUsage::default()
+                    });
+                }
+                Ok(TenantUsage {
+                    total,
+                    by_model,
+                    quota_alerted,
+                    alerted: next!(4),
+                    refusal_alerted: next!(5),
+                    legacy_alerted: None,
+                })
+            }
+        }
+        d.deserialize_tuple(6, Visit)
+    }
 }
 
 impl TenantUsage {
@@ -279,7 +431,7 @@ pub struct WindowUsage {
     pub window_start: i64,
     /// Window end (exclusive), ms since the epoch.
     pub window_end: i64,
-    /// Completed requests.
+    /// Results counted: answered, or failed after their calls were billed.
     pub requests: u64,
     /// Prompt tokens (cached included).
     pub input_tokens: u64,
@@ -299,7 +451,7 @@ impl WindowUsage {
         WindowUsage {
             window: w.name.clone(),
             window_start: start,
-            window_end: start + w.size_ms,
+            window_end: w.end_of(start),
             requests: usage.total.requests,
             input_tokens: usage.total.input_tokens,
             output_tokens: usage.total.output_tokens,
@@ -314,11 +466,12 @@ impl WindowUsage {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct AlertRecord {
-    /// `<tenant>/<window>/<window start>/<threshold>` (a budget's) or
-    /// `…/quota` (a soft quota's): the same alert always has the same id.
+    /// `<tenant>/<window>/<window start>/<threshold>/<budget micros>` (a
+    /// budget's), `…/quota` (a soft quota's) or `…/quota_exceeded` (a hard
+    /// quota's first refusal): the same alert always has the same id.
     pub alert_id: String,
-    /// `budget` (a threshold of the cost budget) or `quota` (a soft quota
-    /// crossed).
+    /// `budget` (a threshold of the cost budget), `quota` (a soft quota
+    /// crossed) or `quota_exceeded` (a hard quota refused a task).
     pub kind: String,
     /// The tenant.
     pub tenant_id: String,
@@ -454,7 +607,7 @@ impl Accounting {
         let alerts = IntCounterVec::new(
             Opts::new(
                 "sluice_alerts_emitted_total",
-                "Cost alerts emitted, by kind (budget, quota).",
+                "Cost alerts emitted, by kind (budget, quota, quota_exceeded).",
             ),
             &["kind"],
         )?;
@@ -622,7 +775,7 @@ impl<'a> UsageOut<'a> {
             tenant_id,
             window: &w.name,
             window_start: start,
-            window_end: start + w.size_ms,
+            window_end: w.end_of(start),
             requests: usage.total.requests,
             input_tokens: usage.total.input_tokens,
             output_tokens: usage.total.output_tokens,
@@ -722,32 +875,86 @@ fn emit_json(
 
 /// Adding results to windows, and what that crosses.
 impl Accounting {
-    /// Adds a completed result to its tenant's window of every size and
-    /// returns what to emit for it (alerts crossed, then the usage update,
-    /// per window). Every result given is counted: each is emitted once
-    /// (see the module docs).
+    /// Adds a result to its tenant's window of every size and returns what
+    /// to emit for it (alerts crossed, then the usage update, per window).
+    /// A result counts when it was answered or billed (a failed result
+    /// carries what its calls were billed); a hard-quota refusal raises one
+    /// `quota_exceeded` alert per tenant and quota window. Every result given
+    /// is counted: each is emitted once (see the module docs).
     pub fn add_result<K: Data, V: Data, O: Send + 'static>(
         &self,
         ctx: &mut ProcessorContext<'_, K, V, O>,
         r: &TaskResult,
     ) -> Result<Vec<Update>, ProcessError> {
+        let counted = r.accounted();
+        let refused = r.error_code.as_deref() == Some(QUOTA_EXCEEDED);
+        let quota_window = refused
+            .then(|| self.settings().quotas.quota(&r.tenant_id))
+            .flatten()
+            .map(|q| q.window.as_str());
         let at = r.completed_at.timestamp_millis();
         let mut out = Vec::new();
         for (i, (w, store)) in self.windows().iter().zip(self.stores()).enumerate() {
-            let start = at - at.rem_euclid(w.size_ms);
+            let refusal = quota_window == Some(w.name.as_str());
+            if !counted && !refusal {
+                continue;
+            }
+            let start = w.start_of(at);
             let mut windows = ctx.window::<String, TenantUsage>(store)?;
             let alerts = windows.update(&r.tenant_id, start, |usage| {
-                usage.add(r);
-                self.crossed(&r.tenant_id, w, start, usage)
+                let mut alerts = Vec::new();
+                if counted {
+                    usage.add(r);
+                    alerts = self.crossed(&r.tenant_id, w, start, usage);
+                }
+                if refusal {
+                    alerts.extend(self.refusal(&r.tenant_id, w, start, usage));
+                }
+                alerts
             })?;
             out.extend(alerts.into_iter().map(Update::Alert));
-            out.push(Update::Usage { window: i, start });
+            if counted {
+                out.push(Update::Usage { window: i, start });
+            }
         }
         Ok(out)
     }
 
-    /// The alerts a window's new total crosses (each threshold once per
-    /// window: `usage.alerted` moves past it).
+    /// The first hard-quota refusal of a tenant in its quota's window: one
+    /// `quota_exceeded` alert.
+    fn refusal(
+        &self,
+        tenant: &str,
+        w: &WindowSpec,
+        start: i64,
+        usage: &mut TenantUsage,
+    ) -> Option<AlertRecord> {
+        let q = self.settings().quotas.quota(tenant)?;
+        if usage.refusal_alerted {
+            return None;
+        }
+        usage.refusal_alerted = true;
+        let a = usage.amount();
+        Some(AlertRecord {
+            alert_id: format!("{tenant}/{}/{start}/quota_exceeded", w.name),
+            kind: QUOTA_EXCEEDED.into(),
+            tenant_id: tenant.to_string(),
+            window: w.name.clone(),
+            window_start: start,
+            window_end: w.end_of(start),
+            threshold: 1.0,
+            spent_micros: a.cost_micros,
+            budget_micros: q.cost_micros.unwrap_or_default(),
+            spent_tokens: Some(a.tokens),
+            quota_tokens: q.tokens,
+            emitted_at: chrono::Utc::now(),
+        })
+    }
+
+    /// The alerts a window's new total crosses: each threshold of each
+    /// budget once per window (`usage.alerted` records them), so a raised
+    /// budget's thresholds alert again and a threshold added later alerts
+    /// once.
     fn crossed(
         &self,
         tenant: &str,
@@ -765,20 +972,26 @@ impl Accounting {
             .downgrade_at
             .is_some_and(|f| spent as f64 >= f * budget as f64)
         {
-            self.press(tenant, start + w.size_ms);
+            self.press(tenant, w.end_of(start));
         }
-        while let Some(&threshold) = settings.thresholds.get(usize::from(usage.alerted)) {
-            if (spent as f64) < threshold * budget as f64 {
-                break;
+        if let Some(n) = usage.legacy_alerted.take() {
+            // What the window's earlier version had alerted, at this budget.
+            let done = settings.thresholds.iter().take(usize::from(n));
+            usage.alerted.extend(done.map(|t| (millionths(*t), budget)));
+        }
+        for &threshold in &settings.thresholds {
+            let key = (millionths(threshold), budget);
+            if (spent as f64) < threshold * budget as f64 || usage.alerted.contains(&key) {
+                continue;
             }
-            usage.alerted += 1;
+            usage.alerted.push(key);
             alerts.push(AlertRecord {
-                alert_id: format!("{tenant}/{}/{start}/{threshold}", w.name),
+                alert_id: format!("{tenant}/{}/{start}/{threshold}/{budget}", w.name),
                 kind: "budget".into(),
                 tenant_id: tenant.to_string(),
                 window: w.name.clone(),
                 window_start: start,
-                window_end: start + w.size_ms,
+                window_end: w.end_of(start),
                 threshold,
                 spent_micros: spent,
                 budget_micros: budget,
@@ -808,7 +1021,7 @@ impl Accounting {
         if q.mode != QuotaMode::Soft || q.window != w.name || !over {
             return Vec::new();
         }
-        self.press(tenant, start + w.size_ms);
+        self.press(tenant, w.end_of(start));
         if usage.quota_alerted {
             return Vec::new();
         }
@@ -819,7 +1032,7 @@ impl Accounting {
             tenant_id: tenant.to_string(),
             window: w.name.clone(),
             window_start: start,
-            window_end: start + w.size_ms,
+            window_end: w.end_of(start),
             threshold: 1.0,
             spent_micros: a.cost_micros,
             budget_micros: q.cost_micros.unwrap_or_default(),
@@ -851,7 +1064,7 @@ impl Processor<String, TaskResult> for Accountant {
         // A result given again to a redelivered task was accounted with its
         // one call.
         let duplicate = record.header(HEADER_DUPLICATE).is_some();
-        if r.success && !duplicate {
+        if !duplicate {
             let at = r.completed_at.timestamp_millis();
             let settings = self.accounting.settings();
             let updates = self.accounting.add_result(ctx, r)?;

@@ -152,7 +152,7 @@ impl QuotaGate {
         let Some((store, w)) = self.windows.get(&q.window) else {
             return Ok(Ok(false));
         };
-        let start = now_ms - now_ms.rem_euclid(w.size_ms);
+        let start = w.start_of(now_ms);
         let used = ctx
             .window::<String, TenantUsage>(store)?
             .peek(&tenant.to_string(), start, |u| u.map(TenantUsage::amount))?

@@ -6,12 +6,14 @@ use serde_json::Value;
 use super::TaskEnvelope;
 
 /// Bounds applied to incoming task records before and after parsing.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct EnvelopeLimits {
     /// Largest accepted record value, in bytes; checked before parsing.
     pub max_bytes: usize,
     /// Longest accepted `taskId`, in bytes.
     pub max_task_id_len: usize,
+    /// What a tenant id must be.
+    pub tenants: TenantRules,
 }
 
 impl Default for EnvelopeLimits {
@@ -19,8 +21,60 @@ impl Default for EnvelopeLimits {
         Self {
             max_bytes: 1024 * 1024,
             max_task_id_len: 256,
+            tenants: TenantRules::default(),
         }
     }
+}
+
+/// The default tenant id pattern: a letter or digit, then up to 63
+/// letters, digits, `.`, `_` or `-` (after normalisation: lower case).
+pub const DEFAULT_TENANT_PATTERN: &str = "^[a-z0-9][a-z0-9._-]{0,63}$";
+
+/// Tenant ids: normalised (surrounding white space trimmed, ASCII letters
+/// lower-cased, so `"Initech "` is `initech`), then checked against a
+/// pattern and, when one is given, an allow-list.
+#[derive(Debug, Clone)]
+pub struct TenantRules {
+    pattern: regex::Regex,
+    allowed: Option<std::collections::HashSet<String>>,
+}
+
+impl Default for TenantRules {
+    fn default() -> Self {
+        TenantRules {
+            pattern: regex::Regex::new(DEFAULT_TENANT_PATTERN).expect("the default pattern"),
+            allowed: None,
+        }
+    }
+}
+
+impl TenantRules {
+    /// Rules with `pattern` (a regular expression) and, if not empty, only
+    /// the tenants `allowed` (normalised).
+    pub fn new(pattern: &str, allowed: &[String]) -> Result<TenantRules, regex::Error> {
+        Ok(TenantRules {
+            pattern: regex::Regex::new(pattern)?,
+            allowed: (!allowed.is_empty())
+                .then(|| allowed.iter().map(|t| normalise_tenant(t)).collect()),
+        })
+    }
+
+    /// The normalised tenant id, or why it is refused.
+    pub fn check(&self, tenant: &str) -> Result<String, PoisonError> {
+        let tenant = normalise_tenant(tenant);
+        if !self.pattern.is_match(&tenant) || tenant.chars().any(char::is_control) {
+            return Err(PoisonError::InvalidTenant);
+        }
+        if self.allowed.as_ref().is_some_and(|a| !a.contains(&tenant)) {
+            return Err(PoisonError::UnknownTenant);
+        }
+        Ok(tenant)
+    }
+}
+
+/// A tenant id as accounts know it: trimmed, ASCII letters lower-cased.
+pub fn normalise_tenant(tenant: &str) -> String {
+    tenant.trim().to_ascii_lowercase()
 }
 
 /// Why a record is poison. `Display` gives the machine-readable `dlq.reason`, which never
@@ -50,6 +104,12 @@ pub enum PoisonError {
     /// Neither `tenantId` nor `requesterId` is set.
     #[error("missing_tenant")]
     MissingTenant,
+    /// The tenant id does not match `[tasks] tenant_pattern`.
+    #[error("invalid_tenant")]
+    InvalidTenant,
+    /// The tenant is not in `[tasks] tenants` (the allow-list).
+    #[error("unknown_tenant")]
+    UnknownTenant,
     /// A field has the wrong type or an out-of-range value.
     #[error("invalid_field:{0}")]
     InvalidField(String),
@@ -85,7 +145,7 @@ const REQUIRED_TOP: [&str; 4] = ["taskId", "taskType", "submittedAt", "payload"]
 /// Decodes and validates one task record.
 ///
 /// `known_types` lists the task types this instance serves; any other `taskType` is poison.
-/// On success `tenant_id` is filled in (falling back to `requester_id`).
+/// On success `tenant_id` is filled in (falling back to `requester_id`), normalised.
 pub fn decode_task<S: AsRef<str>>(
     bytes: &[u8],
     limits: &EnvelopeLimits,
@@ -156,8 +216,8 @@ fn validate(mut task: TaskEnvelope, limits: &EnvelopeLimits) -> Result<TaskEnvel
             return Err(PoisonError::InvalidField("payload.complexity".into()));
         }
     }
-    let tenant = task.tenant().ok_or(PoisonError::MissingTenant)?.to_string();
-    task.tenant_id = Some(tenant);
+    let tenant = task.tenant().ok_or(PoisonError::MissingTenant)?;
+    task.tenant_id = Some(limits.tenants.check(tenant)?);
     Ok(task)
 }
 
@@ -251,6 +311,43 @@ mod tests {
         assert_eq!(decode(&v).unwrap().tenant_id.as_deref(), Some("svc-a"));
         v["tenantId"] = json!("");
         assert_eq!(decode(&v).unwrap().tenant(), Some("svc-a"));
+    }
+
+    /// "Initech " and "INITECH" are initech (its quota and accounts); ids the
+    /// pattern refuses (control characters, too long, odd characters) and
+    /// tenants off the allow-list are dead-lettered.
+    #[test]
+    fn tenant_ids_are_normalised_and_checked() {
+        let mut v = valid();
+        for t in ["Initech ", " INITECH", "initech"] {
+            v["tenantId"] = json!(t);
+            assert_eq!(
+                decode(&v).unwrap().tenant_id.as_deref(),
+                Some("initech"),
+                "{t:?}"
+            );
+        }
+        for bad in [
+            "init\u{7}ech",
+            "a b",
+            "ünïcode",
+            "-x",
+            &"x".repeat(65),
+            "acme/other",
+        ] {
+            v["tenantId"] = json!(bad);
+            assert_eq!(reason(&v), "invalid_tenant", "{bad:?}");
+        }
+        let listed = EnvelopeLimits {
+            tenants: TenantRules::new(DEFAULT_TENANT_PATTERN, &["Acme".into()]).unwrap(),
+            ..EnvelopeLimits::default()
+        };
+        v["tenantId"] = json!("ACME");
+        let t = decode_task(v.to_string().as_bytes(), &listed, &KNOWN).unwrap();
+        assert_eq!(t.tenant_id.as_deref(), Some("acme"));
+        v["tenantId"] = json!("globex");
+        let err = decode_task(v.to_string().as_bytes(), &listed, &KNOWN).unwrap_err();
+        assert_eq!(err.reason(), "unknown_tenant");
     }
 
     #[test]

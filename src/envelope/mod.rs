@@ -11,7 +11,9 @@ use std::collections::BTreeMap;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
-pub use decode::{decode_task, EnvelopeLimits, PoisonError};
+pub use decode::{
+    decode_task, normalise_tenant, EnvelopeLimits, PoisonError, TenantRules, DEFAULT_TENANT_PATTERN,
+};
 
 /// Scheduling priority of a task; `high` is served first, `batch` last but never starved.
 #[derive(
@@ -255,6 +257,14 @@ pub struct TaskResult {
     pub metadata: BTreeMap<String, String>,
 }
 
+impl TaskResult {
+    /// Whether the result counts in its tenant's accounts: it was answered,
+    /// or its calls were billed (a failed result carries what they were).
+    pub fn accounted(&self) -> bool {
+        self.success || self.input_tokens + self.output_tokens > 0 || self.cost_micros > 0
+    }
+}
+
 /// Why a record went to the dead-letter topic (`dlq.category` header).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -308,6 +318,25 @@ impl std::fmt::Display for DlqCategory {
         f.write_str(self.as_str())
     }
 }
+
+/// Result header on a result given again to a redelivered task: the task's
+/// one call was answered (and accounted) before.
+pub const HEADER_DUPLICATE: &str = "sluice.duplicate";
+/// Task header on a dead letter re-published by `sluice dlq replay`:
+/// `<dead-letter topic>/<partition>/<offset>`. A replayed task whose id
+/// already succeeded emits nothing (its result is out already), so
+/// replaying twice never adds a second result.
+pub const HEADER_REPLAY_OF: &str = "sluice.replay.of";
+/// Task header on a re-published attempt whose earlier calls the provider
+/// billed without an answer it could use (its shares of spoiled batches, a
+/// withheld answer): `<prompt>,<completion>,<cached>,<cost micros>` and, when
+/// there were some, `,<cache writes>`. The
+/// attempt carries them into its result; `sluice dlq replay` drops it (the
+/// dead letter's failed result billed them).
+pub const HEADER_BILLED: &str = "sluice.billed";
+
+/// `errorCode` of a task a hard quota refused.
+pub const QUOTA_EXCEEDED: &str = "quota_exceeded";
 
 /// Dead-letter header names; the engine writes them. Values never
 /// contain prompt text or secrets.

@@ -63,21 +63,27 @@ pub fn apportion_batch_usage(
         .collect();
     let prompt = apportion(usage.prompt_tokens, &prompt_weights);
     let completion = apportion(usage.completion_tokens, answers.unwrap_or(&prompt_weights));
-    let cached_total = usage.cached_tokens.min(usage.prompt_tokens);
-    let cached = if cached_total == 0 {
-        vec![0; own_prompts.len()]
-    } else {
-        apportion(cached_total, &prompt)
+    let by_prompt = |total: u64| match total {
+        0 => vec![0; own_prompts.len()],
+        t => apportion(t, &prompt),
     };
+    let cached_total = usage.cached_tokens.min(usage.prompt_tokens);
+    let cached = by_prompt(cached_total);
+    let written = by_prompt(
+        usage
+            .cache_write_tokens
+            .min(usage.prompt_tokens - cached_total),
+    );
     prompt
         .into_iter()
         .zip(completion)
-        .zip(cached)
+        .zip(cached.into_iter().zip(written))
         .map(
-            |((prompt_tokens, completion_tokens), cached_tokens)| Usage {
+            |((prompt_tokens, completion_tokens), (cached_tokens, cache_write_tokens))| Usage {
                 prompt_tokens,
                 completion_tokens,
                 cached_tokens,
+                cache_write_tokens,
             },
         )
         .collect()
@@ -155,6 +161,7 @@ mod tests {
             prompt_tokens: 1_000,
             completion_tokens: 90,
             cached_tokens: 0,
+            cache_write_tokens: 0,
         };
         // Own texts 100 and 300, 400 shared: 300 and 500 of 800.
         let shares = apportion_batch_usage(&usage, &[100, 300], 400, Some(&[1, 2]));
@@ -182,7 +189,8 @@ mod tests {
             let usage = Usage {
                 prompt_tokens,
                 completion_tokens: rng.random_range(0..20_000),
-                cached_tokens: rng.random_range(0..=prompt_tokens),
+                cached_tokens: rng.random_range(0..=prompt_tokens / 2),
+                cache_write_tokens: rng.random_range(0..=prompt_tokens / 2),
             };
             let shared = rng.random_range(0..4_000);
             let answers: Vec<u64> = (0..n).map(|_| rng.random_range(0..500)).collect();
@@ -192,6 +200,7 @@ mod tests {
             assert_eq!(sum(|u| u.prompt_tokens), usage.prompt_tokens);
             assert_eq!(sum(|u| u.completion_tokens), usage.completion_tokens);
             assert_eq!(sum(|u| u.cached_tokens), usage.cached_tokens);
+            assert_eq!(sum(|u| u.cache_write_tokens), usage.cache_write_tokens);
             for u in &shares {
                 assert!(u.cached_tokens <= u.prompt_tokens, "{usage:?} {sizes:?}");
             }

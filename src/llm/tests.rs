@@ -50,6 +50,7 @@ fn answer() -> Option<Result<ChatResponse, LlmError>> {
             prompt_tokens: 10,
             completion_tokens: 5,
             cached_tokens: 0,
+            cache_write_tokens: 0,
         },
         usage_missing: false,
         finish_reason: Some("stop".into()),

@@ -119,9 +119,22 @@ pub struct Usage {
     pub completion_tokens: u64,
     /// Prompt tokens served from cache (`prompt_tokens_details.cached_tokens`, 0 if absent).
     pub cached_tokens: u64,
+    /// Prompt tokens written to the provider's cache (Anthropic-style cache creation:
+    /// `cache_creation_input_tokens`, or `prompt_tokens_details.cache_write_tokens` /
+    /// `cache_creation_tokens`; 0 if absent), counted in `prompt_tokens`.
+    #[serde(default)]
+    pub cache_write_tokens: u64,
 }
 
 impl Usage {
+    /// Adds `other`'s counts to these.
+    pub fn add(&mut self, other: &Usage) {
+        self.prompt_tokens += other.prompt_tokens;
+        self.completion_tokens += other.completion_tokens;
+        self.cached_tokens += other.cached_tokens;
+        self.cache_write_tokens += other.cache_write_tokens;
+    }
+
     /// Prompt plus completion tokens.
     pub fn total(&self) -> u64 {
         self.prompt_tokens + self.completion_tokens
@@ -159,6 +172,7 @@ impl ChatResponse {
             prompt_tokens: request.estimated_prompt_tokens(),
             completion_tokens: estimate_tokens(answer),
             cached_tokens: 0,
+            cache_write_tokens: 0,
         };
     }
 
@@ -205,12 +219,50 @@ struct WireUsage {
     /// DeepSeek's count of prompt tokens served from its cache.
     #[serde(default)]
     prompt_cache_hit_tokens: Option<u64>,
+    /// Prompt tokens written to the cache, as LiteLLM and Anthropic-style servers report them.
+    #[serde(default)]
+    cache_creation_input_tokens: Option<u64>,
+    #[serde(default)]
+    completion_tokens_details: Option<WireCompletionDetails>,
+    #[serde(default)]
+    total_tokens: Option<u64>,
 }
 
 #[derive(Deserialize)]
 struct WireUsageDetails {
     #[serde(default)]
     cached_tokens: Option<u64>,
+    #[serde(default, alias = "cache_creation_tokens")]
+    cache_write_tokens: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct WireCompletionDetails {
+    #[serde(default)]
+    reasoning_tokens: Option<u64>,
+}
+
+/// Completion tokens billed. They include reasoning tokens, as OpenAI counts them; a
+/// server that reports reasoning beside the completion (its `total_tokens` is prompt +
+/// completion + reasoning) has them added, since they are billed as output.
+fn completion_tokens(usage: &WireUsage) -> u64 {
+    let completion = usage.completion_tokens.unwrap_or(0);
+    let reasoning = usage
+        .completion_tokens_details
+        .as_ref()
+        .and_then(|d| d.reasoning_tokens)
+        .unwrap_or(0);
+    let prompt = usage.prompt_tokens.unwrap_or(0);
+    match usage.total_tokens {
+        Some(total)
+            if reasoning > 0
+                && total != prompt.saturating_add(completion)
+                && total == prompt.saturating_add(completion).saturating_add(reasoning) =>
+        {
+            completion + reasoning
+        }
+        _ => completion,
+    }
 }
 
 /// The text of a message's `content`: a string, or the text parts of an array joined.
@@ -273,16 +325,22 @@ pub fn parse_chat_body(body: &[u8], rate_limit: RateLimitInfo) -> Result<ChatRes
     let usage_missing = wire.usage.is_none();
     let usage = wire.usage.unwrap_or_default();
     let prompt_tokens = usage.prompt_tokens.unwrap_or(0);
-    let cached_tokens = usage
-        .prompt_tokens_details
+    let details = usage.prompt_tokens_details.as_ref();
+    let cached_tokens = details
         .and_then(|d| d.cached_tokens)
         .or(usage.prompt_cache_hit_tokens)
         .unwrap_or(0)
         .min(prompt_tokens);
+    let cache_write_tokens = details
+        .and_then(|d| d.cache_write_tokens)
+        .or(usage.cache_creation_input_tokens)
+        .unwrap_or(0)
+        .min(prompt_tokens - cached_tokens);
     let usage = Usage {
         prompt_tokens,
-        completion_tokens: usage.completion_tokens.unwrap_or(0),
+        completion_tokens: completion_tokens(&usage),
         cached_tokens,
+        cache_write_tokens,
     };
     if content.is_none()
         && refusal.is_none()

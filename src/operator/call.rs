@@ -631,14 +631,15 @@ impl LlmProcessor {
         Ok(again)
     }
 
-    /// The price of `model` (zero when it has none).
+    /// The price of `model` (every model has one: the configuration
+    /// requires it).
     fn price(&self, model: &str) -> super::Price {
         self.step
             .settings()
             .prices
             .get(model)
             .copied()
-            .unwrap_or_default()
+            .unwrap_or(super::Price::new(0, 0))
     }
 
     /// A task of a hard-quota tenant called again after its batch's answer
@@ -700,12 +701,7 @@ impl LlmProcessor {
         let price = self.price(model);
         let own_cost = answer.cost_micros.unwrap_or_else(|| {
             let u = answer.usage;
-            super::cost_micros(
-                &price,
-                u.prompt_tokens,
-                u.cached_tokens.min(u.prompt_tokens),
-                u.completion_tokens,
-            )
+            super::cost_micros(&price, &u)
         });
         let mut r = self.base_result(&item.routed, model, answer.output.is_ok());
         self.bill(&mut r, usage, own_cost + item.extra_cost_micros);
@@ -831,12 +827,9 @@ impl LlmProcessor {
     }
 }
 
-fn add_usage(a: Usage, b: Usage) -> Usage {
-    Usage {
-        prompt_tokens: a.prompt_tokens + b.prompt_tokens,
-        completion_tokens: a.completion_tokens + b.completion_tokens,
-        cached_tokens: a.cached_tokens + b.cached_tokens,
-    }
+fn add_usage(mut a: Usage, b: Usage) -> Usage {
+    a.add(&b);
+    a
 }
 
 /// The backoff of re-published attempt `attempt` (2 for the first re-publish):

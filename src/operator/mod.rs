@@ -45,8 +45,8 @@ use sluice_topology::{
     Data, Headers, InFlight, ProcessError, Processor, ProcessorContext, Punctuation, Record,
 };
 
+use crate::accounting::pricing::{apportion_cost, cost_micros, Price};
 use crate::accounting::{Accounting, Amount, QuotaGate, Reservations};
-use crate::config::Price;
 use crate::envelope::{DlqCategory, Route, TaskResult};
 use crate::llm::{ChatRequest, LlmClient, PromptBuilder, Usage};
 use crate::trace::Tracer;
@@ -55,20 +55,7 @@ pub use call::CallDone;
 pub use health::Health;
 pub use metrics::OperatorMetrics;
 
-/// Result header on a result given again to a redelivered task: the task's
-/// one call was answered (and accounted) before.
-pub const HEADER_DUPLICATE: &str = "sluice.duplicate";
-/// Task header on a dead letter re-published by `sluice dlq replay`:
-/// `<dead-letter topic>/<partition>/<offset>`. A replayed task whose id
-/// already succeeded emits nothing (its result is out already), so
-/// replaying twice never adds a second result.
-pub const HEADER_REPLAY_OF: &str = "sluice.replay.of";
-/// Task header on a re-published attempt whose earlier calls the provider
-/// billed without an answer it could use (its shares of spoiled batches, a
-/// withheld answer): `<prompt>,<completion>,<cached>,<cost micros>`. The
-/// attempt carries them into its result; `sluice dlq replay` drops it (the
-/// dead letter's failed result billed them).
-pub const HEADER_BILLED: &str = "sluice.billed";
+pub use crate::envelope::{HEADER_BILLED, HEADER_DUPLICATE, HEADER_REPLAY_OF, QUOTA_EXCEEDED};
 
 /// What a task's earlier attempts were billed ([`HEADER_BILLED`]), if any.
 fn billed_before(headers: &Headers) -> (Usage, i64) {
@@ -80,14 +67,15 @@ fn billed_before(headers: &Headers) -> (Usage, i64) {
         .and_then(|v| {
             let mut n = v.split(',').map(|x| x.trim().parse::<u64>().ok());
             let mut next = || n.next().flatten();
-            Some((
-                Usage {
-                    prompt_tokens: next()?,
-                    completion_tokens: next()?,
-                    cached_tokens: next()?,
-                },
-                i64::try_from(next()?).ok()?,
-            ))
+            let mut usage = Usage {
+                prompt_tokens: next()?,
+                completion_tokens: next()?,
+                cached_tokens: next()?,
+                cache_write_tokens: 0,
+            };
+            let cost = i64::try_from(next()?).ok()?;
+            usage.cache_write_tokens = next().unwrap_or(0);
+            Some((usage, cost))
         });
     parsed.unwrap_or_default()
 }
@@ -100,13 +88,16 @@ fn with_billed(headers: &Headers, usage: Usage, cost_micros: i64) -> Headers {
         .cloned()
         .collect();
     if usage != Usage::default() || cost_micros != 0 {
-        let v = format!(
+        let mut v = format!(
             "{},{},{},{}",
             usage.prompt_tokens,
             usage.completion_tokens,
             usage.cached_tokens,
             cost_micros.max(0)
         );
+        if usage.cache_write_tokens > 0 {
+            v.push_str(&format!(",{}", usage.cache_write_tokens));
+        }
         out.push((HEADER_BILLED.into(), v.into_bytes()));
     }
     out
@@ -117,9 +108,6 @@ fn with_billed(headers: &Headers, usage: Usage, cost_micros: i64) -> Headers {
 pub const TRACE_HEADERS: [&str; 2] = ["traceparent", "tracestate"];
 
 const MINUTE_MS: i64 = 60_000;
-
-/// `errorCode` of a task a hard quota refused.
-pub const QUOTA_EXCEEDED: &str = "quota_exceeded";
 
 /// The idempotency key of a task: its type and its id, since two task types
 /// may reuse an id. (Task types are topic-name suffixes, which cannot hold
@@ -513,20 +501,31 @@ impl LlmProcessor {
         let tokens = u64::from(request.estimated_tokens());
         let prices = &self.step.settings().prices;
         let fallbacks = &self.step.settings().fallbacks;
-        let mut dearest = Price::default();
+        let mut dearest = Price::new(0, 0);
         let mut model = Some(routed.model.as_str());
         let mut seen = HashSet::new();
         while let Some(m) = model.filter(|m| seen.insert(*m)) {
             if let Some(p) = prices.get(m) {
-                dearest.input = dearest.input.max(p.input);
-                dearest.output = dearest.output.max(p.output);
-                dearest.cached = dearest.cached.max(p.cached);
+                dearest = dearest.dearest(p);
             }
             model = fallbacks.get(m).map(String::as_str);
         }
+        // Every prompt token at the dearest prompt rate (a cache write).
+        let prompt = tokens.saturating_sub(output);
+        let worst = Usage {
+            prompt_tokens: prompt,
+            completion_tokens: output,
+            cached_tokens: 0,
+            cache_write_tokens: prompt,
+        };
+        let dearest = Price {
+            input: dearest.dearest_prompt_rate(),
+            cache_write: Some(dearest.dearest_prompt_rate()),
+            ..dearest
+        };
         Amount {
             tokens,
-            cost_micros: cost_micros(&dearest, tokens.saturating_sub(output), 0, output),
+            cost_micros: cost_micros(&dearest, &worst),
         }
     }
 
@@ -785,109 +784,9 @@ fn is_replay(headers: &Headers) -> bool {
     headers.iter().any(|(k, _)| k == HEADER_REPLAY_OF)
 }
 
-/// Cost in micro-dollars of a call, from prices per million tokens (rounded
-/// half up; integer so that totals are exact sums).
-pub fn cost_micros(price: &Price, input: u64, cached: u64, output: u64) -> i64 {
-    let uncached = input.saturating_sub(cached) as u128;
-    let total = uncached * price.input as u128
-        + cached as u128 * price.cached as u128
-        + output as u128 * price.output as u128;
-    ((total + 500_000) / 1_000_000) as i64
-}
-
-/// Splits a call's cost over the usage shares of its tasks: the call's cost
-/// is rounded once (from its whole usage) and given out in proportion to
-/// each share's exact cost by largest remainder, so the tasks' costs sum to
-/// the call's cost exactly.
-pub fn apportion_cost(price: &Price, shares: &[Usage]) -> Vec<i64> {
-    let (mut input, mut cached, mut output) = (0u64, 0u64, 0u64);
-    let weights: Vec<u64> = shares
-        .iter()
-        .map(|s| {
-            let c = s.cached_tokens.min(s.prompt_tokens);
-            input += s.prompt_tokens;
-            cached += c;
-            output += s.completion_tokens;
-            let exact = (s.prompt_tokens - c) as u128 * price.input as u128
-                + c as u128 * price.cached as u128
-                + s.completion_tokens as u128 * price.output as u128;
-            u64::try_from(exact).unwrap_or(u64::MAX)
-        })
-        .collect();
-    let total = cost_micros(price, input, cached, output).max(0) as u64;
-    crate::llm::apportion::apportion(total, &weights)
-        .into_iter()
-        .map(|c| c as i64)
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Over 10,000 random batches, the tasks' costs sum to the call's cost
-    /// to the micro-dollar, and each is within a micro-dollar of its exact
-    /// share.
-    #[test]
-    fn batch_costs_sum_to_the_calls_cost_exactly() {
-        use rand::{Rng, SeedableRng};
-        let mut rng = rand::rngs::StdRng::seed_from_u64(0xc057);
-        for _ in 0..10_000 {
-            let price = Price {
-                input: rng.random_range(0..20_000_000),
-                output: rng.random_range(0..80_000_000),
-                cached: rng.random_range(0..10_000_000),
-            };
-            let shares: Vec<Usage> = (0..rng.random_range(1..=32))
-                .map(|_| {
-                    let prompt = rng.random_range(0..3_000);
-                    Usage {
-                        prompt_tokens: prompt,
-                        completion_tokens: rng.random_range(0..2_000),
-                        cached_tokens: rng.random_range(0..=prompt),
-                    }
-                })
-                .collect();
-            let costs = apportion_cost(&price, &shares);
-            let sum = |f: fn(&Usage) -> u64| shares.iter().map(f).sum::<u64>();
-            let call = cost_micros(
-                &price,
-                sum(|u| u.prompt_tokens),
-                sum(|u| u.cached_tokens),
-                sum(|u| u.completion_tokens),
-            );
-            assert_eq!(costs.iter().sum::<i64>(), call, "{price:?} {shares:?}");
-            for (share, cost) in shares.iter().zip(&costs) {
-                let exact = cost_micros_exact(&price, share);
-                assert!(
-                    (*cost as f64 - exact).abs() <= 1.0 + 1e-9,
-                    "{cost} vs {exact}"
-                );
-            }
-        }
-    }
-
-    fn cost_micros_exact(price: &Price, u: &Usage) -> f64 {
-        ((u.prompt_tokens - u.cached_tokens) as f64 * price.input as f64
-            + u.cached_tokens as f64 * price.cached as f64
-            + u.completion_tokens as f64 * price.output as f64)
-            / 1e6
-    }
-
-    #[test]
-    fn cost_is_integer_micros_with_cached_rate() {
-        let p = Price {
-            input: 150_000,
-            output: 600_000,
-            cached: 75_000,
-        };
-        // 1000 input (200 cached), 500 output:
-        // 800*0.15 + 200*0.075 + 500*0.6 = 120 + 15 + 300 = 435 micros
-        assert_eq!(cost_micros(&p, 1000, 200, 500), 435);
-        assert_eq!(cost_micros(&Price::default(), 1000, 0, 1000), 0);
-        assert_eq!(cost_micros(&p, 3, 0, 0), 0); // 0.45 rounds down
-        assert_eq!(cost_micros(&p, 4, 0, 0), 1); // 0.6 rounds up
-    }
 
     #[test]
     fn stored_outcomes_encode_their_json_as_one_byte_string() {

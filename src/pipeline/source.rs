@@ -9,7 +9,7 @@ use sluice_topology::{
 
 use super::{RawKey, Task};
 use crate::config::{TasksSection, TopicsSection};
-use crate::envelope::{decode_task, DlqCategory, EnvelopeLimits, TaskEnvelope};
+use crate::envelope::{decode_task, DlqCategory, EnvelopeLimits, TaskEnvelope, TenantRules};
 
 /// A task topic and its dead-letter topic.
 #[derive(Clone, Debug)]
@@ -62,7 +62,8 @@ impl ByTenant {
 }
 
 impl TaskSource {
-    /// The task topics of the `[topics]` section, with `[tasks]`' limits.
+    /// The task topics of the `[topics]` section, with `[tasks]`' limits
+    /// (its tenant rules were checked with the configuration).
     pub fn from_config(topics: &TopicsSection, tasks: &TasksSection) -> Self {
         TaskSource {
             topics: topics
@@ -76,6 +77,9 @@ impl TaskSource {
             task_types: topics.task_types.clone(),
             limits: EnvelopeLimits {
                 max_bytes: tasks.max_bytes,
+                // The pattern was checked with the configuration.
+                tenants: TenantRules::new(&tasks.tenant_pattern, &tasks.tenants)
+                    .unwrap_or_default(),
                 ..EnvelopeLimits::default()
             },
             by_tenant: None,

@@ -645,16 +645,18 @@ fn a_batch_bills_each_task_its_own_answer_and_sums_to_the_calls_cost() {
     assert_eq!(sum(|r| r.input_tokens), stats.prompt_tokens);
     assert_eq!(sum(|r| r.output_tokens), stats.completion_tokens);
     assert_eq!(sum(|r| r.cached_tokens), stats.cached_tokens);
-    let price = crate::config::Price {
-        input: 150_000,
-        output: 600_000,
-        cached: 75_000,
+    let price = crate::accounting::pricing::Price {
+        cached: Some(75_000),
+        ..crate::accounting::pricing::Price::new(150_000, 600_000)
     };
-    let call = crate::operator::cost_micros(
+    let call = crate::accounting::pricing::cost_micros(
         &price,
-        stats.prompt_tokens,
-        stats.cached_tokens,
-        stats.completion_tokens,
+        &crate::llm::Usage {
+            prompt_tokens: stats.prompt_tokens,
+            completion_tokens: stats.completion_tokens,
+            cached_tokens: stats.cached_tokens,
+            cache_write_tokens: 0,
+        },
     );
     assert_eq!(by_id.iter().map(|r| r.cost_micros).sum::<i64>(), call);
 }

@@ -152,6 +152,8 @@ limiter = {{ initial_rps = 400 }}
 
 [routing]
 default_model = "small"
+# The tests pick tiers with the tasks' own payload.complexity.
+allow_task_overrides = true
 
 [prices.small]
 input = 150000

@@ -174,7 +174,8 @@ async fn success_parses_content_usage_cached_tokens_and_headers() {
         Usage {
             prompt_tokens: 120,
             completion_tokens: 8,
-            cached_tokens: 64
+            cached_tokens: 64,
+            cache_write_tokens: 0
         }
     );
     assert_eq!(r.finish_reason.as_deref(), Some("stop"));

@@ -13,7 +13,40 @@ fn usage(prompt: u64, completion: u64, cached: u64) -> Usage {
         prompt_tokens: prompt,
         completion_tokens: completion,
         cached_tokens: cached,
+        cache_write_tokens: 0,
     }
+}
+
+/// Cache writes as LiteLLM (and Anthropic through it) and OpenRouter report them, and
+/// reasoning tokens reported beside the completion (Gemini's OpenAI-compatible
+/// endpoint: `total_tokens` = prompt + completion + reasoning) are billed.
+#[test]
+fn cache_writes_and_separate_reasoning_tokens_are_read() {
+    let litellm = r#"{"choices":[{"message":{"role":"assistant","content":"news"},"finish_reason":"stop"}],
+        "usage":{"prompt_tokens":2100,"completion_tokens":3,"total_tokens":2103,
+        "prompt_tokens_details":{"cached_tokens":1000},"cache_creation_input_tokens":1024,
+        "cache_read_input_tokens":1000}}"#;
+    let r = parse("litellm", litellm);
+    assert_eq!(
+        (r.usage.cached_tokens, r.usage.cache_write_tokens),
+        (1000, 1024)
+    );
+    let openrouter = r#"{"choices":[{"message":{"content":"news"},"finish_reason":"stop"}],
+        "usage":{"prompt_tokens":500,"completion_tokens":3,
+        "prompt_tokens_details":{"cached_tokens":0,"cache_write_tokens":480}}}"#;
+    assert_eq!(
+        parse("openrouter", openrouter).usage.cache_write_tokens,
+        480
+    );
+    let gemini = r#"{"choices":[{"message":{"content":"news"},"finish_reason":"stop"}],
+        "usage":{"prompt_tokens":40,"completion_tokens":2,"total_tokens":142,
+        "completion_tokens_details":{"reasoning_tokens":100}}}"#;
+    assert_eq!(parse("gemini", gemini).usage, usage(40, 102, 0));
+    // OpenAI counts reasoning within completion_tokens: not added twice.
+    let openai = r#"{"choices":[{"message":{"content":"news"},"finish_reason":"stop"}],
+        "usage":{"prompt_tokens":40,"completion_tokens":102,"total_tokens":142,
+        "completion_tokens_details":{"reasoning_tokens":100}}}"#;
+    assert_eq!(parse("o-series", openai).usage, usage(40, 102, 0));
 }
 
 #[test]
@@ -117,6 +150,7 @@ fn only_bodies_that_are_not_completions_are_malformed() {
             prompt_tokens: 5,
             completion_tokens: 0,
             cached_tokens: 0,
+            cache_write_tokens: 0,
         }))
     );
 }
