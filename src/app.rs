@@ -77,6 +77,7 @@ pub async fn run_pipeline(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), RunError> {
     let registry = Registry::new();
+    let tokens = config.http.tokens()?;
     let engine_metrics = EngineMetrics::register(&registry)?;
     let client = LlmClient::from_config(&config.llm, &registry).map_err(|e| ConfigError {
         key: "llm".into(),
@@ -123,6 +124,7 @@ pub async fn run_pipeline(
             status: app.status(),
             health,
             usage,
+            tokens: std::sync::Arc::new(tokens),
         },
     )
     .await?;
@@ -220,6 +222,12 @@ pub fn steps(
         bad_request_wait_ms: config.tasks.bad_request_wait_ms,
         fallbacks: config.routing.fallbacks.clone(),
         prices: config.prices.clone(),
+        max_output_tokens: config
+            .llm
+            .models
+            .iter()
+            .map(|m| (m.name.clone(), m.max_output_tokens))
+            .collect(),
         accounting: None,
     };
     let models: Vec<String> = client.models().map(str::to_string).collect();

@@ -425,7 +425,8 @@ pub struct RoutingSection {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct HttpSection {
-    /// Address of the metrics/health/query listener.
+    /// Address of the metrics/health/query listener (loopback by default;
+    /// the Helm chart listens on every interface, behind its NetworkPolicy).
     pub listen: String,
     /// The URL other instances reach this one's listener at (e.g.
     /// `http://sluice-0.sluice-headless:8080`): queries for tenants this
@@ -434,13 +435,19 @@ pub struct HttpSection {
     /// unless that is a wildcard address (`0.0.0.0`, `[::]`); then other
     /// instances cannot forward queries here.
     pub advertised_url: Option<String>,
+    /// Bearer tokens of the query API (`/v1/...`): a file of lines
+    /// `<token> <scope>`, the scope `admin` (every tenant) or
+    /// `tenant:<id>` (that tenant only). Unset: the query API answers 401 to
+    /// everyone. `/healthz`, `/readyz` and `/metrics` need no token.
+    pub tokens_file: Option<PathBuf>,
 }
 
 impl Default for HttpSection {
     fn default() -> Self {
         HttpSection {
-            listen: "0.0.0.0:8080".into(),
+            listen: "127.0.0.1:8080".into(),
             advertised_url: None,
+            tokens_file: None,
         }
     }
 }
@@ -456,13 +463,24 @@ impl HttpSection {
         }
     }
 
+    /// The query API's tokens (none without `tokens_file`: the API then
+    /// answers 401 to everyone).
+    pub fn tokens(&self) -> Result<crate::http::auth::ApiTokens, ConfigError> {
+        match &self.tokens_file {
+            None => Ok(Default::default()),
+            Some(path) => crate::http::auth::ApiTokens::load(path)
+                .map_err(|e| ConfigError::new("http.tokens_file", e)),
+        }
+    }
+
     fn validate(&self) -> Result<(), ConfigError> {
         if self.listen.parse::<std::net::SocketAddr>().is_err() {
             return Err(ConfigError::new(
                 "http.listen",
-                "must be an address like 0.0.0.0:8080",
+                "must be an address like 127.0.0.1:8080",
             ));
         }
+        self.tokens()?;
         if let Some(url) = &self.advertised_url {
             let ok = reqwest::Url::parse(url).is_ok_and(|u| {
                 matches!(u.scheme(), "http" | "https")

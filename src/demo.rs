@@ -358,12 +358,13 @@ cost alerts (from {}):",
         .collect();
     let capped_tokens: u64 = results
         .iter()
-        .filter(|r| r.success && r.tenant_id == "initech")
+        .filter(|r| r.accounted() && r.tenant_id == "initech")
         .map(|r| r.input_tokens + r.output_tokens)
         .sum();
     println!(
         "
-hard quota: initech used {capped_tokens} of {QUOTA_TOKENS} tokens; {} tasks refused (quota_exceeded, no call)",
+hard quota: initech used {capped_tokens} of {QUOTA_TOKENS} tokens ({:.0} %); {} tasks refused (quota_exceeded, no call)",
+        capped_tokens as f64 * 100.0 / QUOTA_TOKENS as f64,
         refused.len()
     );
     let _ = std::fs::remove_dir_all(&state);

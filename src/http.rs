@@ -1,5 +1,8 @@
 //! The HTTP listener: `/metrics` (Prometheus text), `/healthz`, `/readyz`,
-//! and the interactive query `/v1/tenants/{id}/usage` (see [`crate::usage`]).
+//! and the interactive query `/v1/tenants/{id}/usage` (see [`crate::usage`]),
+//! behind bearer tokens (see [`auth`]).
+
+pub mod auth;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -26,6 +29,8 @@ pub struct HttpState {
     pub health: Health,
     /// Tenant usage queries (none when accounting is off).
     pub usage: Option<UsageQueries>,
+    /// Who may query.
+    pub tokens: Arc<auth::ApiTokens>,
 }
 
 /// The router.
@@ -117,6 +122,16 @@ async fn tenant_usage(
     Query(params): Query<UsageParams>,
     headers: HeaderMap,
 ) -> Response {
+    if let Err(denied) = s.tokens.authorize(&headers, &tenant) {
+        let mut resp = refuse(denied.status, denied.reason);
+        if denied.status == StatusCode::UNAUTHORIZED {
+            resp.headers_mut().insert(
+                "www-authenticate",
+                axum::http::HeaderValue::from_static("Bearer"),
+            );
+        }
+        return resp;
+    }
     let Some(usage) = &s.usage else {
         return refuse(StatusCode::NOT_FOUND, "accounting is disabled".into());
     };
@@ -128,7 +143,10 @@ async fn tenant_usage(
             StatusCode::SERVICE_UNAVAILABLE,
             format!("forwarded here, but this instance does not hold the tenant ({host} does, as far as it knows)"),
         ),
-        Ok(Lookup::Remote(host)) => match usage.forward(&host, &tenant, window).await {
+        Ok(Lookup::Remote(host)) => match usage
+            .forward(&host, &tenant, window, headers.get(axum::http::header::AUTHORIZATION))
+            .await
+        {
             Ok((status, body)) => (
                 StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY),
                 [("content-type", "application/json")],

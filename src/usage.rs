@@ -82,7 +82,13 @@ impl UsageQueries {
             queries,
             accounting,
             served_by,
-            client: reqwest::Client::new(),
+            // Never redirected (a holder's answer is relayed, not another
+            // server's), never through a proxy from the environment.
+            client: reqwest::Client::builder()
+                .redirect(reqwest::redirect::Policy::none())
+                .no_proxy()
+                .build()
+                .unwrap_or_default(),
         }
     }
 
@@ -160,24 +166,31 @@ impl UsageQueries {
         }))
     }
 
-    /// Asks the instance at `host`, marking the request as forwarded: its
-    /// status and body, or why it could not be asked.
+    /// Asks the instance at `host`, marking the request as forwarded and
+    /// passing the caller's `authorization` on (the holder checks it too):
+    /// its status and body, or why it could not be asked. Redirects are
+    /// not followed.
     pub async fn forward(
         &self,
         host: &str,
         tenant: &str,
         window: Option<&str>,
+        authorization: Option<&axum::http::HeaderValue>,
     ) -> Result<(u16, bytes::Bytes), String> {
         let url = usage_url(host, tenant, window)?;
         let unreachable = |e: reqwest::Error| format!("{host} did not answer: {e}");
-        let resp = self
+        let mut request = self
             .client
             .get(url)
             .header(FORWARDED_HEADER, "1")
-            .timeout(FORWARD_TIMEOUT)
-            .send()
-            .await
-            .map_err(unreachable)?;
+            .timeout(FORWARD_TIMEOUT);
+        if let Some(a) = authorization {
+            request = request.header(reqwest::header::AUTHORIZATION, a.as_bytes());
+        }
+        let resp = request.send().await.map_err(unreachable)?;
+        if resp.status().is_redirection() {
+            return Err(format!("{host} answered with a redirect; not followed"));
+        }
         let status = resp.status().as_u16();
         Ok((status, resp.bytes().await.map_err(unreachable)?))
     }
@@ -210,6 +223,9 @@ pub struct UsageArgs {
     /// Prints the JSON answer instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// A bearer token of the query API (an admin token, or the tenant's).
+    #[arg(long, env = "SLUICE_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
 }
 
 /// Why `sluice usage` failed.
@@ -238,11 +254,13 @@ pub enum UsageCliError {
 pub async fn run_cli(args: UsageArgs) -> Result<(), UsageCliError> {
     let url = usage_url(&args.url, &args.tenant, args.window.as_deref())
         .map_err(UsageCliError::BadUrl)?;
-    let resp = reqwest::Client::new()
+    let mut request = reqwest::Client::new()
         .get(url)
-        .timeout(FORWARD_TIMEOUT + Duration::from_secs(5))
-        .send()
-        .await?;
+        .timeout(FORWARD_TIMEOUT + Duration::from_secs(5));
+    if let Some(token) = &args.token {
+        request = request.bearer_auth(token);
+    }
+    let resp = request.send().await?;
     let status = resp.status().as_u16();
     let body = resp.bytes().await?;
     if !(200..300).contains(&status) {

@@ -413,6 +413,30 @@ tokens = {quota}
     };
     let (done, refused) = assert_quota_held(&results, "capped", quota, 50);
     assert_eq!(done + refused, 500);
+    // Tight: refused only once the settled usage plus the task's own worst
+    // case passes the quota (never for other tasks' reservations), so the
+    // tenant used at least the quota minus one task's worst case.
+    let used: u64 = of("capped")
+        .iter()
+        .map(|r| r.input_tokens + r.output_tokens)
+        .sum();
+    let worst = of("capped")
+        .iter()
+        .filter_map(|r| {
+            r.error_message
+                .as_deref()?
+                .rsplit("this task up to ")
+                .next()
+        })
+        .filter_map(|n| n.trim().parse::<u64>().ok())
+        .max()
+        .unwrap_or(0);
+    println!("capped: used {used} of {quota} tokens, a task's worst case {worst}, {done} answered, {refused} refused");
+    assert!(refused == 0 || worst > 0, "refusals name their worst case");
+    assert!(
+        used + worst >= quota,
+        "used {used} of {quota} with a worst case of {worst} before refusing"
+    );
     assert!(
         p.dead_letters("classify").is_empty(),
         "refusals are not dead letters"

@@ -149,6 +149,7 @@ fn java_producers_and_consumers_round_trip_through_sluice() {
                         &format!("http://{}", a.addr),
                         "--json",
                     ])
+                    .env("SLUICE_TOKEN", ADMIN_TOKEN)
                     .output()
                     .unwrap();
                 let r: TenantUsageReport = serde_json::from_slice(&out.stdout).ok()?;

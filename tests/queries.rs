@@ -32,6 +32,7 @@ fn url(app: &App) -> String {
 fn usage_cli(app: &App, tenant: &str, extra: &[&str]) -> Result<String, (i32, String)> {
     let out = Command::new(sluice_bin())
         .args(["usage", tenant, "--url", &url(app)])
+        .env("SLUICE_TOKEN", ADMIN_TOKEN)
         .args(extra)
         .output()
         .expect("run sluice usage");
@@ -212,6 +213,37 @@ fn usage_on_an_instance_that_does_not_own_the_tenant_returns_the_same_figures_as
         2,
         "each instance held some tenants, so each forwarded some queries"
     );
+    // Behind tokens, on the instance that holds a tenant and on the one that
+    // forwards: none or an unknown one 401, a tenant's own token reads only
+    // its tenant (403 for another, forwarded or not).
+    for app in [&a, &b] {
+        for tenant in ["tenant-0", "tenant-1"] {
+            let path = format!("/v1/tenants/{tenant}/usage");
+            assert_eq!(
+                p.http_as(app, &path, None).0,
+                401,
+                "{tenant} without a token"
+            );
+            let guess = Some("not-a-token-0123456789");
+            assert_eq!(
+                p.http_as(app, &path, guess).0,
+                401,
+                "{tenant}, unknown token"
+            );
+            let own = if tenant == "tenant-0" { 200 } else { 403 };
+            assert_eq!(
+                p.http_as(app, &path, Some(TENANT0_TOKEN)).0,
+                own,
+                "{tenant}"
+            );
+        }
+    }
+    let out = Command::new(sluice_bin())
+        .args(["usage", "tenant-0", "--url", &url(&a)])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("401"));
 
     // A tenant without tasks: zeros, on either instance.
     let nobody = eventually(Duration::from_secs(30), "an unknown tenant's zeros", || {

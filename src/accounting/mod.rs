@@ -46,7 +46,7 @@ use sluice_topology::{
 
 use crate::envelope::{TaskEnvelope, TaskResult, HEADER_DUPLICATE, QUOTA_EXCEEDED};
 use crate::route::DowngradeHook;
-pub use quota::{Amount, Quota, QuotaGate, QuotaMode, Quotas, Reservations};
+pub use quota::{Admission, Amount, Quota, QuotaGate, QuotaMode, Quotas, Reservations};
 
 /// A window size and how long its windows are kept.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -4,10 +4,14 @@
 //! owns the tenant's partition (tasks are keyed by tenant, so one task of
 //! one instance decides for a tenant; no shared cache, exact with any number
 //! of instances). `invoke_llm` reserves the call's worst case (the prompt
-//! estimate plus `max_tokens`, priced at the dearest model the call may end
-//! on) against the window's settled usage plus the reservations still out;
-//! a task that does not fit gets a failed result `quota_exceeded` (no call,
-//! no dead letter). When its result is emitted the reservation is released
+//! bound plus `max_tokens`, priced at the dearest model the call may end
+//! on) against the window's settled usage plus the reservations still out.
+//! A task that fits the settled usage but not with the reservations out
+//! waits (its record held, uncommitted) until they settle; a task whose
+//! worst case would pass the quota on settled usage alone gets a failed
+//! result `quota_exceeded` (no call, no dead letter). So a tenant uses at
+//! least its quota minus one task's worst case before its first refusal,
+//! and never a token over it. When its result is emitted the reservation is released
 //! and, in the same step of the same thread, the accountant adds the real
 //! usage to the window, so settled usage plus reservations never pass the
 //! quota. A **soft** quota is not enforced: crossing it raises an alert
@@ -113,6 +117,20 @@ pub struct Exceeded {
     pub message: String,
 }
 
+/// What the gate decides for a call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Admission {
+    /// The tenant has no hard quota: nothing is reserved.
+    Unlimited,
+    /// The call's worst case is reserved.
+    Reserved,
+    /// It fits the settled usage, not with the reservations out: it waits
+    /// for them to settle.
+    Wait,
+    /// Its worst case would pass the quota on the settled usage alone.
+    Exceeded(Exceeded),
+}
+
 /// Hard-quota admission for `invoke_llm`: reads the tenant's window (the
 /// accountant's store) and keeps the reservations of one task's calls.
 #[derive(Clone, Debug)]
@@ -134,10 +152,14 @@ impl QuotaGate {
     }
 
     /// Reserves `worst` for `tenant` when its settled usage in the current
-    /// window plus what `reserved` holds for it still leaves room; `Ok(Err)`
-    /// when it would pass a hard quota. Without a hard quota nothing is
-    /// reserved (`Ok(Ok(false))`). It may grow a reservation already made
-    /// (a batch's spoiled call billed to its tasks).
+    /// window plus what `reserved` holds for it still leaves room; [`Wait`]
+    /// when only the reservations out leave none; [`Exceeded`] when the
+    /// settled usage alone does. Without a hard quota nothing is reserved.
+    /// It may grow a reservation already made (a batch's spoiled call
+    /// billed to its tasks).
+    ///
+    /// [`Wait`]: Admission::Wait
+    /// [`Exceeded`]: Admission::Exceeded
     pub fn reserve<K: Data, V: Data, O: Send + 'static>(
         &self,
         ctx: &mut ProcessorContext<'_, K, V, O>,
@@ -145,48 +167,51 @@ impl QuotaGate {
         tenant: &str,
         worst: Amount,
         now_ms: i64,
-    ) -> Result<Result<bool, Exceeded>, ProcessError> {
+    ) -> Result<Admission, ProcessError> {
         let Some(q) = self.quotas.hard(tenant) else {
-            return Ok(Ok(false));
+            return Ok(Admission::Unlimited);
         };
         let Some((store, w)) = self.windows.get(&q.window) else {
-            return Ok(Ok(false));
+            return Ok(Admission::Unlimited);
         };
         let start = w.start_of(now_ms);
         let used = ctx
             .window::<String, TenantUsage>(store)?
             .peek(&tenant.to_string(), start, |u| u.map(TenantUsage::amount))?
             .unwrap_or_default();
-        let out = reserved.of(tenant);
-        let after = used.plus(out).plus(worst);
-        let over_tokens = q.tokens.filter(|cap| after.tokens > *cap);
-        let over_cost = q.cost_micros.filter(|cap| after.cost_micros > *cap);
-        if over_tokens.is_some() || over_cost.is_some() {
-            let (what, cap, used_n, out_n, worst_n) = match over_tokens {
+        let over = |a: Amount| {
+            let tokens = q.tokens.filter(|cap| a.tokens > *cap);
+            let cost = q.cost_micros.filter(|cap| a.cost_micros > *cap);
+            tokens.is_some() || cost.is_some()
+        };
+        let alone = used.plus(worst);
+        if over(alone) {
+            let (what, cap, used_n, worst_n) = match q.tokens.filter(|cap| alone.tokens > *cap) {
                 Some(cap) => (
                     "tokens",
                     cap as i64,
                     used.tokens as i64,
-                    out.tokens as i64,
                     worst.tokens as i64,
                 ),
                 None => (
                     "micro-dollars",
                     q.cost_micros.unwrap_or_default(),
                     used.cost_micros,
-                    out.cost_micros,
                     worst.cost_micros,
                 ),
             };
-            return Ok(Err(Exceeded {
+            return Ok(Admission::Exceeded(Exceeded {
                 message: format!(
-                    "hard quota of {cap} {what} per {} window: {used_n} used, {out_n} reserved, this task up to {worst_n}",
+                    "hard quota of {cap} {what} per {} window: {used_n} used, this task up to {worst_n}",
                     q.window
                 ),
             }));
         }
+        if over(alone.plus(reserved.of(tenant))) {
+            return Ok(Admission::Wait);
+        }
         reserved.add(tenant, worst);
-        Ok(Ok(true))
+        Ok(Admission::Reserved)
     }
 }
 

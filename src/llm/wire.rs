@@ -96,6 +96,22 @@ impl ChatRequest {
 }
 
 impl ChatRequest {
+    /// A true upper bound of the prompt's tokens, for hard quotas: its bytes
+    /// (a byte-level BPE token, as OpenAI's, Llama 3's or Qwen's tokenizers
+    /// make, is at least one byte, whatever the script: CJK text, digits and
+    /// base64 take more tokens per byte than prose, never more than one),
+    /// the response format's schema, and the chat framing (at most 8 tokens
+    /// a message, 8 to start the answer).
+    pub fn prompt_token_bound(&self) -> u64 {
+        let messages: usize = self.messages.iter().map(|m| m.content.len() + 8).sum();
+        let format = self
+            .response_format
+            .as_ref()
+            .and_then(|f| serde_json::to_vec(f).ok())
+            .map_or(0, |f| f.len());
+        (messages + format + 8) as u64
+    }
+
     /// Estimated prompt tokens: the messages' text and a small per-message
     /// overhead (see [`estimate_tokens`]).
     pub fn estimated_prompt_tokens(&self) -> u64 {

@@ -8,7 +8,7 @@ use super::output;
 use super::policy::{self, Action};
 use super::trap::Verdict;
 use super::{idempotency_key, in_flight_key, now_ms, Ctx, Failure, Item, LlmProcessor};
-use crate::accounting::Amount;
+use crate::accounting::{Admission, Amount};
 use crate::envelope::DlqCategory;
 use crate::llm::apportion::apportion_batch_usage;
 use crate::llm::prompt::{self, split_batch_answer, BatchSplitError};
@@ -673,13 +673,20 @@ impl LlmProcessor {
         let held = item.held.clone();
         ctx.with_record(&held, |ctx| {
             match gate.reserve(ctx, &mut self.reservations, &tenant, grow, now_ms())? {
-                Ok(_) => {
+                Admission::Reserved | Admission::Unlimited => {
                     if let Some((_, a)) = self.reserved.get_mut(&flight) {
                         *a = a.plus(grow);
                     }
                     Ok(true)
                 }
-                Err(exceeded) => {
+                // Spent already: growing it must fit now, not later.
+                Admission::Wait => {
+                    let message = "hard quota: the task's share of a spoiled batch call does not fit beside the reservations out".to_string();
+                    let billed = (item.extra, item.extra_cost_micros);
+                    self.reject(ctx, &item.routed, &item.headers, message, billed)?;
+                    Ok(false)
+                }
+                Admission::Exceeded(exceeded) => {
                     let billed = (item.extra, item.extra_cost_micros);
                     self.reject(ctx, &item.routed, &item.headers, exceeded.message, billed)?;
                     Ok(false)

@@ -46,7 +46,7 @@ use sluice_topology::{
 };
 
 use crate::accounting::pricing::{apportion_cost, cost_micros, Price};
-use crate::accounting::{Accounting, Amount, QuotaGate, Reservations};
+use crate::accounting::{Accounting, Admission, Amount, QuotaGate, Reservations};
 use crate::envelope::{DlqCategory, Route, TaskResult};
 use crate::llm::{ChatRequest, LlmClient, PromptBuilder, Usage};
 use crate::trace::Tracer;
@@ -109,6 +109,10 @@ pub const TRACE_HEADERS: [&str; 2] = ["traceparent", "tracestate"];
 
 const MINUTE_MS: i64 = 60_000;
 
+/// The completion cap of a hard-quota tenant's call whose template and model
+/// set none.
+const DEFAULT_HARD_QUOTA_CAP: u32 = 16_384;
+
 /// The idempotency key of a task: its type and its id, since two task types
 /// may reuse an id. (Task types are topic-name suffixes, which cannot hold
 /// `/`.) A task sent again must be sent with the same Kafka key, so it reaches
@@ -146,6 +150,9 @@ pub struct LlmSettings {
     pub fallbacks: BTreeMap<String, String>,
     /// Prices per model (a result's `costMicros`).
     pub prices: BTreeMap<String, Price>,
+    /// The most completion tokens each model writes in one answer: the cap
+    /// a hard-quota tenant's call gets when its template sets none.
+    pub max_output_tokens: BTreeMap<String, u32>,
     /// The per-tenant accounts `account` keeps after this step: hard quotas
     /// are enforced against them before each call (see
     /// [`crate::accounting::quota`]).
@@ -387,6 +394,9 @@ pub struct LlmProcessor {
     reservations: Reservations,
     /// The reservation of each task under way (by in-flight key).
     reserved: HashMap<String, (String, Amount)>,
+    /// Tasks of hard-quota tenants waiting for their tenant's reservations
+    /// out to settle, in arrival order (their records held).
+    quota_waiting: Vec<Item>,
 }
 
 fn now_ms() -> i64 {
@@ -409,6 +419,7 @@ impl LlmProcessor {
             counters: Default::default(),
             reservations: Reservations::default(),
             reserved: HashMap::new(),
+            quota_waiting: Vec::new(),
         }
     }
 
@@ -452,7 +463,7 @@ impl LlmProcessor {
         // What earlier attempts were billed without an answer: on this
         // attempt's result, whatever it is.
         let billed = billed_before(&item.headers);
-        let request = match self.step.0.prompts.build_request(env) {
+        let mut request = match self.step.0.prompts.build_request(env) {
             Ok(r) => r,
             Err(e) => {
                 let why = Failure {
@@ -466,39 +477,132 @@ impl LlmProcessor {
                 return Ok(None);
             }
         };
-        if let Some(gate) = self.step.quota() {
-            let tenant = item.task.task.tenant().to_string();
-            let worst = self.worst_case(&item.task, &request);
-            match gate.reserve(ctx, &mut self.reservations, &tenant, worst, now_ms())? {
-                Err(exceeded) => {
-                    self.reject(ctx, &item.task, &item.headers, exceeded.message, billed)?;
-                    return Ok(None);
-                }
-                Ok(true) => {
-                    self.metrics().reservations.inc();
-                    self.reserved.insert(flight.clone(), (tenant, worst));
-                }
-                Ok(false) => {}
-            }
+        let capped = request
+            .max_tokens
+            .or(request.max_completion_tokens)
+            .is_some();
+        if !capped
+            && self
+                .step
+                .quota()
+                .is_some_and(|g| g.is_hard(item.task.task.tenant()))
+        {
+            // A hard quota's worst case needs a cap: the model's own limit.
+            let cap = self.step.settings().max_output_tokens.get(&item.task.model);
+            request.max_tokens = Some(cap.copied().unwrap_or(DEFAULT_HARD_QUOTA_CAP));
         }
-        self.in_flight.insert(flight, Vec::new());
         let (extra, extra_cost_micros) = billed;
-        Ok(Some(Item {
+        let admitted = Item {
             routed: item.task,
             headers: item.headers,
             held: item.held,
             request,
             extra,
             extra_cost_micros,
-        }))
+        };
+        if self.step.quota().is_some() && !self.quota_waiting.is_empty() {
+            // Behind tasks of its tenant that wait: it waits too, in order.
+            let tenant = admitted.routed.task.tenant().to_string();
+            if self
+                .quota_waiting
+                .iter()
+                .any(|w| w.routed.task.tenant() == tenant)
+            {
+                self.in_flight.insert(flight, Vec::new());
+                self.quota_waiting.push(admitted);
+                return Ok(None);
+            }
+        }
+        match self.reserve(ctx, &admitted)? {
+            Admission::Exceeded(exceeded) => {
+                let billed = (admitted.extra, admitted.extra_cost_micros);
+                self.reject(
+                    ctx,
+                    &admitted.routed,
+                    &admitted.headers,
+                    exceeded.message,
+                    billed,
+                )?;
+                Ok(None)
+            }
+            Admission::Wait => {
+                self.in_flight.insert(flight, Vec::new());
+                self.quota_waiting.push(admitted);
+                Ok(None)
+            }
+            Admission::Reserved | Admission::Unlimited => {
+                self.in_flight.insert(flight, Vec::new());
+                Ok(Some(admitted))
+            }
+        }
     }
 
-    /// A call's worst case: the prompt estimate plus the completion cap,
-    /// priced at the dearest rates of the models it may end on (its own and
-    /// its fallbacks).
+    /// Asks the hard-quota gate for `item`'s call (its record current):
+    /// reserved (and remembered under its in-flight key), wait, or refused.
+    fn reserve(&mut self, ctx: &mut Ctx<'_>, item: &Item) -> Result<Admission, ProcessError> {
+        let Some(gate) = self.step.quota().cloned() else {
+            return Ok(Admission::Unlimited);
+        };
+        let task = &item.routed.task;
+        let tenant = task.tenant().to_string();
+        let worst = self.worst_case(&item.routed, &item.request);
+        let admission = gate.reserve(ctx, &mut self.reservations, &tenant, worst, now_ms())?;
+        if admission == Admission::Reserved {
+            let key = idempotency_key(&task.envelope.task_type, &task.envelope.task_id);
+            self.metrics().reservations.inc();
+            self.reserved
+                .insert(in_flight_key(&tenant, &key), (tenant, worst));
+        }
+        Ok(admission)
+    }
+
+    /// Asks again for the tasks waiting on their tenant's reservations
+    /// (after calls settled, and on every punctuation: a new window frees
+    /// its quota): each tenant's in arrival order, until one must wait
+    /// again. Those reserved are called, one call each; those that no
+    /// longer fit are refused.
+    fn admit_waiting(&mut self, ctx: &mut Ctx<'_>) -> Result<(), ProcessError> {
+        if self.quota_waiting.is_empty() {
+            return Ok(());
+        }
+        let mut blocked: HashSet<String> = HashSet::new();
+        let mut ready = Vec::new();
+        for item in std::mem::take(&mut self.quota_waiting) {
+            let tenant = item.routed.task.tenant().to_string();
+            if blocked.contains(&tenant) {
+                self.quota_waiting.push(item);
+                continue;
+            }
+            let held = item.held.clone();
+            ctx.with_record(&held, |ctx| {
+                match self.reserve(ctx, &item)? {
+                    Admission::Reserved | Admission::Unlimited => ready.push(item),
+                    Admission::Wait => {
+                        blocked.insert(tenant);
+                        self.quota_waiting.push(item);
+                    }
+                    Admission::Exceeded(exceeded) => {
+                        let billed = (item.extra, item.extra_cost_micros);
+                        self.reject(ctx, &item.routed, &item.headers, exceeded.message, billed)?;
+                    }
+                }
+                Ok::<_, ProcessError>(())
+            })?;
+        }
+        for item in ready {
+            self.start(ctx, vec![item], None);
+        }
+        Ok(())
+    }
+
+    /// A call's worst case: a true upper bound of its prompt tokens (see
+    /// [`ChatRequest::prompt_token_bound`]) plus its completion cap, priced
+    /// at the dearest rates of the models it may end on (its own and its
+    /// fallbacks).
     fn worst_case(&self, routed: &Routed, request: &ChatRequest) -> Amount {
-        let output = u64::from(request.max_tokens.unwrap_or(256));
-        let tokens = u64::from(request.estimated_tokens());
+        let cap = request.max_tokens.or(request.max_completion_tokens);
+        let output = u64::from(cap.unwrap_or(DEFAULT_HARD_QUOTA_CAP));
+        let tokens = request.prompt_token_bound() + output;
         let prices = &self.step.settings().prices;
         let fallbacks = &self.step.settings().fallbacks;
         let mut dearest = Price::new(0, 0);
@@ -745,10 +849,12 @@ impl<K: Data, V: LlmInput> Processor<K, V> for LlmProcessor {
     }
 
     fn complete(&mut self, done: CallDone, ctx: &mut Ctx<'_>) -> Result<(), ProcessError> {
-        self.finish(ctx, done)
+        self.finish(ctx, done)?;
+        self.admit_waiting(ctx)
     }
 
     fn punctuate(&mut self, time: Punctuation, ctx: &mut Ctx<'_>) -> Result<(), ProcessError> {
+        self.admit_waiting(ctx)?;
         self.probe_held(ctx, time.wall_clock_ms);
         self.decide_refused(ctx)?;
         self.expire(ctx, time.wall_clock_ms)

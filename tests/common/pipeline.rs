@@ -16,6 +16,23 @@ use super::{bootstrap, eventually, temp_dir, unique, Proc};
 
 /// Config of tests about single calls (their count, their order through the
 /// limiter, a breaker's probes): micro-batching off.
+/// The query API's admin token in the fixture's tokens file.
+pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789";
+
+/// `tenant-0`'s own token in the fixture's tokens file.
+pub const TENANT0_TOKEN: &str = "test-tenant-0-token-0123456789";
+
+/// Writes the fixture's tokens file into `dir`.
+fn tokens_file(dir: &tempfile::TempDir) -> std::path::PathBuf {
+    let path = dir.path().join("tokens");
+    std::fs::write(
+        &path,
+        format!("{ADMIN_TOKEN} admin\n{TENANT0_TOKEN} tenant:tenant-0\n"),
+    )
+    .unwrap();
+    path
+}
+
 pub const UNBATCHED: &str = "[batching]\nenabled = false\n";
 
 /// A simulator, a config and the topics of one test.
@@ -167,11 +184,13 @@ cached = 1250000
 
 [http]
 listen = "127.0.0.1:0"
+tokens_file = "{tokens}"
 {extra_toml}
 "#,
             state = state.path().display(),
             bootstrap = cluster.bootstrap,
             url = sim.base_url(),
+            tokens = tokens_file(&dir).display(),
         );
         std::fs::write(&config, toml).unwrap();
         let p = Pipeline {
@@ -295,10 +314,20 @@ listen = "127.0.0.1:0"
         app
     }
 
+    /// GETs `path` of `app` with the admin token.
     pub fn http(&self, app: &App, path: &str) -> (u16, String) {
+        self.http_as(app, path, Some(ADMIN_TOKEN))
+    }
+
+    /// GETs `path` of `app` with `token` (none: no `Authorization`).
+    pub fn http_as(&self, app: &App, path: &str, token: Option<&str>) -> (u16, String) {
         let url = format!("http://{}{path}", app.addr);
         self.rt.block_on(async {
-            match reqwest::get(&url).await {
+            let mut request = reqwest::Client::new().get(&url);
+            if let Some(t) = token {
+                request = request.bearer_auth(t);
+            }
+            match request.send().await {
                 Ok(r) => (r.status().as_u16(), r.text().await.unwrap_or_default()),
                 Err(_) => (0, String::new()),
             }

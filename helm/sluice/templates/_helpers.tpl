@@ -120,7 +120,11 @@ The configuration as Sluice will read it, as JSON: configToml parsed, or the
 {{- $app := get $cfg "app" | default dict }}
 {{- $_ := set $app "state_dir" .Values.persistence.mountPath }}
 {{- $_ := set $cfg "app" $app }}
-{{- $_ := set $cfg "http" (dict "listen" (printf "0.0.0.0:%d" (int .Values.http.port))) }}
+{{- $http := dict "listen" (printf "0.0.0.0:%d" (int .Values.http.port)) }}
+{{- with .Values.http.tokensFile }}
+{{- $_ := set $http "tokens_file" . }}
+{{- end }}
+{{- $_ := set $cfg "http" $http }}
 {{- toJson $cfg }}
 {{- end }}
 {{- end }}

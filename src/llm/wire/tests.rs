@@ -175,3 +175,33 @@ fn usage_a_provider_did_not_report_is_estimated() {
     reported.estimate_missing_usage(&request);
     assert_eq!(reported.usage, usage(19, 10, 0), "reported usage is kept");
 }
+
+/// The hard-quota bound counts a token per byte at most: CJK text (about a
+/// token a character in OpenAI's o200k, three bytes each), digits and base64
+/// stay under it, where a quarter of the bytes would not.
+#[test]
+fn the_prompt_bound_is_never_below_a_byte_level_tokenizers_count() {
+    let cjk = "数据流处理".repeat(200); // 1,000 characters, 3,000 bytes
+    let digits = "7".repeat(1_000);
+    for text in [cjk.as_str(), digits.as_str()] {
+        let r = ChatRequest {
+            model: "m".into(),
+            messages: vec![Message::system("Answer."), Message::user(text)],
+            max_tokens: Some(16),
+            max_completion_tokens: None,
+            temperature: None,
+            response_format: None,
+        };
+        // At least a token per byte of text, so at least one per character.
+        let bytes = (text.len() + "Answer.".len()) as u64;
+        assert!(
+            r.prompt_token_bound() >= bytes,
+            "{}",
+            r.prompt_token_bound()
+        );
+        // The pacing estimate (a quarter of the bytes) is no bound: a
+        // tokenizer giving a token per CJK character or per 3 digits passes it.
+        let per_char_or_3_digits = if text == digits { 334 } else { 1_000 };
+        assert!(r.estimated_prompt_tokens() < per_char_or_3_digits);
+    }
+}
