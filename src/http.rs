@@ -156,6 +156,7 @@ async fn tenant_usage(
             Err(reason) => refuse(StatusCode::SERVICE_UNAVAILABLE, reason),
         },
         Ok(Lookup::Unavailable(reason)) => refuse(StatusCode::SERVICE_UNAVAILABLE, reason),
+        Ok(Lookup::Unknown(reason)) => refuse(StatusCode::NOT_FOUND, reason),
         Err(e @ UsageError::UnknownWindow(_)) => refuse(StatusCode::NOT_FOUND, e.to_string()),
         Err(e) => refuse(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     }

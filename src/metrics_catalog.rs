@@ -98,6 +98,7 @@ fn named_families() -> Vec<&'static str> {
         operator::BATCH_FALLBACKS,
         operator::QUOTA_REJECTIONS,
         operator::RESERVATIONS,
+        operator::QUOTA_WAITING,
         // route.
         crate::route::ROUTE_DECISIONS,
         // account (the name is a literal in `Accounting::registered`).

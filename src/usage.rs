@@ -52,6 +52,10 @@ pub enum Lookup {
     Remote(String),
     /// Not answerable now (restoring, or the holder is not known yet).
     Unavailable(String),
+    /// Held here, and no window of the tenant is kept: not a tenant this
+    /// partition has seen (a billing page must not show it $0). The reason
+    /// names the partition, for a partitioner that is not the producers'.
+    Unknown(String),
 }
 
 /// Why a usage query failed for good.
@@ -150,6 +154,13 @@ impl UsageQueries {
             Err(e) if e.unavailable() => return Ok(Lookup::Unavailable(e.to_string())),
             Err(e) => return Err(e.into()),
         };
+        if found.iter().all(Vec::is_empty) && !self.seen(md.partition, tenant, &names, now_ms)? {
+            return Ok(Lookup::Unknown(format!(
+                "unknown_tenant: partition {} holds no usage of {tenant} in any kept window \
+                 (is [tasks] partitioner the one the producers use?)",
+                md.partition
+            )));
+        }
         let windows = windows
             .iter()
             .zip(starts)
@@ -164,6 +175,35 @@ impl UsageQueries {
             served_by: self.served_by.clone(),
             windows,
         }))
+    }
+
+    /// Whether the local task of `partition` keeps any window of `tenant`
+    /// in `stores` (up to `now_ms`).
+    fn seen(
+        &self,
+        partition: i32,
+        tenant: &str,
+        stores: &[String],
+        now_ms: i64,
+    ) -> Result<bool, UsageError> {
+        let ranges: Vec<WindowRange<'_>> = stores
+            .iter()
+            .map(|store| WindowRange {
+                store,
+                from_ms: i64::MIN,
+                to_ms: now_ms.saturating_add(1),
+            })
+            .collect();
+        match self.queries.fetch_windows::<String, TenantUsage>(
+            partition,
+            &tenant.to_string(),
+            &ranges,
+        ) {
+            Ok(found) => Ok(found.iter().any(|w| !w.is_empty())),
+            // Not provable now: answer with what the current windows say.
+            Err(e) if e.unavailable() => Ok(true),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Asks the instance at `host`, marking the request as forwarded and

@@ -238,6 +238,13 @@ fn usage_on_an_instance_that_does_not_own_the_tenant_returns_the_same_figures_as
             );
         }
     }
+    // A tenant no partition has seen is unknown, not $0, whoever holds its
+    // partition.
+    for app in [&a, &b] {
+        let (status, body) = p.http(app, "/v1/tenants/never-seen/usage");
+        assert_eq!(status, 404, "{body}");
+        assert!(body.contains("unknown_tenant"), "{body}");
+    }
     let out = Command::new(sluice_bin())
         .args(["usage", "tenant-0", "--url", &url(&a)])
         .output()
@@ -245,15 +252,16 @@ fn usage_on_an_instance_that_does_not_own_the_tenant_returns_the_same_figures_as
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("401"));
 
-    // A tenant without tasks: zeros, on either instance.
-    let nobody = eventually(Duration::from_secs(30), "an unknown tenant's zeros", || {
-        both(&a, &b, "nobody-at-all")
-    });
-    assert_eq!(nobody.0, nobody.1);
-    assert!(nobody.0.windows.iter().all(|w| w.requests == 0
-        && w.input_tokens == 0
-        && w.cost_micros == 0
-        && w.by_model.is_empty()));
+    // A tenant without tasks: unknown (404), never zeros, with `sluice usage`
+    // on either instance too.
+    for app in [&a, &b] {
+        let (code, stderr) = usage_cli(app, "nobody-at-all", &[]).unwrap_err();
+        assert_ne!(code, 0);
+        assert!(
+            stderr.contains("404") && stderr.contains("unknown_tenant"),
+            "{stderr}"
+        );
+    }
 
     // One window only; an unknown window is refused with the server's reason.
     let one = usage_cli(&a, &tenants[0], &["--json", "--window", "1h"]).unwrap();

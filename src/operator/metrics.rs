@@ -34,6 +34,9 @@ pub mod names {
     pub const QUOTA_REJECTIONS: &str = "sluice_quota_rejections_total";
     /// Hard-quota reservations of calls under way.
     pub const RESERVATIONS: &str = "sluice_quota_reservations";
+    /// Tasks of hard-quota tenants waiting for their tenant's reservations
+    /// out to settle.
+    pub const QUOTA_WAITING: &str = "sluice_quota_waiting";
 }
 
 /// The operator's metric handles.
@@ -53,6 +56,7 @@ pub struct OperatorMetrics {
     pub(crate) truncation_retries: IntCounter,
     pub(crate) quota_rejections: IntCounter,
     pub(crate) reservations: IntGauge,
+    pub(crate) quota_waiting: IntGauge,
 }
 
 impl OperatorMetrics {
@@ -110,6 +114,10 @@ impl OperatorMetrics {
                 names::RESERVATIONS,
                 "Hard-quota reservations of calls under way",
             )?,
+            quota_waiting: IntGauge::new(
+                names::QUOTA_WAITING,
+                "Tasks waiting for their tenant's hard-quota reservations to settle",
+            )?,
         };
         registry.register(Box::new(m.duplicates.clone()))?;
         registry.register(Box::new(m.republished.clone()))?;
@@ -123,6 +131,7 @@ impl OperatorMetrics {
         registry.register(Box::new(m.truncation_retries.clone()))?;
         registry.register(Box::new(m.quota_rejections.clone()))?;
         registry.register(Box::new(m.reservations.clone()))?;
+        registry.register(Box::new(m.quota_waiting.clone()))?;
         Ok(m)
     }
 

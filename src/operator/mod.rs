@@ -528,6 +528,7 @@ impl LlmProcessor {
             Admission::Wait => {
                 self.in_flight.insert(flight, Vec::new());
                 self.quota_waiting.push(admitted);
+                self.metrics().quota_waiting.inc();
                 Ok(None)
             }
             Admission::Reserved | Admission::Unlimited => {
@@ -565,6 +566,7 @@ impl LlmProcessor {
         if self.quota_waiting.is_empty() {
             return Ok(());
         }
+        let before = self.quota_waiting.len() as i64;
         let mut blocked: HashSet<String> = HashSet::new();
         let mut ready = Vec::new();
         for item in std::mem::take(&mut self.quota_waiting) {
@@ -589,6 +591,9 @@ impl LlmProcessor {
                 Ok::<_, ProcessError>(())
             })?;
         }
+        self.metrics()
+            .quota_waiting
+            .sub(before - self.quota_waiting.len() as i64);
         for item in ready {
             self.start(ctx, vec![item], None);
         }
@@ -808,6 +813,9 @@ impl Drop for LlmProcessor {
             self.step.0.health.release(task);
         }
         self.metrics().reservations.sub(self.reserved.len() as i64);
+        self.metrics()
+            .quota_waiting
+            .sub(self.quota_waiting.len() as i64);
         self.metrics().parked.sub(self.parked_counted);
     }
 }
