@@ -873,6 +873,34 @@ fn emit_json(
     Ok(())
 }
 
+/// An alert of `tenant`'s quota `q` on its window starting at `start`
+/// (`kind`: `quota` for a soft quota crossed, `quota_exceeded` for a hard
+/// quota's first refusal; the kind ends the alert id).
+fn quota_alert(
+    kind: &str,
+    q: &Quota,
+    tenant: &str,
+    w: &WindowSpec,
+    start: i64,
+    usage: &TenantUsage,
+) -> AlertRecord {
+    let a = usage.amount();
+    AlertRecord {
+        alert_id: format!("{tenant}/{}/{start}/{kind}", w.name),
+        kind: kind.into(),
+        tenant_id: tenant.to_string(),
+        window: w.name.clone(),
+        window_start: start,
+        window_end: w.end_of(start),
+        threshold: 1.0,
+        spent_micros: a.cost_micros,
+        budget_micros: q.cost_micros.unwrap_or_default(),
+        spent_tokens: Some(a.tokens),
+        quota_tokens: q.tokens,
+        emitted_at: chrono::Utc::now(),
+    }
+}
+
 /// Adding results to windows, and what that crosses.
 impl Accounting {
     /// Adds a result to its tenant's window of every size and returns what
@@ -934,21 +962,7 @@ impl Accounting {
             return None;
         }
         usage.refusal_alerted = true;
-        let a = usage.amount();
-        Some(AlertRecord {
-            alert_id: format!("{tenant}/{}/{start}/quota_exceeded", w.name),
-            kind: QUOTA_EXCEEDED.into(),
-            tenant_id: tenant.to_string(),
-            window: w.name.clone(),
-            window_start: start,
-            window_end: w.end_of(start),
-            threshold: 1.0,
-            spent_micros: a.cost_micros,
-            budget_micros: q.cost_micros.unwrap_or_default(),
-            spent_tokens: Some(a.tokens),
-            quota_tokens: q.tokens,
-            emitted_at: chrono::Utc::now(),
-        })
+        Some(quota_alert(QUOTA_EXCEEDED, q, tenant, w, start, usage))
     }
 
     /// The alerts a window's new total crosses: each threshold of each
@@ -1026,20 +1040,7 @@ impl Accounting {
             return Vec::new();
         }
         usage.quota_alerted = true;
-        vec![AlertRecord {
-            alert_id: format!("{tenant}/{}/{start}/quota", w.name),
-            kind: "quota".into(),
-            tenant_id: tenant.to_string(),
-            window: w.name.clone(),
-            window_start: start,
-            window_end: w.end_of(start),
-            threshold: 1.0,
-            spent_micros: a.cost_micros,
-            budget_micros: q.cost_micros.unwrap_or_default(),
-            spent_tokens: Some(a.tokens),
-            quota_tokens: q.tokens,
-            emitted_at: chrono::Utc::now(),
-        }]
+        vec![quota_alert("quota", q, tenant, w, start, usage)]
     }
 
     /// Routes `tenant` down until `until` (ms).

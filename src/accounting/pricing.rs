@@ -63,6 +63,20 @@ impl Price {
             .max(self.cache_write_rate())
     }
 
+    /// The most `prompt` prompt tokens and `completion` completion tokens
+    /// can cost, micro-dollars: every prompt token at the dearest prompt
+    /// rate (a hard quota's worst case).
+    pub fn bound_micros(&self, prompt: u64, completion: u64) -> i64 {
+        let dearest = Price::new(self.dearest_prompt_rate(), self.output);
+        let usage = Usage {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            cached_tokens: 0,
+            cache_write_tokens: 0,
+        };
+        cost_micros(&dearest, &usage)
+    }
+
     /// Each rate the dearer of `self`'s and `other`'s.
     pub fn dearest(&self, other: &Price) -> Price {
         Price {

@@ -180,9 +180,8 @@ impl QuotaGate {
             .peek(&tenant.to_string(), start, |u| u.map(TenantUsage::amount))?
             .unwrap_or_default();
         let over = |a: Amount| {
-            let tokens = q.tokens.filter(|cap| a.tokens > *cap);
-            let cost = q.cost_micros.filter(|cap| a.cost_micros > *cap);
-            tokens.is_some() || cost.is_some()
+            q.tokens.is_some_and(|cap| a.tokens > cap)
+                || q.cost_micros.is_some_and(|cap| a.cost_micros > cap)
         };
         let alone = used.plus(worst);
         if over(alone) {

@@ -87,11 +87,12 @@ impl ChatRequest {
     /// token plus a small per-message overhead, plus the completion cap.
     pub fn estimated_tokens(&self) -> u32 {
         let prompt = u32::try_from(self.estimated_prompt_tokens()).unwrap_or(u32::MAX);
-        prompt.saturating_add(
-            self.max_tokens
-                .or(self.max_completion_tokens)
-                .unwrap_or(256),
-        )
+        prompt.saturating_add(self.completion_cap().unwrap_or(256))
+    }
+
+    /// The completion token cap the request carries, in either field.
+    pub fn completion_cap(&self) -> Option<u32> {
+        self.max_tokens.or(self.max_completion_tokens)
     }
 }
 
@@ -272,7 +273,6 @@ fn completion_tokens(usage: &WireUsage) -> u64 {
     match usage.total_tokens {
         Some(total)
             if reasoning > 0
-                && total != prompt.saturating_add(completion)
                 && total == prompt.saturating_add(completion).saturating_add(reasoning) =>
         {
             completion + reasoning

@@ -477,11 +477,7 @@ impl LlmProcessor {
                 return Ok(None);
             }
         };
-        let capped = request
-            .max_tokens
-            .or(request.max_completion_tokens)
-            .is_some();
-        if !capped
+        if request.completion_cap().is_none()
             && self
                 .step
                 .quota()
@@ -500,20 +496,17 @@ impl LlmProcessor {
             extra,
             extra_cost_micros,
         };
-        if self.step.quota().is_some() && !self.quota_waiting.is_empty() {
-            // Behind tasks of its tenant that wait: it waits too, in order.
-            let tenant = admitted.routed.task.tenant().to_string();
-            if self
-                .quota_waiting
-                .iter()
-                .any(|w| w.routed.task.tenant() == tenant)
-            {
-                self.in_flight.insert(flight, Vec::new());
-                self.quota_waiting.push(admitted);
-                return Ok(None);
-            }
-        }
-        match self.reserve(ctx, &admitted)? {
+        // Behind tasks of its tenant that wait, it waits too, in order.
+        let tenant = admitted.routed.task.tenant();
+        let behind = self
+            .quota_waiting
+            .iter()
+            .any(|w| w.routed.task.tenant() == tenant);
+        let admission = match behind {
+            true => Admission::Wait,
+            false => self.reserve(ctx, &admitted)?,
+        };
+        match admission {
             Admission::Exceeded(exceeded) => {
                 let billed = (admitted.extra, admitted.extra_cost_micros);
                 self.reject(
@@ -541,10 +534,16 @@ impl LlmProcessor {
     /// Asks the hard-quota gate for `item`'s call (its record current):
     /// reserved (and remembered under its in-flight key), wait, or refused.
     fn reserve(&mut self, ctx: &mut Ctx<'_>, item: &Item) -> Result<Admission, ProcessError> {
-        let Some(gate) = self.step.quota().cloned() else {
+        let task = &item.routed.task;
+        let Some(gate) = self
+            .step
+            .quota()
+            .filter(|g| g.is_hard(task.tenant()))
+            .cloned()
+        else {
+            // No worst case to work out for a tenant without a hard quota.
             return Ok(Admission::Unlimited);
         };
-        let task = &item.routed.task;
         let tenant = task.tenant().to_string();
         let worst = self.worst_case(&item.routed, &item.request);
         let admission = gate.reserve(ctx, &mut self.reservations, &tenant, worst, now_ms())?;
@@ -605,9 +604,8 @@ impl LlmProcessor {
     /// at the dearest rates of the models it may end on (its own and its
     /// fallbacks).
     fn worst_case(&self, routed: &Routed, request: &ChatRequest) -> Amount {
-        let cap = request.max_tokens.or(request.max_completion_tokens);
-        let output = u64::from(cap.unwrap_or(DEFAULT_HARD_QUOTA_CAP));
-        let tokens = request.prompt_token_bound() + output;
+        let output = u64::from(request.completion_cap().unwrap_or(DEFAULT_HARD_QUOTA_CAP));
+        let prompt = request.prompt_token_bound();
         let prices = &self.step.settings().prices;
         let fallbacks = &self.step.settings().fallbacks;
         let mut dearest = Price::new(0, 0);
@@ -619,22 +617,9 @@ impl LlmProcessor {
             }
             model = fallbacks.get(m).map(String::as_str);
         }
-        // Every prompt token at the dearest prompt rate (a cache write).
-        let prompt = tokens.saturating_sub(output);
-        let worst = Usage {
-            prompt_tokens: prompt,
-            completion_tokens: output,
-            cached_tokens: 0,
-            cache_write_tokens: prompt,
-        };
-        let dearest = Price {
-            input: dearest.dearest_prompt_rate(),
-            cache_write: Some(dearest.dearest_prompt_rate()),
-            ..dearest
-        };
         Amount {
-            tokens,
-            cost_micros: cost_micros(&dearest, &worst),
+            tokens: prompt + output,
+            cost_micros: dearest.bound_micros(prompt, output),
         }
     }
 
