@@ -13,7 +13,10 @@ use crate::config::{Config, ConfigError, Repartition};
 use crate::http::{bind, serve, HttpState};
 use crate::llm::{LlmClient, PromptBuilder};
 use crate::operator::{Health, LlmSettings, LlmStep, OperatorMetrics};
-use crate::pipeline::{default_topology, BatchMetrics, Batching, ResultsSink, Steps, TaskSource};
+use crate::pipeline::{
+    default_topology, BatchMetrics, Batching, ByTenant, KeyCheck, Misplaced, Owners, ResultsSink,
+    Steps, TaskSource,
+};
 use crate::route::RouteStep;
 use crate::trace::Tracer;
 use crate::usage::UsageQueries;
@@ -84,9 +87,9 @@ pub async fn run_pipeline(
         message: e.to_string(),
     })?;
     let health = Health::new(config.llm.models.iter().map(|m| m.name.clone()));
-    let by_tenant = repartition_by_tenant(&config)?;
+    let partitions = task_partitions(&config)?;
     let shared_limits = client.has_group_limits().then(|| client.clone());
-    let steps = steps(&config, by_tenant, client, &registry, health.clone())?;
+    let steps = steps(&config, partitions, client, &registry, health.clone())?;
     let topology = build(&steps)?;
     tracing::info!(topology = %topology.describe(&config.app.id), "starting");
     let addr = config.http.listen.parse().map_err(|_| ConfigError {
@@ -175,40 +178,94 @@ async fn follow_group_share(queries: Queries, store: String, client: LlmClient) 
     }
 }
 
-/// The partition count tasks are repartitioned by tenant to (the task
-/// topics' largest), when they are: the task topics' partition counts differ,
-/// or `[tasks] repartition = "always"`. Topics that do not exist yet are left
-/// to the engine's start-up checks.
-fn repartition_by_tenant(config: &Config) -> Result<Option<i32>, RunError> {
+/// The task topics' partitions as found at start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TaskPartitions {
+    /// Not looked up (tests, the metrics catalogue): tasks are taken where
+    /// they arrive.
+    Unknown,
+    /// Every task topic has this many.
+    Equal(i32),
+    /// The counts differ; the largest.
+    Differ(i32),
+}
+
+/// The task topics' partition counts. Topics that do not exist yet are left
+/// to the engine's start-up checks. With `[tasks] repartition = "never"`
+/// the counts must be equal: a tenant's tasks of topics with different
+/// counts cannot meet in one task without a repartition.
+fn task_partitions(config: &Config) -> Result<TaskPartitions, RunError> {
     let t = &config.topics;
     let names: Vec<String> = t.task_types.iter().map(|x| t.task_topic(x)).collect();
     let counts = crate::kafka::partition_counts(config.kafka.cluster(), &names)?;
     let mut distinct: Vec<i32> = counts.values().copied().collect();
     distinct.sort_unstable();
     distinct.dedup();
-    let by_tenant = config.tasks.repartition == Repartition::Always || distinct.len() > 1;
-    let partitions = distinct.last().copied();
-    if by_tenant {
-        tracing::info!(?counts, ?partitions, "tasks are repartitioned by tenant");
+    Ok(match distinct[..] {
+        [] => TaskPartitions::Unknown,
+        [n] => TaskPartitions::Equal(n),
+        [.., largest] if config.tasks.repartition == Repartition::Never => {
+            return Err(ConfigError {
+                key: "tasks.repartition".into(),
+                message: format!(
+                    "\"never\" needs task topics of one partition count, found {counts:?}: \
+                     a tenant's tasks of different topics could not meet in one task (use \
+                     \"auto\", which repartitions them, up to {largest} partitions)"
+                ),
+            }
+            .into())
+        }
+        [.., largest] => TaskPartitions::Differ(largest),
+    })
+}
+
+/// How tasks reach their tenant's owner, given the task topics' partitions.
+fn owners(config: &Config, partitions: TaskPartitions, misplaced: Misplaced) -> Owners {
+    let by_tenant = |partitions| ByTenant {
+        app_id: config.app.id.clone(),
+        partitions,
+    };
+    let owners = match (config.tasks.repartition, partitions) {
+        (_, TaskPartitions::Unknown) => Owners::AsArrived,
+        (Repartition::Always, TaskPartitions::Equal(n) | TaskPartitions::Differ(n))
+        | (_, TaskPartitions::Differ(n)) => Owners::ByTenant(by_tenant(n)),
+        (r, TaskPartitions::Equal(n)) => Owners::Checked(KeyCheck {
+            partitions: n,
+            partitioner: config.tasks.partitioner,
+            rekey: (r != Repartition::Never).then(|| by_tenant(n)),
+            misplaced,
+        }),
+    };
+    match &owners {
+        Owners::ByTenant(b) => {
+            tracing::info!(
+                ?partitions,
+                to = b.partitions,
+                "tasks are repartitioned by tenant"
+            )
+        }
+        Owners::Checked(c) if c.rekey.is_none() => tracing::info!(
+            "task records not keyed by their tenant (or not in its partition) are dead-lettered"
+        ),
+        _ => {}
     }
-    Ok(partitions.filter(|_| by_tenant))
+    owners
 }
 
 /// The steps of the default pipeline, each with its own part of `config`;
-/// with `by_tenant`, tasks are first repartitioned by tenant to that many
-/// partitions.
+/// `partitions` (the task topics') decides how tasks reach their tenant's
+/// owner.
 pub fn steps(
     config: &Config,
-    by_tenant: Option<i32>,
+    partitions: TaskPartitions,
     client: LlmClient,
     registry: &Registry,
     health: Health,
 ) -> prometheus::Result<Steps> {
     let results = ResultsSink::from_config(&config.topics);
-    let mut source = TaskSource::from_config(&config.topics, &config.tasks);
-    if let Some(partitions) = by_tenant {
-        source = source.by_tenant(&config.app.id, partitions);
-    }
+    let misplaced = Misplaced::registered(registry, health.clone())?;
+    let source = TaskSource::from_config(&config.topics, &config.tasks)
+        .with_owners(owners(config, partitions, misplaced));
     let mut settings = LlmSettings {
         name: "llm".into(),
         max_attempts: config.tasks.max_attempts,

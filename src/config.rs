@@ -355,11 +355,13 @@ pub struct TasksSection {
     /// Node clients left at their default). Usage queries find the instance
     /// holding a tenant's accounts with it.
     pub partitioner: KeyPartitioner,
-    /// When tasks go through an internal topic keyed by tenant before
-    /// anything else: `auto` when the task topics' partition counts differ
-    /// (a tenant's tasks must meet in one task for exact accounts and
-    /// quotas), `always` also when they are equal (for producers that do
-    /// not key tasks by tenant).
+    /// How each tenant keeps one owner (the task holding its accounts and
+    /// quotas) whatever the producers do: `auto` checks every task's key
+    /// and partition against its tenant under `partitioner` and sends a
+    /// task that does not match through an internal topic keyed by tenant
+    /// (every task when the task topics' partition counts differ);
+    /// `always` sends every task through it; `never` dead-letters a task
+    /// whose key or partition does not match (`wrong_key`).
     pub repartition: Repartition,
     /// What a tenant id must match once normalised (trimmed, ASCII letters
     /// lower-cased); a task whose tenant does not is dead-lettered
@@ -374,11 +376,15 @@ pub struct TasksSection {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Repartition {
-    /// Only when the task topics' partition counts differ.
+    /// The tasks whose key or partition does not match their tenant (all
+    /// of them when the task topics' partition counts differ).
     #[default]
     Auto,
-    /// Always.
+    /// Every task.
     Always,
+    /// None: a task whose key or partition does not match its tenant is
+    /// dead-lettered `wrong_key`.
+    Never,
 }
 
 impl Default for TasksSection {

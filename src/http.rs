@@ -90,6 +90,7 @@ async fn readyz(State(s): State<HttpState>) -> Response {
         "tasks": s.status.tasks().iter().map(|t| t.to_string()).collect::<Vec<_>>(),
         "held_models": s.health.held_models(),
         "faults": s.health.faults(),
+        "warnings": s.health.warnings(),
     }));
     if ready {
         (StatusCode::OK, body).into_response()

@@ -101,6 +101,8 @@ fn named_families() -> Vec<&'static str> {
         operator::QUOTA_WAITING,
         // route.
         crate::route::ROUTE_DECISIONS,
+        // tasks.
+        crate::pipeline::MISPLACED_METRIC,
         // account (the name is a literal in `Accounting::registered`).
         "sluice_alerts_emitted_total",
     ]
@@ -123,7 +125,13 @@ pub fn register_all(registry: &Registry) -> prometheus::Result<Vec<String>> {
     let engine_metrics = EngineMetrics::register(registry)?;
     let client = LlmClient::from_config(&config.llm, registry)
         .map_err(|e| err(format!("llm client: {e}")))?;
-    let steps = crate::app::steps(&config, None, client, registry, Health::default())?;
+    let steps = crate::app::steps(
+        &config,
+        crate::app::TaskPartitions::Unknown,
+        client,
+        registry,
+        Health::default(),
+    )?;
     drop((engine_metrics, steps));
 
     let collectors = collector_count(registry)?;

@@ -609,6 +609,258 @@ tokens = {quota}
     b.proc.stop();
 }
 
+/// How a producer keys and places a task record.
+#[derive(Clone, Copy, Debug)]
+enum Placement {
+    /// Keyed by its tenant, murmur2 (as `[tasks] partitioner` says).
+    Tenant,
+    /// Keyed by its task id.
+    TaskId,
+    /// No key.
+    Null,
+    /// Keyed by its tenant, in the partition crc32 names (a Python
+    /// producer at its default), when that is another one.
+    Crc32,
+}
+
+/// The task's record as a producer placing it so would write it, to a
+/// topic of `partitions` partitions.
+fn placed(t: &Task, how: Placement, partitions: i32) -> OutRecord {
+    use sluice_topology::runtime::KeyPartitioner;
+    let mut r = t.record();
+    match how {
+        Placement::Tenant => {}
+        Placement::TaskId => r.key = Some(t.id.clone().into_bytes()),
+        Placement::Null => r.key = None,
+        Placement::Crc32 => {
+            r.partition = Some(KeyPartitioner::Crc32.partition(t.tenant.as_bytes(), partitions))
+        }
+    }
+    r
+}
+
+fn produce_placed(p: &Pipeline, tasks: &[(Task, Placement)], partitions: i32) {
+    let mut by_topic: BTreeMap<String, Vec<OutRecord>> = BTreeMap::new();
+    for (t, how) in tasks {
+        by_topic
+            .entry(p.topic(&t.task_type))
+            .or_default()
+            .push(placed(t, *how, partitions));
+    }
+    for (topic, recs) in by_topic {
+        produce(&bootstrap(), &topic, recs).unwrap();
+    }
+}
+
+#[test]
+fn a_tenant_keeps_one_owner_whatever_its_producers_key() {
+    // Three partitions per task topic, two instances, and producers keying
+    // tasks by tenant, by task id, not at all, or placing them with crc32:
+    // every tenant's tasks still meet in one task, so its quota, alerts,
+    // usage and redeliveries are those of one owner.
+    use sluice_topology::runtime::KeyPartitioner;
+    let (quota, budget): (u64, i64) = (3_000, 200);
+    let sim = SimConfig::from_json_value(serde_json::json!({
+        "latency": { "kind": "uniform", "min_ms": 5, "max_ms": 60 },
+    }))
+    .unwrap();
+    let windows = vec![
+        WindowSpec::fixed("q", QUOTA_WINDOW_MS, 600_000),
+        WindowSpec::fixed("1h", 3_600_000, 3_600_000),
+    ];
+    let p = Pipeline::with_partitions(
+        sim,
+        "exactly_once",
+        &format!(
+            r#"
+[[accounting.windows]]
+name = "q"
+size_ms = {QUOTA_WINDOW_MS}
+retention_ms = 600000
+
+[[accounting.windows]]
+name = "1h"
+size_ms = 3600000
+retention_ms = 3600000
+
+[accounting.quotas.tenants.capped]
+window = "q"
+tokens = {quota}
+
+[accounting.budgets.tenants.capped]
+1h = {budget}
+"#
+        ),
+        3,
+        &[],
+    );
+    let mut a = p.start("owner-a");
+    let (mut b, _state) = p.start_other("owner-b", "");
+    eventually(Duration::from_secs(90), "both ready", || {
+        (p.http(&a, "/readyz").0 == 200 && p.http(&b, "/readyz").0 == 200).then_some(())
+    });
+    // Tenants whose crc32 partition is not their murmur2 one, so that
+    // placement really differs.
+    let tenants: Vec<String> = ["capped", "tenant-0", "tenant-1", "tenant-2", "tenant-3"]
+        .iter()
+        .map(|t| t.to_string())
+        .collect();
+    let differs = |t: &str| {
+        KeyPartitioner::Crc32.partition(t.as_bytes(), 3)
+            != KeyPartitioner::Murmur2.partition(t.as_bytes(), 3)
+    };
+    assert!(tenants.iter().filter(|t| differs(t)).count() >= 2);
+    let shapes = [
+        Placement::Tenant,
+        Placement::TaskId,
+        Placement::Null,
+        Placement::Crc32,
+    ];
+    next_quota_window();
+    let mut all: Vec<(Task, Placement)> = Vec::new();
+    for i in 0..400 {
+        let tenant = if i % 2 == 0 {
+            "capped".to_string()
+        } else {
+            tenants[1 + (i / 2) % 4].clone()
+        };
+        let ty = ["summarize", "classify"][(i / 4) % 2];
+        all.push((Task::new(i, ty, &tenant, "normal"), shapes[i % 4]));
+    }
+    produce_placed(&p, &all, 3);
+    // Each of 40 tasks delivered again, keyed another way: answered again
+    // as a duplicate, never called (nor billed) again, wherever the
+    // redelivery lands.
+    let again: Vec<(Task, Placement)> = all[..40]
+        .iter()
+        .map(|(t, how)| (t.clone(), shapes[(*how as usize + 1) % 4]))
+        .collect();
+    produce_placed(&p, &again, 3);
+    let tasks: Vec<Task> = all.iter().map(|(t, _)| t.clone()).collect();
+    let results = p.results_at_least(tasks.len() + again.len(), Duration::from_secs(240));
+    let first: Vec<(TaskResult, OwnedMessage)> = results
+        .iter()
+        .filter(|(_, m)| header(m, "sluice.duplicate").is_none())
+        .cloned()
+        .collect();
+    // A refused task delivered again is a new attempt (refused again in
+    // the same quota window); any other task has one result of its own.
+    let (refusals, answers): (Vec<_>, Vec<_>) = first
+        .iter()
+        .cloned()
+        .partition(|(r, _)| r.error_code.as_deref() == Some("quota_exceeded"));
+    let mut once = answers;
+    for r in refusals {
+        if !once.iter().any(|(o, _)| o.task_id == r.0.task_id) {
+            once.push(r);
+        }
+    }
+    // No task lost, none both answered and refused, none answered twice.
+    assert_each_answered_once(&tasks, &once);
+    // Every token the provider billed is on one result: none called twice.
+    assert_results_bill_what_the_provider_billed(&p, &first);
+    // Each tenant's usage came from one task: one partition of the usage
+    // topic, the one its tenant id names.
+    let mut partitions: BTreeMap<String, std::collections::BTreeSet<i32>> = BTreeMap::new();
+    for m in read_all(&format!("{}.usage", p.prefix)) {
+        let u: UsageRecord = serde_json::from_slice(m.payload().unwrap()).unwrap();
+        partitions
+            .entry(u.tenant_id)
+            .or_default()
+            .insert(m.partition());
+    }
+    assert_eq!(partitions.len(), tenants.len(), "{partitions:?}");
+    for (tenant, parts) in &partitions {
+        assert_eq!(parts.len(), 1, "{tenant}'s usage came from tasks {parts:?}");
+    }
+    assert_usage_equals_results(&p, &first, &windows, UsageUpdates::OnCommit);
+    assert_stores_equal_results(&p, &a, &first, &tenants);
+    assert_quota_held(&first, "capped", quota, 10);
+
+    // Each alert once: one owner, one alert per threshold of the budget,
+    // and one refusal alert for the quota window.
+    let got: Vec<AlertRecord> = alerts(&p)
+        .into_iter()
+        .filter(|a| a.tenant_id == "capped")
+        .collect();
+    let budget_alerts: Vec<f64> = got
+        .iter()
+        .filter(|a| a.kind == "budget")
+        .map(|a| a.threshold)
+        .collect();
+    assert_eq!(budget_alerts, vec![0.5, 0.8, 1.0], "{got:?}");
+    assert_eq!(
+        got.iter().filter(|a| a.kind == "quota_exceeded").count(),
+        1,
+        "{got:?}"
+    );
+
+    // Counted, and the partitioner mismatch reported.
+    let misplaced =
+        p.metric(&a, "sluice_tasks_misplaced_total") + p.metric(&b, "sluice_tasks_misplaced_total");
+    assert!(misplaced >= 200.0, "{misplaced} misplaced records counted");
+    let warned = [&a, &b]
+        .iter()
+        .any(|app| p.http(app, "/readyz").1.contains("tenant_partitions"));
+    assert!(warned, "a partitioner mismatch is reported by /readyz");
+    a.proc.stop();
+    b.proc.stop();
+}
+
+#[test]
+fn with_repartition_never_a_misplaced_task_is_dead_lettered_wrong_key() {
+    let sim = SimConfig::from_json_value(serde_json::json!({
+        "latency": { "kind": "uniform", "min_ms": 1, "max_ms": 5 },
+    }))
+    .unwrap();
+    let p = Pipeline::with_partitions(sim, "exactly_once", "", 3, &[]);
+    p.edit_config(&[("[tasks]\n", "[tasks]\nrepartition = \"never\"\n")]);
+    let mut app = p.start("never");
+    // Tenants whose crc32 and murmur2 partitions differ.
+    let tenant = (0..)
+        .map(|i| format!("tenant-{i}"))
+        .find(|t| {
+            use sluice_topology::runtime::KeyPartitioner;
+            KeyPartitioner::Crc32.partition(t.as_bytes(), 3)
+                != KeyPartitioner::Murmur2.partition(t.as_bytes(), 3)
+        })
+        .unwrap();
+    let shapes = [
+        Placement::Tenant,
+        Placement::TaskId,
+        Placement::Null,
+        Placement::Crc32,
+    ];
+    let all: Vec<(Task, Placement)> = (0..40)
+        .map(|i| (Task::new(i, "classify", &tenant, "normal"), shapes[i % 4]))
+        .collect();
+    produce_placed(&p, &all, 3);
+    let good: Vec<Task> = all
+        .iter()
+        .filter(|(_, how)| matches!(how, Placement::Tenant))
+        .map(|(t, _)| t.clone())
+        .collect();
+    let results = p.results(good.len(), Duration::from_secs(60));
+    assert_each_answered_once(&good, &results);
+    assert_eq!(results.len(), good.len(), "only well-placed tasks answered");
+    let mut reasons: BTreeMap<String, usize> = BTreeMap::new();
+    for m in p.dead_letters("classify") {
+        *reasons
+            .entry(header(&m, "dlq.reason").unwrap())
+            .or_default() += 1;
+    }
+    let want: BTreeMap<String, usize> = [
+        ("wrong_key:key_not_tenant".to_string(), 10),
+        ("wrong_key:null_key".to_string(), 10),
+        ("wrong_key:partition".to_string(), 10),
+    ]
+    .into_iter()
+    .collect();
+    assert_eq!(reasons, want);
+    assert_eq!(p.metric(&app, "sluice_tasks_misplaced_total"), 30.0);
+    app.proc.stop();
+}
+
 /// Alerts on the alerts topic, read committed.
 fn alerts(p: &Pipeline) -> Vec<AlertRecord> {
     read_all(&format!("{}.alerts", p.prefix))

@@ -28,6 +28,9 @@ pub struct Health {
     faults: Arc<Mutex<BTreeMap<String, Fault>>>,
     /// The models the instance calls (it is ready while one is not held).
     models: Arc<BTreeSet<String>>,
+    /// Conditions an operator should know of that hold nothing up (e.g.
+    /// producers partitioning tasks unlike `[tasks] partitioner`), by name.
+    warnings: Arc<Mutex<BTreeMap<String, String>>>,
 }
 
 impl Health {
@@ -36,6 +39,7 @@ impl Health {
         Health {
             faults: Default::default(),
             models: Arc::new(models.into_iter().collect()),
+            warnings: Default::default(),
         }
     }
 
@@ -113,6 +117,17 @@ impl Health {
             .map(|f| f.not_before_ms)
             .max()
             .unwrap_or(0)
+    }
+
+    /// Records (or updates) a warning shown by `/readyz`; it does not make
+    /// the instance unready.
+    pub fn warn(&self, name: &str, detail: String) {
+        self.warnings.lock().insert(name.to_string(), detail);
+    }
+
+    /// The warnings by name.
+    pub fn warnings(&self) -> BTreeMap<String, String> {
+        self.warnings.lock().clone()
     }
 
     /// Active faults (name → detail).

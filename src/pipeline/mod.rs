@@ -37,7 +37,9 @@ pub use crate::work::{Batch, BatchItem, LlmInput, RawKey, Routed, Task, Work};
 pub use batch::{BatchMetrics, Batching, BatchingConfig, MicroBatcher};
 pub use delay::RetryWait;
 pub use results::{ResultsSink, ResultsWriter};
-pub use source::{tasks, TaskSource, TaskTopic};
+pub use source::{
+    tasks, ByTenant, KeyCheck, Misplaced, Owners, TaskSource, TaskTopic, MISPLACED_METRIC,
+};
 
 /// What a pipeline needs in scope: the builder and the extension traits.
 pub mod prelude {

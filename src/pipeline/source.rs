@@ -1,7 +1,20 @@
 //! `tasks`: task topics decoded into [`Task`]s; poison goes to the dead-letter
 //! topic of the topic it came from, with a reason that never quotes it.
+//!
+//! Each tenant has one owner, whatever the producers do: the task (stream
+//! task) of the partition its tenant id names under the configured
+//! partitioner holds all its accounts and quotas. A task record keyed by
+//! something else (a task id, nothing) or placed by another partitioner
+//! goes through an internal topic keyed by tenant to that partition first,
+//! or is dead-lettered `wrong_key` (see [`Owners`]).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use chrono::Utc;
+use parking_lot::Mutex;
+use prometheus::{IntCounterVec, Opts, Registry};
+use sluice_topology::runtime::KeyPartitioner;
 use sluice_topology::{
     BytesCodec, KStream, ProcessError, Processor, ProcessorContext, Record, SourceOptions,
     StreamBuilder, Topology, TopologyError,
@@ -10,6 +23,7 @@ use sluice_topology::{
 use super::{RawKey, Task};
 use crate::config::{TasksSection, TopicsSection};
 use crate::envelope::{decode_task, DlqCategory, EnvelopeLimits, TaskEnvelope, TenantRules};
+use crate::operator::Health;
 
 /// A task topic and its dead-letter topic.
 #[derive(Clone, Debug)]
@@ -30,8 +44,164 @@ pub struct TaskSource {
     pub task_types: Vec<String>,
     /// Size limits.
     pub limits: EnvelopeLimits,
-    /// Set when tasks first go through internal topics keyed by tenant.
-    pub by_tenant: Option<ByTenant>,
+    /// How tasks reach the owner of their tenant.
+    pub owners: Owners,
+}
+
+/// How each task reaches the task (stream task) that owns its tenant.
+#[derive(Clone, Debug, Default)]
+pub enum Owners {
+    /// Taken in the partition it arrives in, whatever its key: for
+    /// pipelines whose producers are trusted to key tasks by tenant.
+    #[default]
+    AsArrived,
+    /// Each record's key and partition are checked against its tenant;
+    /// one that does not match is repartitioned or dead-lettered.
+    Checked(KeyCheck),
+    /// Every task goes through an internal topic keyed by tenant (task
+    /// topics of different partition counts, or `repartition = "always"`).
+    ByTenant(ByTenant),
+}
+
+/// The check of each task record's key and partition against its tenant.
+#[derive(Clone, Debug)]
+pub struct KeyCheck {
+    /// Partitions of the task topics (equal for all of them).
+    pub partitions: i32,
+    /// The partitioner that names a tenant's partition.
+    pub partitioner: KeyPartitioner,
+    /// Where a record that does not match goes: through this repartition
+    /// (to the partition `partitioner` names), or, when none, to its
+    /// dead-letter topic (`wrong_key`).
+    pub rekey: Option<ByTenant>,
+    /// Counts, logs and reports the records that did not match.
+    pub misplaced: Misplaced,
+}
+
+/// Why a task record is not where its tenant's owner reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Mismatch {
+    /// The record has no key.
+    NullKey,
+    /// Its key is not its tenant id (e.g. its task id).
+    KeyNotTenant,
+    /// Keyed by its tenant, but in a partition the configured partitioner
+    /// does not name for it (a producer with another partitioner).
+    Partition,
+}
+
+impl Mismatch {
+    fn as_str(self) -> &'static str {
+        match self {
+            Mismatch::NullKey => "null_key",
+            Mismatch::KeyNotTenant => "key_not_tenant",
+            Mismatch::Partition => "partition",
+        }
+    }
+}
+
+/// The misplaced task records: `sluice_tasks_misplaced_total{topic, reason,
+/// action}`, one log line per (topic, reason) and a `/readyz` warning.
+#[derive(Clone)]
+pub struct Misplaced {
+    counter: IntCounterVec,
+    health: Health,
+    /// Counts by (topic, reason), for the warning; a pattern is logged the
+    /// first time it is seen.
+    seen: Arc<Mutex<BTreeMap<(String, Mismatch), u64>>>,
+}
+
+impl std::fmt::Debug for Misplaced {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Misplaced").finish_non_exhaustive()
+    }
+}
+
+/// The metric's name.
+pub const MISPLACED_METRIC: &str = "sluice_tasks_misplaced_total";
+
+impl Misplaced {
+    /// Registers the counter in `registry`; warnings go to `health`.
+    pub fn registered(registry: &Registry, health: Health) -> prometheus::Result<Self> {
+        let counter = IntCounterVec::new(
+            Opts::new(
+                MISPLACED_METRIC,
+                "Task records whose key or partition did not match their tenant, by topic, \
+                 reason (null_key, key_not_tenant, partition) and action (repartitioned, \
+                 dead_lettered)",
+            ),
+            &["topic", "reason", "action"],
+        )?;
+        registry.register(Box::new(counter.clone()))?;
+        Ok(Misplaced {
+            counter,
+            health,
+            seen: Default::default(),
+        })
+    }
+
+    fn record(&self, topic: &str, why: Mismatch, check: &KeyCheck, tenant: &str) {
+        let action = match check.rekey {
+            Some(_) => "repartitioned",
+            None => "dead_lettered",
+        };
+        self.counter
+            .with_label_values(&[topic, why.as_str(), action])
+            .inc();
+        let mut seen = self.seen.lock();
+        let count = seen.entry((topic.to_string(), why)).or_default();
+        *count += 1;
+        if *count == 1 {
+            let hint = partitioner_hint(why, check, tenant);
+            tracing::warn!(
+                topic,
+                reason = why.as_str(),
+                action,
+                "task records do not arrive where their tenant's owner reads{hint}"
+            );
+        }
+        if why == Mismatch::Partition {
+            let total: u64 = seen
+                .iter()
+                .filter(|((_, w), _)| *w == Mismatch::Partition)
+                .map(|(_, n)| n)
+                .sum();
+            self.health.warn(
+                "tenant_partitions",
+                format!(
+                    "{total} task records keyed by their tenant arrived on partitions [tasks] \
+                     partitioner = \"{}\" does not name for it ({action}){}",
+                    partitioner_name(check.partitioner),
+                    partitioner_hint(why, check, tenant),
+                ),
+            );
+        }
+    }
+}
+
+fn partitioner_name(p: KeyPartitioner) -> &'static str {
+    match p {
+        KeyPartitioner::Murmur2 => "murmur2",
+        KeyPartitioner::Crc32 => "crc32",
+    }
+}
+
+/// For a record keyed by its tenant in another partition: which
+/// partitioner would have put it there, when one of the others does.
+fn partitioner_hint(why: Mismatch, check: &KeyCheck, tenant: &str) -> String {
+    if why != Mismatch::Partition {
+        return String::new();
+    }
+    let other = match check.partitioner {
+        KeyPartitioner::Murmur2 => KeyPartitioner::Crc32,
+        KeyPartitioner::Crc32 => KeyPartitioner::Murmur2,
+    };
+    format!(
+        "; tenant {tenant:?} is in partition {} under {}: do its producers use that \
+         partitioner?",
+        other.partition(tenant.as_bytes(), check.partitions),
+        partitioner_name(other)
+    )
 }
 
 /// Tasks repartitioned by tenant: each task topic goes through an internal
@@ -82,29 +252,29 @@ impl TaskSource {
                     .unwrap_or_default(),
                 ..EnvelopeLimits::default()
             },
-            by_tenant: None,
+            owners: Owners::AsArrived,
         }
     }
 
-    /// The same source, repartitioned by tenant.
-    pub fn by_tenant(self, app_id: &str, partitions: i32) -> Self {
-        TaskSource {
-            by_tenant: Some(ByTenant {
-                app_id: app_id.to_string(),
-                partitions,
-            }),
-            ..self
-        }
+    /// The same source, with tasks reaching their tenant's owner as `owners`
+    /// says.
+    pub fn with_owners(self, owners: Owners) -> Self {
+        TaskSource { owners, ..self }
     }
 
     /// The topics the decoded tasks come from (and re-published ones go
-    /// to): the task topics, or their repartition topics.
+    /// to): the task topics and/or their repartition topics.
     pub fn task_stream_topics(&self) -> Vec<String> {
         self.topics
             .iter()
-            .map(|t| match &self.by_tenant {
-                Some(b) => b.topic(&t.topic),
-                None => t.topic.clone(),
+            .flat_map(|t| match &self.owners {
+                Owners::AsArrived | Owners::Checked(KeyCheck { rekey: None, .. }) => {
+                    vec![t.topic.clone()]
+                }
+                Owners::Checked(KeyCheck { rekey: Some(b), .. }) => {
+                    vec![t.topic.clone(), b.topic(&t.topic)]
+                }
+                Owners::ByTenant(b) => vec![b.topic(&t.topic)],
             })
             .collect()
     }
@@ -129,12 +299,12 @@ pub fn tasks(
                 dead_letter_topic: Some(t.dead_letter_topic.clone()),
             },
         );
-        match &source.by_tenant {
-            None => {
+        match &source.owners {
+            Owners::AsArrived => {
                 let d = decode(&t.topic);
                 raw.process(&format!("decode:{}", t.topic), &[], move || d.clone())
             }
-            Some(by) => {
+            Owners::ByTenant(by) => {
                 let (key, d) = (KeyByTenant(decode(&t.topic)), decode(&by.topic(&t.topic)));
                 raw.process(&format!("key-by-tenant:{}", t.topic), &[], move || {
                     key.clone()
@@ -146,6 +316,51 @@ pub fn tasks(
                     Some(by.partitions),
                 )
                 .process(&format!("decode:{}", d.topic), &[], move || d.clone())
+            }
+            Owners::Checked(check) => {
+                let owner = CheckOwner {
+                    decode: decode(&t.topic),
+                    check: check.clone(),
+                };
+                let checked = raw.process(&format!("check-owner:{}", t.topic), &[], move || {
+                    owner.clone()
+                });
+                let owned = checked.flat_map(|r| match r.value {
+                    Checked::Owned(task) => Some(Record {
+                        key: r.key,
+                        value: *task,
+                        timestamp: r.timestamp,
+                        headers: r.headers,
+                    }),
+                    Checked::Elsewhere(_) => None,
+                });
+                let Some(by) = &check.rekey else {
+                    return owned;
+                };
+                // Into the partition the tenant's owner reads, then merged
+                // with the records already there: one sub-topology, so the
+                // same task (and its stores) gets a tenant's records from
+                // both topics.
+                let d = decode(&by.topic(&t.topic));
+                let rekeyed = checked
+                    .flat_map(|r| match r.value {
+                        Checked::Elsewhere(bytes) => Some(Record {
+                            key: r.key,
+                            value: bytes,
+                            timestamp: r.timestamp,
+                            headers: r.headers,
+                        }),
+                        Checked::Owned(_) => None,
+                    })
+                    .repartition_partitioned(
+                        &ByTenant::name(&t.topic),
+                        BytesCodec,
+                        BytesCodec,
+                        check.partitions,
+                        check.partitioner,
+                    )
+                    .process(&format!("decode:{}", d.topic), &[], move || d.clone());
+                owned.merge(&rekeyed)
             }
         }
     });
@@ -221,6 +436,81 @@ impl Processor<RawKey, Option<Vec<u8>>> for KeyByTenant {
                 ctx.forward(record.with(Some(tenant), value))
             }
             Err(reason) => ctx.dead_letter(&reason, DlqCategory::Poison.as_str(), 1),
+        }
+    }
+}
+
+/// A task record checked against its tenant: decoded, in its owner's
+/// partition, or the bytes to send there.
+#[derive(Clone)]
+enum Checked {
+    Owned(Box<Task>),
+    Elsewhere(Option<Vec<u8>>),
+}
+
+/// Decodes a task topic's records and checks each one's key and partition
+/// against its tenant (see [`KeyCheck`]); poison is dead-lettered here.
+#[derive(Clone)]
+struct CheckOwner {
+    decode: Decode,
+    check: KeyCheck,
+}
+
+impl CheckOwner {
+    /// Why a record of `tenant` keyed `key` in `partition` is not where its
+    /// owner reads, if it is not.
+    fn mismatch(&self, key: Option<&[u8]>, tenant: &str, partition: i32) -> Option<Mismatch> {
+        let c = &self.check;
+        match key {
+            None => Some(Mismatch::NullKey),
+            Some(k) if k != tenant.as_bytes() => Some(Mismatch::KeyNotTenant),
+            Some(k) if c.partitioner.partition(k, c.partitions) != partition => {
+                Some(Mismatch::Partition)
+            }
+            Some(_) => None,
+        }
+    }
+}
+
+impl Processor<RawKey, Option<Vec<u8>>> for CheckOwner {
+    type OutKey = RawKey;
+    type OutValue = Checked;
+    type Output = ();
+
+    fn process(
+        &mut self,
+        record: Record<RawKey, Option<Vec<u8>>>,
+        ctx: &mut ProcessorContext<'_, RawKey, Checked, ()>,
+    ) -> Result<(), ProcessError> {
+        let envelope = match self.decode.envelope(record.value.as_deref()) {
+            Ok(t) => t,
+            Err(reason) => return ctx.dead_letter(&reason, DlqCategory::Poison.as_str(), 1),
+        };
+        let tenant = envelope.tenant().unwrap_or_default().to_string();
+        let partition = ctx.task_id().partition;
+        let Some(why) = self.mismatch(record.key.as_deref(), &tenant, partition) else {
+            let task = Task {
+                envelope,
+                topic: self.decode.topic.clone(),
+                key: record.key.clone(),
+                received_ms: Utc::now().timestamp_millis(),
+            };
+            let key = record.key.clone();
+            return ctx.forward(record.with(key, Checked::Owned(Box::new(task))));
+        };
+        self.check
+            .misplaced
+            .record(&self.decode.topic, why, &self.check, &tenant);
+        match self.check.rekey {
+            Some(_) => {
+                let value = record.value.clone();
+                ctx.forward(record.with(Some(tenant.into_bytes()), Checked::Elsewhere(value)))
+            }
+            None => ctx.dead_letter(
+                &format!("wrong_key:{}", why.as_str()),
+                DlqCategory::Poison.as_str(),
+                1,
+            ),
         }
     }
 }

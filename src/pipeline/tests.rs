@@ -84,7 +84,14 @@ cached = 75000
     let config = Config::from_toml_with_env(&text, []).unwrap();
     let registry = Registry::new();
     let client = LlmClient::from_config(&config.llm, &registry).unwrap();
-    let steps = crate::app::steps(&config, None, client, &registry, Health::default()).unwrap();
+    let steps = crate::app::steps(
+        &config,
+        crate::app::TaskPartitions::Unknown,
+        client,
+        &registry,
+        Health::default(),
+    )
+    .unwrap();
     let driver = TopologyTestDriver::new(super::default_topology(&steps).unwrap()).unwrap();
     Setup {
         _rt: rt,

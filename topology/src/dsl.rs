@@ -21,6 +21,7 @@ use crate::node::{
 };
 use crate::processor::{ProcState, Processor, ProcessorNode};
 use crate::record::Record;
+use crate::runtime::KeyPartitioner;
 use crate::topology::{RawView, SourceDef, SourceNode, SourceTopic, SubTopology, Topology};
 use crate::window::{EmitMode, Emitter, KvAggNode, TimeWindows, WindowAggNode, Windowed};
 use crate::{Codec, ProcessError, TopologyError};
@@ -551,10 +552,17 @@ impl<K: Data, V: Data> KStream<K, V> {
             SinkTopic::External(topic.to_string()),
             Arc::new(key),
             Arc::new(value),
+            None,
         );
     }
 
-    fn sink(&self, topic: SinkTopic, key: Arc<dyn Codec<K>>, value: Arc<dyn Codec<V>>) {
+    fn sink(
+        &self,
+        topic: SinkTopic,
+        key: Arc<dyn Codec<K>>,
+        value: Arc<dyn Codec<V>>,
+        partition_by: Option<(KeyPartitioner, i32)>,
+    ) {
         self.slot
             .lock()
             .push(Arc::new(move |inst: &mut Instantiator<'_>| {
@@ -563,6 +571,7 @@ impl<K: Data, V: Data> KStream<K, V> {
                     key_codec: key.clone(),
                     value_codec: value.clone(),
                     internal: matches!(topic, SinkTopic::Internal(_)),
+                    partition_by,
                 }) as Box<dyn Node<K, V>>)
             }));
     }
@@ -620,6 +629,39 @@ impl<K: Data, V: Data> KStream<K, V> {
         value: impl Codec<V>,
         partitions: Option<i32>,
     ) -> KStream<K, V> {
+        self.repartition_inner(name, key, value, partitions, None)
+    }
+
+    /// [`KStream::repartition_with`] into `partitions` partitions chosen by
+    /// `partitioner` from the key bytes (instead of the producer's murmur2):
+    /// records land where producers using that partitioner put the same
+    /// key, so a stream read from a topic they wrote can be merged with its
+    /// own repartitioned records in one task per key.
+    pub fn repartition_partitioned(
+        &self,
+        name: &str,
+        key: impl Codec<K>,
+        value: impl Codec<V>,
+        partitions: i32,
+        partitioner: KeyPartitioner,
+    ) -> KStream<K, V> {
+        self.repartition_inner(
+            name,
+            key,
+            value,
+            Some(partitions),
+            Some((partitioner, partitions)),
+        )
+    }
+
+    fn repartition_inner(
+        &self,
+        name: &str,
+        key: impl Codec<K>,
+        value: impl Codec<V>,
+        partitions: Option<i32>,
+        partition_by: Option<(KeyPartitioner, i32)>,
+    ) -> KStream<K, V> {
         let suffix = Topology::repartition_suffix(name);
         self.builder.inner.lock().claim_name(&suffix);
         let (key, value): (Arc<dyn Codec<K>>, Arc<dyn Codec<V>>) = (Arc::new(key), Arc::new(value));
@@ -627,6 +669,7 @@ impl<K: Data, V: Data> KStream<K, V> {
             SinkTopic::Internal(suffix.clone()),
             key.clone(),
             value.clone(),
+            partition_by,
         );
         self.builder.source(
             vec![SourceTopic::Internal {

@@ -9,6 +9,7 @@ use sluice_state::StoreId;
 
 use crate::context::TaskCtx;
 use crate::record::{OutputRecord, Record};
+use crate::runtime::KeyPartitioner;
 use crate::{Codec, ProcessError, TopologyError};
 
 /// Values that can flow between operators.
@@ -271,6 +272,9 @@ pub(crate) struct SinkNode<K, V> {
     pub(crate) value_codec: Arc<dyn Codec<V>>,
     /// A repartition topic: records carry their origin (see `origin_headers`).
     pub(crate) internal: bool,
+    /// The partitioner and partition count records are placed with (none:
+    /// the producer's murmur2 over the topic's partitions).
+    pub(crate) partition_by: Option<(KeyPartitioner, i32)>,
 }
 
 impl<K: Data, V: Data> Node<K, V> for SinkNode<K, V> {
@@ -287,9 +291,13 @@ impl<K: Data, V: Data> Node<K, V> for SinkNode<K, V> {
         } else {
             rec.headers
         };
+        let partition = match (self.partition_by, &key) {
+            (Some((p, n)), Some(k)) => Some(p.partition(k, n)),
+            _ => None,
+        };
         ctx.queue_output(OutputRecord {
             topic: self.topic.clone(),
-            partition: None,
+            partition,
             key,
             value,
             timestamp: rec.timestamp,
