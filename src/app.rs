@@ -101,6 +101,15 @@ pub async fn run_pipeline(
     let bound = listener.local_addr()?;
     let mut streams = config.streams();
     streams.application_server = config.http.advertised(bound);
+    streams.instance_claim_key = config.http.claims_key()?;
+    if streams.instance_claim_key.is_none() && streams.application_server.is_some() {
+        tracing::warn!(
+            "instance claims are not signed ([http] claims_key_file unset): anyone who can \
+             write the {}-instances topic can divert usage queries and their tokens; set a \
+             claims key or restrict that topic with ACLs",
+            config.app.id
+        );
+    }
     let served_by = streams
         .application_server
         .clone()

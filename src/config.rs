@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use sluice_topology::runtime::{GroupProtocol, Guarantee, KeyPartitioner, StreamsConfig};
+use sluice_topology::runtime::{ClaimKey, GroupProtocol, Guarantee, KeyPartitioner, StreamsConfig};
 use sluice_topology::RocksSettings;
 
 use crate::accounting::pricing::Price;
@@ -446,6 +446,12 @@ pub struct HttpSection {
     /// `tenant:<id>` (that tenant only). Unset: the query API answers 401 to
     /// everyone. `/healthz`, `/readyz` and `/metrics` need no token.
     pub tokens_file: Option<PathBuf>,
+    /// A secret the instances share (at least 32 bytes): each signs its
+    /// claim on `<app id>-instances` (which partitions it holds, where it
+    /// listens) with it, and queries are forwarded only to instances whose
+    /// claims it signed. Unset: any claim on that topic is believed, so
+    /// only its ACLs keep others from diverting queries and their tokens.
+    pub claims_key_file: Option<PathBuf>,
 }
 
 impl Default for HttpSection {
@@ -454,6 +460,7 @@ impl Default for HttpSection {
             listen: "127.0.0.1:8080".into(),
             advertised_url: None,
             tokens_file: None,
+            claims_key_file: None,
         }
     }
 }
@@ -479,6 +486,23 @@ impl HttpSection {
         }
     }
 
+    /// The key instance claims are signed with (none without
+    /// `claims_key_file`).
+    pub fn claims_key(&self) -> Result<Option<ClaimKey>, ConfigError> {
+        let Some(path) = &self.claims_key_file else {
+            return Ok(None);
+        };
+        let bytes = std::fs::read(path).map_err(|e| {
+            ConfigError::new(
+                "http.claims_key_file",
+                format!("cannot read {}: {e}", path.display()),
+            )
+        })?;
+        ClaimKey::new(&bytes)
+            .map(Some)
+            .map_err(|e| ConfigError::new("http.claims_key_file", e))
+    }
+
     fn validate(&self) -> Result<(), ConfigError> {
         if self.listen.parse::<std::net::SocketAddr>().is_err() {
             return Err(ConfigError::new(
@@ -487,6 +511,7 @@ impl HttpSection {
             ));
         }
         self.tokens()?;
+        self.claims_key()?;
         if let Some(url) = &self.advertised_url {
             let ok = reqwest::Url::parse(url).is_ok_and(|u| {
                 matches!(u.scheme(), "http" | "https")
@@ -1074,6 +1099,34 @@ output = 600000
             text,
             env.iter().map(|(k, v)| (k.to_string(), v.to_string())),
         )
+    }
+
+    #[test]
+    fn a_claims_key_file_must_be_readable_and_long_enough() {
+        let dir = tempfile::tempdir().unwrap();
+        let with = |path: &std::path::Path| {
+            load(
+                MINIMAL,
+                &[("SLUICE_HTTP__CLAIMS_KEY_FILE", path.to_str().unwrap())],
+            )
+        };
+        let short = dir.path().join("short");
+        std::fs::write(&short, "only sixteen byt\n").unwrap();
+        let e = with(&short).unwrap_err();
+        assert_eq!(e.key, "http.claims_key_file");
+        assert!(e.message.contains("at least 32"), "{}", e.message);
+        let e = with(&dir.path().join("missing")).unwrap_err();
+        assert_eq!(e.key, "http.claims_key_file");
+        let good = dir.path().join("key");
+        std::fs::write(&good, "0123456789abcdef0123456789abcdef\n").unwrap();
+        let c = with(&good).unwrap();
+        assert!(c.http.claims_key().unwrap().is_some());
+        assert!(load(MINIMAL, &[])
+            .unwrap()
+            .http
+            .claims_key()
+            .unwrap()
+            .is_none());
     }
 
     #[test]

@@ -274,6 +274,59 @@ fn usage_on_an_instance_that_does_not_own_the_tenant_returns_the_same_figures_as
         stderr.contains("404") && stderr.contains("unknown window 2w"),
         "{stderr}"
     );
+    // A claim written by anyone but an instance of the group (unsigned, or
+    // signed with another key), naming a listener of its own as the holder
+    // of every partition with the newest assignment: it receives no query.
+    let canary = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    canary.set_nonblocking(true).unwrap();
+    let canary_url = format!("http://{}", canary.local_addr().unwrap());
+    let now = chrono::Utc::now().timestamp_millis();
+    let forged = |server: &str| sluice_topology::runtime::InstanceClaim {
+        server: server.to_string(),
+        partitions: ["summarize", "classify", "extract"]
+            .iter()
+            .map(|t| (p.topic(t), vec![0, 1]))
+            .collect(),
+        assigned_ms: now + 1_000,
+        updated_ms: now,
+        signature: None,
+    };
+    let other_key =
+        sluice_topology::runtime::ClaimKey::new(b"not the group's key, but long enough").unwrap();
+    let claims = [
+        forged(&canary_url),
+        other_key.sign(forged(&format!("{canary_url}/"))),
+    ];
+    let records: Vec<sluice::kafka::OutRecord> = claims
+        .iter()
+        .map(|c| sluice::kafka::OutRecord {
+            key: Some(c.server.clone().into_bytes()),
+            value: Some(serde_json::to_vec(c).unwrap()),
+            ..Default::default()
+        })
+        .collect();
+    sluice::kafka::produce(
+        &common::bootstrap(),
+        &format!("{}-app-instances", p.prefix),
+        records,
+    )
+    .unwrap();
+    // Both instances read the topic within a poll or two.
+    std::thread::sleep(Duration::from_secs(3));
+    for tenant in &tenants {
+        for app in [&a, &b] {
+            let r = report(app, tenant).expect("answered");
+            assert!(
+                r.served_by == url(&a) || r.served_by == url(&b),
+                "{tenant}: served by {}",
+                r.served_by
+            );
+        }
+    }
+    assert!(
+        canary.accept().is_err(),
+        "a forged claim received a forwarded query"
+    );
 }
 
 #[test]

@@ -33,6 +33,9 @@ fn tokens_file(dir: &tempfile::TempDir) -> std::path::PathBuf {
     path
 }
 
+/// The secret the fixture's instances sign their claims with.
+pub const CLAIMS_KEY: &str = "test-claims-key-0123456789abcdef0123456789";
+
 pub const UNBATCHED: &str = "[batching]\nenabled = false\n";
 
 /// A simulator, a config and the topics of one test.
@@ -185,12 +188,18 @@ cached = 1250000
 [http]
 listen = "127.0.0.1:0"
 tokens_file = "{tokens}"
+claims_key_file = "{claims_key}"
 {extra_toml}
 "#,
             state = state.path().display(),
             bootstrap = cluster.bootstrap,
             url = sim.base_url(),
             tokens = tokens_file(&dir).display(),
+            claims_key = {
+                let path = dir.path().join("claims-key");
+                std::fs::write(&path, format!("{CLAIMS_KEY}\n")).unwrap();
+                path.display().to_string()
+            },
         );
         std::fs::write(&config, toml).unwrap();
         let p = Pipeline {

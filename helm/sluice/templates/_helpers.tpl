@@ -124,6 +124,9 @@ The configuration as Sluice will read it, as JSON: configToml parsed, or the
 {{- with .Values.http.tokensFile }}
 {{- $_ := set $http "tokens_file" . }}
 {{- end }}
+{{- with .Values.http.claimsKeyFile }}
+{{- $_ := set $http "claims_key_file" . }}
+{{- end }}
 {{- $_ := set $cfg "http" $http }}
 {{- toJson $cfg }}
 {{- end }}

@@ -118,13 +118,18 @@ pub struct StreamsConfig {
     /// How the producers of the source topics partition keys (to find the
     /// partition, and so the task, of a key in interactive queries).
     /// Repartition topics are written by the engine with murmur2 whatever
-    /// this says.
+    /// this says, except those written with
+    /// [`crate::KStream::repartition_partitioned`].
     pub key_partitioner: KeyPartitioner,
     /// How often an instance with an `application_server` publishes its
     /// partitions even when they did not change. A claim not renewed for
     /// three times this or three session timeouts, whichever is longer,
     /// counts as gone.
     pub instance_claim_interval: Duration,
+    /// The secret the instances sign their claims with; set, claims it did
+    /// not sign are ignored (see [`crate::runtime::ClaimKey`]). `None`: any
+    /// claim on the instances topic is believed (protect it with ACLs).
+    pub instance_claim_key: Option<super::instances::ClaimKey>,
     /// Extra librdkafka properties for every client.
     pub client_overrides: BTreeMap<String, String>,
     /// Extra librdkafka properties for the main consumer.
@@ -165,6 +170,7 @@ impl StreamsConfig {
             application_server: None,
             key_partitioner: KeyPartitioner::Murmur2,
             instance_claim_interval: Duration::from_secs(5),
+            instance_claim_key: None,
             client_overrides: BTreeMap::new(),
             consumer_overrides: BTreeMap::new(),
             producer_overrides: BTreeMap::new(),

@@ -13,9 +13,17 @@
 //! report about group members.
 //!
 //! A claim not renewed within `instance_claim_timeout` counts as gone (its
-//! instance was killed). While a rebalance moves a partition, the old and
-//! the new owner may both claim it for a moment; the claim whose assignment
-//! is newer wins.
+//! instance was killed), and so does one written more than that ahead of
+//! the reader's clock (it would otherwise stay fresh for ever). While a
+//! rebalance moves a partition, the old and the new owner may both claim it
+//! for a moment; the claim whose assignment is newer wins.
+//!
+//! Queries are forwarded, with their caller's credentials, to whoever a
+//! claim names: a claim written by anyone but an instance of the group would
+//! divert them. With a [`ClaimKey`] (`instance_claim_key`), a secret the
+//! instances share, each claim carries an HMAC-SHA256 of its content and a
+//! claim without a valid one is ignored; without it, only the topic's ACLs
+//! (write access for the application's principal alone) keep others out.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -23,11 +31,13 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use parking_lot::RwLock;
+use hmac::{Hmac, Mac};
+use parking_lot::{Mutex, RwLock};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
 use rdkafka::{Message, Offset, TopicPartitionList};
 use serde::{Deserialize, Serialize};
+use sha2::Sha256;
 
 use super::config::StreamsConfig;
 use super::kafka::client_config;
@@ -52,6 +62,88 @@ pub struct InstanceClaim {
     pub assigned_ms: i64,
     /// When it wrote this claim (ms since the epoch, its clock).
     pub updated_ms: i64,
+    /// HMAC-SHA256 of the claim without this field, hex, under the
+    /// instances' [`ClaimKey`] (absent when they have none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signature: Option<String>,
+}
+
+/// The secret instances of one application sign their claims with (at
+/// least 32 bytes). Never printed.
+#[derive(Clone)]
+pub struct ClaimKey(Arc<[u8]>);
+
+impl std::fmt::Debug for ClaimKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ClaimKey(<redacted>)")
+    }
+}
+
+impl ClaimKey {
+    /// The shortest key accepted, bytes.
+    pub const MIN_LEN: usize = 32;
+
+    /// A key from its bytes (surrounding white space, as a file's final
+    /// newline, is not part of it).
+    pub fn new(bytes: &[u8]) -> Result<Self, String> {
+        let key = bytes.trim_ascii();
+        if key.len() < Self::MIN_LEN {
+            return Err(format!(
+                "the claims key has {} bytes; at least {} are needed",
+                key.len(),
+                Self::MIN_LEN
+            ));
+        }
+        Ok(ClaimKey(key.into()))
+    }
+
+    fn mac(&self, claim: &InstanceClaim) -> Option<Hmac<Sha256>> {
+        let unsigned = InstanceClaim {
+            signature: None,
+            ..claim.clone()
+        };
+        let bytes = serde_json::to_vec(&unsigned).ok()?;
+        let mut mac = Hmac::<Sha256>::new_from_slice(&self.0).ok()?;
+        mac.update(&bytes);
+        Some(mac)
+    }
+
+    /// `claim` signed.
+    pub fn sign(&self, claim: InstanceClaim) -> InstanceClaim {
+        let signature = self.mac(&claim).map(|m| {
+            m.finalize()
+                .into_bytes()
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect()
+        });
+        InstanceClaim { signature, ..claim }
+    }
+
+    /// Whether `claim` carries a valid signature (compared in constant time).
+    pub fn verify(&self, claim: &InstanceClaim) -> bool {
+        let Some(sig) = claim.signature.as_deref().and_then(from_hex) else {
+            return false;
+        };
+        self.mac(claim)
+            .is_some_and(|m| m.verify_slice(&sig).is_ok())
+    }
+}
+
+fn from_hex(s: &str) -> Option<Vec<u8>> {
+    if s.len() % 2 != 0 {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+/// Whether a claim written at `updated_ms` counts at `now_ms`: renewed
+/// within `timeout_ms`, and not written further ahead of this clock.
+fn is_fresh(updated_ms: i64, now_ms: i64, timeout_ms: i64) -> bool {
+    (now_ms - updated_ms).abs() <= timeout_ms
 }
 
 impl InstanceClaim {
@@ -78,7 +170,7 @@ pub(crate) fn resolve_owner<'a>(
 ) -> Option<&'a InstanceClaim> {
     claims
         .into_iter()
-        .filter(|c| now_ms - c.updated_ms <= timeout_ms)
+        .filter(|c| is_fresh(c.updated_ms, now_ms, timeout_ms))
         .filter(|c| except != Some(c.server.as_str()))
         .filter(|c| c.holds(topics, partition))
         .max_by(|a, b| {
@@ -90,21 +182,46 @@ pub(crate) fn resolve_owner<'a>(
 #[derive(Debug, Default)]
 pub(crate) struct Directory {
     claims: RwLock<HashMap<String, InstanceClaim>>,
+    /// With a key, only claims it signed count.
+    key: Option<ClaimKey>,
+    /// Servers whose unsigned or forged claims were logged.
+    refused: Mutex<BTreeSet<String>>,
 }
 
 impl Directory {
+    /// A directory trusting the claims `key` signed (any claim without one).
+    pub(crate) fn new(key: Option<ClaimKey>) -> Self {
+        Directory {
+            key,
+            ..Default::default()
+        }
+    }
+
     /// Applies one record of the instances topic: a claim replaces the
     /// server's previous one, a tombstone removes it. Records that do not
-    /// parse are ignored (logged).
+    /// parse, and with a key claims it did not sign, are ignored (logged
+    /// once per server); so are tombstones, with a key (a forged one could
+    /// otherwise hide an instance; its claim expires by itself).
     pub(crate) fn apply(&self, key: Option<&[u8]>, value: Option<&[u8]>) {
         let Some(server) = key.and_then(|k| std::str::from_utf8(k).ok()) else {
             return;
         };
         let Some(value) = value else {
-            self.claims.write().remove(server);
+            if self.key.is_none() {
+                self.claims.write().remove(server);
+            }
             return;
         };
         match serde_json::from_slice::<InstanceClaim>(value) {
+            Ok(claim) if self.key.as_ref().is_some_and(|k| !k.verify(&claim)) => {
+                if self.refused.lock().insert(server.to_string()) {
+                    tracing::warn!(
+                        server,
+                        "instance claim without a valid signature (forged, or an instance \
+                         with another claims key); ignored"
+                    );
+                }
+            }
             Ok(claim) if claim.server == server => {
                 self.claims.write().insert(server.to_string(), claim);
             }
@@ -141,7 +258,7 @@ impl Directory {
             .claims
             .read()
             .values()
-            .filter(|c| now_ms - c.updated_ms <= timeout_ms)
+            .filter(|c| is_fresh(c.updated_ms, now_ms, timeout_ms))
             .cloned()
             .collect();
         out.sort_by(|a, b| a.server.cmp(&b.server));
@@ -191,6 +308,7 @@ impl ClaimsThread {
             sub_topics,
             interval: cfg.instance_claim_interval,
             producer,
+            key: cfg.instance_claim_key.clone(),
         };
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
@@ -231,6 +349,8 @@ struct Publisher {
     sub_topics: Vec<Vec<String>>,
     interval: Duration,
     producer: ThreadedProducer<DefaultProducerContext>,
+    /// Signs the claims, when the instances share one.
+    key: Option<ClaimKey>,
 }
 
 impl Publisher {
@@ -268,6 +388,11 @@ impl Publisher {
             partitions: self.partitions(tasks),
             assigned_ms,
             updated_ms: super::now_ms(),
+            signature: None,
+        };
+        let claim = match &self.key {
+            Some(k) => k.sign(claim),
+            None => claim,
         };
         match serde_json::to_vec(&claim) {
             Ok(json) => self.send(Some(&json)),
@@ -275,8 +400,11 @@ impl Publisher {
         }
     }
 
-    /// The tombstone of a clean stop, flushed.
+    /// The end of a clean stop, flushed: a claim of nothing (signed readers
+    /// ignore tombstones, which anyone could write), then the tombstone
+    /// that lets compaction drop the server.
     fn withdraw(&self) {
+        self.publish(&BTreeSet::new(), super::now_ms());
         self.send(None);
         if let Err(e) = self.producer.flush(Duration::from_secs(5)) {
             tracing::debug!(error = %e, "withdrawing this instance's claim");
@@ -336,6 +464,7 @@ mod tests {
                 .collect(),
             assigned_ms,
             updated_ms,
+            signature: None,
         }
     }
 
@@ -381,6 +510,67 @@ mod tests {
         // ... and counts as gone once it is older than the timeout.
         assert_eq!(owner(19_001).as_deref(), Some("http://a"));
         assert_eq!(owner(30_001), None);
+    }
+
+    #[test]
+    fn a_claim_from_the_future_is_not_fresh_for_ever() {
+        // Written an hour ahead of this clock: without the bound it would
+        // win every partition until then.
+        let forged = claim("http://evil", &[("in", &[0])], i64::MAX / 2, 3_620_000);
+        let a = claim("http://a", &[("in", &[0])], 1_000, 19_000);
+        let all = [forged, a];
+        let owner = |now| {
+            resolve_owner(&all, &topics(&["in"]), 0, now, 10_000, None).map(|c| c.server.clone())
+        };
+        assert_eq!(owner(20_000).as_deref(), Some("http://a"));
+        // A claim a little ahead (clocks differ) still counts.
+        let ahead = [claim("http://b", &[("in", &[0])], 1_000, 25_000)];
+        assert!(resolve_owner(&ahead, &topics(&["in"]), 0, 20_000, 10_000, None).is_some());
+    }
+
+    #[test]
+    fn with_a_key_only_the_claims_it_signed_count() {
+        let key = ClaimKey::new(b"0123456789abcdef0123456789abcdef\n").unwrap();
+        let other = ClaimKey::new(b"another key of at least 32 bytes, as well").unwrap();
+        assert!(ClaimKey::new(b"too short").is_err());
+        assert!(!format!("{key:?}").contains("0123"), "never printed");
+        let d = Directory::new(Some(key.clone()));
+        let t = topics(&["in"]);
+        let json = |c: &InstanceClaim| serde_json::to_vec(c).unwrap();
+        let genuine = key.sign(claim("http://a", &[("in", &[0])], 1, 10));
+        assert!(key.verify(&genuine));
+        d.apply(Some(b"http://a"), Some(&json(&genuine)));
+        assert_eq!(d.owner(&t, 0, 10, 100, None).as_deref(), Some("http://a"));
+        // Unsigned, signed with another key, or altered after signing: a
+        // newer assignment of the partition, ignored all the same.
+        let unsigned = claim("http://evil", &[("in", &[0])], 5, 10);
+        let wrong = other.sign(claim("http://evil2", &[("in", &[0])], 5, 10));
+        let mut altered = key.sign(claim("http://evil3", &[("in", &[1])], 5, 10));
+        altered.partitions.insert("in".into(), vec![0]);
+        let mut garbled = key.sign(claim("http://evil4", &[("in", &[0])], 5, 10));
+        garbled.signature = Some("zz".into());
+        for c in [&unsigned, &wrong, &altered, &garbled] {
+            assert!(!key.verify(c), "{c:?}");
+            d.apply(Some(c.server.as_bytes()), Some(&json(c)));
+        }
+        assert_eq!(d.owner(&t, 0, 10, 100, None).as_deref(), Some("http://a"));
+        assert_eq!(d.fresh(10, 100).len(), 1);
+        // A tombstone anyone could write hides nothing; a signed claim of
+        // nothing (a clean stop) does.
+        d.apply(Some(b"http://a"), None);
+        assert_eq!(d.owner(&t, 0, 10, 100, None).as_deref(), Some("http://a"));
+        d.apply(
+            Some(b"http://a"),
+            Some(&json(&key.sign(claim("http://a", &[], 2, 11)))),
+        );
+        assert_eq!(d.owner(&t, 0, 11, 100, None), None);
+        // Without a key every well-formed claim counts.
+        let open = Directory::default();
+        open.apply(Some(b"http://evil"), Some(&json(&unsigned)));
+        assert_eq!(
+            open.owner(&t, 0, 10, 100, None).as_deref(),
+            Some("http://evil")
+        );
     }
 
     #[test]

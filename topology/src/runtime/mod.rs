@@ -48,7 +48,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use parking_lot::Mutex;
 
 pub use config::{GroupProtocol, Guarantee, StreamsConfig};
-pub use instances::InstanceClaim;
+pub use instances::{ClaimKey, InstanceClaim};
 pub use kafka::close_in_background;
 pub use metrics::EngineMetrics;
 pub use partitions::{crc32, key_partition, murmur2, KeyPartitioner};
@@ -326,11 +326,11 @@ impl StreamsApp {
         self.cfg.validate()?;
         let prepared = admin::prepare_topics(&self.cfg, &self.topology)?;
         let local = Arc::new(queries::LocalTasks::default());
-        let directory = self
-            .cfg
-            .application_server
-            .as_ref()
-            .map(|_| Arc::new(instances::Directory::default()));
+        let directory = self.cfg.application_server.as_ref().map(|_| {
+            Arc::new(instances::Directory::new(
+                self.cfg.instance_claim_key.clone(),
+            ))
+        });
         let queries = Queries::new(
             &self.cfg,
             &self.topology,

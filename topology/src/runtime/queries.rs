@@ -542,6 +542,7 @@ mod tests {
             partitions: [("in".to_string(), partitions.to_vec())].into(),
             assigned_ms: 1,
             updated_ms,
+            signature: None,
         })
         .unwrap()
     }
