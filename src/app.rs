@@ -10,12 +10,13 @@ use sluice_topology::runtime::{EngineMetrics, Queries, RunningApp, StreamsApp};
 
 use crate::accounting::{Accounting, AccountingSettings};
 use crate::config::{Config, ConfigError, Repartition};
+use crate::envelope::{EnvelopeLimits, TenantRules};
 use crate::http::{bind, serve, HttpState};
 use crate::llm::{LlmClient, PromptBuilder};
 use crate::operator::{Health, LlmSettings, LlmStep, OperatorMetrics};
 use crate::pipeline::{
     default_topology, BatchMetrics, Batching, ByTenant, KeyCheck, Misplaced, Owners, ResultsSink,
-    Steps, TaskSource,
+    Steps, TaskSource, TaskTopic,
 };
 use crate::route::RouteStep;
 use crate::trace::Tracer;
@@ -228,6 +229,29 @@ fn task_partitions(config: &Config) -> Result<TaskPartitions, RunError> {
     })
 }
 
+/// The task topics of `[topics]`, with `[tasks]`' limits (its tenant rules
+/// were checked with the configuration).
+fn task_source(config: &Config) -> TaskSource {
+    let (topics, tasks) = (&config.topics, &config.tasks);
+    TaskSource {
+        topics: topics
+            .task_types
+            .iter()
+            .map(|t| TaskTopic {
+                topic: topics.task_topic(t),
+                dead_letter_topic: topics.dlq_topic(t),
+            })
+            .collect(),
+        task_types: topics.task_types.clone(),
+        limits: EnvelopeLimits {
+            max_bytes: tasks.max_bytes,
+            tenants: TenantRules::new(&tasks.tenant_pattern, &tasks.tenants).unwrap_or_default(),
+            ..EnvelopeLimits::default()
+        },
+        owners: Owners::AsArrived,
+    }
+}
+
 /// How tasks reach their tenant's owner, given the task topics' partitions.
 fn owners(config: &Config, partitions: TaskPartitions, misplaced: Misplaced) -> Owners {
     let by_tenant = |partitions| ByTenant {
@@ -271,10 +295,12 @@ pub fn steps(
     registry: &Registry,
     health: Health,
 ) -> prometheus::Result<Steps> {
-    let results = ResultsSink::from_config(&config.topics);
+    let results = ResultsSink {
+        completed: config.topics.results_completed.clone(),
+        failed: config.topics.results_failed.clone(),
+    };
     let misplaced = Misplaced::registered(registry, health.clone())?;
-    let source = TaskSource::from_config(&config.topics, &config.tasks)
-        .with_owners(owners(config, partitions, misplaced));
+    let source = task_source(config).with_owners(owners(config, partitions, misplaced));
     let mut settings = LlmSettings {
         name: "llm".into(),
         max_attempts: config.tasks.max_attempts,

@@ -16,24 +16,7 @@ use crate::llm::{LlmConfig, PromptConfig};
 use crate::pipeline::BatchingConfig;
 use crate::route::{FeatureWeights, Router, Tier};
 
-/// A configuration problem, with the key it concerns.
-#[derive(Debug, thiserror::Error)]
-#[error("config error at {key}: {message}")]
-pub struct ConfigError {
-    /// Dotted path of the offending key (or the file).
-    pub key: String,
-    /// What is wrong.
-    pub message: String,
-}
-
-impl ConfigError {
-    pub(crate) fn new(key: impl Into<String>, message: impl Into<String>) -> Self {
-        ConfigError {
-            key: key.into(),
-            message: message.into(),
-        }
-    }
-}
+pub use crate::error::ConfigError;
 
 /// The whole configuration.
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -10,6 +10,7 @@ pub mod config;
 pub mod demo;
 pub mod dlq;
 pub mod envelope;
+pub mod error;
 pub mod examples;
 pub mod http;
 pub mod kafka;

@@ -23,8 +23,8 @@ use serde_json::{json, Value};
 use sluice_topology::Headers;
 use tokio::sync::mpsc;
 
-use crate::config::ConfigError;
 use crate::envelope::TaskResult;
+use crate::error::ConfigError;
 
 /// The W3C trace context header.
 pub const TRACEPARENT: &str = "traceparent";

@@ -232,19 +232,40 @@ fn wait_results(p: &Pipeline, n: usize) {
     });
 }
 
+/// Budgets (µ$ a day) of the tenants `usage_survives_two_sigkills` alerts
+/// for, and the hard quota (tokens an hour) of `tenant-0`.
+const SIGKILL_BUDGETS: [(&str, i64); 2] = [("tenant-1", 2_000), ("tenant-2", 3_000)];
+const SIGKILL_QUOTA: u64 = 4_000;
+
 /// 20,000 tasks of 50 tenants under exactly-once, with micro-batching off
 /// (a call per task) or on, on one instance or two: the instances are
-/// killed with SIGKILL twice mid-run and restarted.
+/// killed with SIGKILL twice mid-run and restarted. On two instances the
+/// producer keys tasks by task id (not tenant), two tenants have budgets
+/// and one a hard quota.
 fn usage_survives_two_sigkills(extra: &str, two_instances: bool) {
     let sim = SimConfig::from_json_value(serde_json::json!({
         "latency": { "kind": "uniform", "min_ms": 5, "max_ms": 60 },
         "error_rate": 0.01,
     }))
     .unwrap();
-    let p = Pipeline::new(sim, &format!("[llm.retry]\nmax_attempts = 1\n{extra}"));
+    let mut toml = format!("[llm.retry]\nmax_attempts = 1\n{extra}");
+    if two_instances {
+        for (tenant, budget) in SIGKILL_BUDGETS {
+            toml += &format!("\n[accounting.budgets.tenants.{tenant}]\n1d = {budget}\n");
+        }
+        toml += &format!(
+            "\n[accounting.quotas.tenants.tenant-0]\nwindow = \"1h\"\ntokens = {SIGKILL_QUOTA}\n"
+        );
+    }
+    let p = Pipeline::new(sim, &toml);
     let mut a = p.start("acct-a");
     let mut b = two_instances.then(|| p.start_other("acct-b", ""));
-    let tasks = tenant_tasks(20_000, 50, 0);
+    let mut tasks = tenant_tasks(20_000, 50, 0);
+    if two_instances {
+        for t in &mut tasks {
+            t.key = Some(t.id.clone());
+        }
+    }
     p.produce(&tasks);
     wait_results(&p, tasks.len() / 4);
     a.proc.kill9();
@@ -267,11 +288,90 @@ fn usage_survives_two_sigkills(extra: &str, two_instances: bool) {
     assert_usage_equals_results(&p, &results, &windows, UsageUpdates::OnCommit);
     let tenants: Vec<String> = (0..50).map(|i| format!("tenant-{i}")).collect();
     assert_stores_equal_results(&p, &restarted, &results, &tenants);
+    if two_instances {
+        assert_each_alert_once(&p, &results, &windows);
+        assert_quota_held_per_window(&results, "tenant-0", "1h", SIGKILL_QUOTA, &windows);
+    }
     let mut restarted = restarted;
     restarted.proc.stop();
     if let Some((mut b, _)) = b {
         b.proc.stop();
     }
+}
+
+/// Every budget alert `SIGKILL_BUDGETS` call for, once: for each budget
+/// tenant's window, a threshold alerts exactly when the window's final cost
+/// (the sum of its results) reached it, with one alert id each.
+fn assert_each_alert_once(
+    p: &Pipeline,
+    results: &[(TaskResult, OwnedMessage)],
+    windows: &[WindowSpec],
+) {
+    let got = alerts(p);
+    let ids: std::collections::BTreeSet<&str> = got.iter().map(|a| a.alert_id.as_str()).collect();
+    assert_eq!(ids.len(), got.len(), "an alert went out twice: {got:?}");
+    let want = sums(results, windows);
+    let mut expected = std::collections::BTreeSet::new();
+    for (tenant, budget) in SIGKILL_BUDGETS {
+        for ((t, w, start), usage) in &want {
+            if t != tenant || w != "1d" {
+                continue;
+            }
+            for th in [0.5, 0.8, 1.0] {
+                if usage.total.cost_micros as f64 >= th * budget as f64 {
+                    expected.insert((tenant.to_string(), *start, (th * 100.0) as i64));
+                }
+            }
+        }
+    }
+    let budget_alerts: std::collections::BTreeSet<(String, i64, i64)> = got
+        .iter()
+        .filter(|a| a.kind == "budget")
+        .map(|a| {
+            (
+                a.tenant_id.clone(),
+                a.window_start,
+                (a.threshold * 100.0).round() as i64,
+            )
+        })
+        .collect();
+    assert!(!expected.is_empty(), "the budgets were crossed");
+    assert_eq!(budget_alerts, expected, "{got:?}");
+}
+
+/// `tenant`'s completed results in each of its `window` windows billed at
+/// most `quota` tokens, and some were refused `quota_exceeded`.
+fn assert_quota_held_per_window(
+    results: &[(TaskResult, OwnedMessage)],
+    tenant: &str,
+    window: &str,
+    quota: u64,
+    windows: &[WindowSpec],
+) {
+    let spec = windows.iter().find(|w| w.name == window).unwrap();
+    let mut used: BTreeMap<i64, u64> = BTreeMap::new();
+    for (r, _) in results
+        .iter()
+        .filter(|(r, _)| r.tenant_id == tenant && r.success)
+    {
+        *used
+            .entry(spec.start_of(r.completed_at.timestamp_millis()))
+            .or_default() += r.input_tokens + r.output_tokens;
+    }
+    for (start, tokens) in &used {
+        assert!(
+            *tokens <= quota,
+            "{tenant} used {tokens} tokens of {quota} in the window from {start}"
+        );
+    }
+    let refused = results
+        .iter()
+        .filter(|(r, _)| r.tenant_id == tenant && r.error_code.as_deref() == Some("quota_exceeded"))
+        .count();
+    println!(
+        "{tenant}: {used:?} tokens used per {window} window (quota {quota}), {refused} refused"
+    );
+    assert!(refused > 0, "the quota was reached");
 }
 
 /// Calls abandoned by a kill were billed by the provider but answered again
@@ -295,6 +395,7 @@ fn usage_is_exact_across_two_sigkills_with_a_call_per_task() {
     usage_survives_two_sigkills(UNBATCHED, false);
 }
 
+/// The Show run of one owner per tenant: tasks keyed by task id.
 #[test]
 fn usage_is_exact_across_two_sigkills_with_micro_batching_and_two_instances() {
     usage_survives_two_sigkills("", true);

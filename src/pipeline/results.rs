@@ -9,7 +9,6 @@
 
 use sluice_topology::{OutputRecord, ProcessError, Processor, ProcessorContext, Record};
 
-use crate::config::TopicsSection;
 use crate::envelope::TaskResult;
 
 /// The results topics.
@@ -22,14 +21,6 @@ pub struct ResultsSink {
 }
 
 impl ResultsSink {
-    /// The results topics of the `[topics]` section.
-    pub fn from_config(topics: &TopicsSection) -> Self {
-        ResultsSink {
-            completed: topics.results_completed.clone(),
-            failed: topics.results_failed.clone(),
-        }
-    }
-
     /// Both topics.
     pub fn topics(&self) -> Vec<String> {
         vec![self.completed.clone(), self.failed.clone()]

@@ -21,8 +21,7 @@ use sluice_topology::{
 };
 
 use super::{RawKey, Task};
-use crate::config::{TasksSection, TopicsSection};
-use crate::envelope::{decode_task, DlqCategory, EnvelopeLimits, TaskEnvelope, TenantRules};
+use crate::envelope::{decode_task, DlqCategory, EnvelopeLimits, TaskEnvelope};
 use crate::operator::Health;
 
 /// A task topic and its dead-letter topic.
@@ -232,30 +231,6 @@ impl ByTenant {
 }
 
 impl TaskSource {
-    /// The task topics of the `[topics]` section, with `[tasks]`' limits
-    /// (its tenant rules were checked with the configuration).
-    pub fn from_config(topics: &TopicsSection, tasks: &TasksSection) -> Self {
-        TaskSource {
-            topics: topics
-                .task_types
-                .iter()
-                .map(|t| TaskTopic {
-                    topic: topics.task_topic(t),
-                    dead_letter_topic: topics.dlq_topic(t),
-                })
-                .collect(),
-            task_types: topics.task_types.clone(),
-            limits: EnvelopeLimits {
-                max_bytes: tasks.max_bytes,
-                // The pattern was checked with the configuration.
-                tenants: TenantRules::new(&tasks.tenant_pattern, &tasks.tenants)
-                    .unwrap_or_default(),
-                ..EnvelopeLimits::default()
-            },
-            owners: Owners::AsArrived,
-        }
-    }
-
     /// The same source, with tasks reaching their tenant's owner as `owners`
     /// says.
     pub fn with_owners(self, owners: Owners) -> Self {
