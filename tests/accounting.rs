@@ -457,6 +457,47 @@ fn assert_quota_held(
     (done.len(), refused.len())
 }
 
+/// The windows of a hard quota test: `q` (QUOTA_WINDOW_MS) and an hour,
+/// with `capped`'s quota of `quota` tokens on `q`; their specs and TOML.
+fn capped_quota_windows(quota: u64) -> (Vec<WindowSpec>, String) {
+    let windows = vec![
+        WindowSpec::fixed("q", QUOTA_WINDOW_MS, 600_000),
+        WindowSpec::fixed("1h", 3_600_000, 3_600_000),
+    ];
+    let toml = format!(
+        r#"
+[[accounting.windows]]
+name = "q"
+size_ms = {QUOTA_WINDOW_MS}
+retention_ms = 600000
+
+[[accounting.windows]]
+name = "1h"
+size_ms = 3600000
+retention_ms = 3600000
+
+[accounting.quotas.tenants.capped]
+window = "q"
+tokens = {quota}
+"#
+    );
+    (windows, toml)
+}
+
+/// The partitions of the usage topic each tenant's records are in (one
+/// per tenant when its accounts have one owner).
+fn usage_partitions(p: &Pipeline) -> BTreeMap<String, std::collections::BTreeSet<i32>> {
+    let mut partitions: BTreeMap<String, std::collections::BTreeSet<i32>> = BTreeMap::new();
+    for m in read_all(&format!("{}.usage", p.prefix)) {
+        let u: UsageRecord = serde_json::from_slice(m.payload().unwrap()).unwrap();
+        partitions
+            .entry(u.tenant_id)
+            .or_default()
+            .insert(m.partition());
+    }
+    partitions
+}
+
 /// A quota window of this size (ms), aligned to the epoch.
 const QUOTA_WINDOW_MS: i64 = 40_000;
 
@@ -577,30 +618,11 @@ fn a_tenants_tasks_meet_in_one_task_when_task_topics_differ_in_partitions() {
         "content_policy_marker": "FORBIDDEN",
     }))
     .unwrap();
-    let windows = vec![
-        WindowSpec::fixed("q", QUOTA_WINDOW_MS, 600_000),
-        WindowSpec::fixed("1h", 3_600_000, 3_600_000),
-    ];
+    let (windows, toml) = capped_quota_windows(quota);
     let p = Pipeline::with_partitions(
         sim,
         "exactly_once",
-        &format!(
-            r#"
-[[accounting.windows]]
-name = "q"
-size_ms = {QUOTA_WINDOW_MS}
-retention_ms = 600000
-
-[[accounting.windows]]
-name = "1h"
-size_ms = 3600000
-retention_ms = 3600000
-
-[accounting.quotas.tenants.capped]
-window = "q"
-tokens = {quota}
-"#
-        ),
+        &toml,
         3,
         &[("classify", 2), ("extract", 2)],
     );
@@ -647,14 +669,7 @@ tokens = {quota}
     assert_each_answered_once(&all, &results);
 
     // Each tenant's usage came from one task: one partition of the usage topic.
-    let mut partitions: BTreeMap<String, std::collections::BTreeSet<i32>> = BTreeMap::new();
-    for m in read_all(&format!("{}.usage", p.prefix)) {
-        let u: UsageRecord = serde_json::from_slice(m.payload().unwrap()).unwrap();
-        partitions
-            .entry(u.tenant_id)
-            .or_default()
-            .insert(m.partition());
-    }
+    let partitions = usage_partitions(&p);
     assert_eq!(partitions.len(), 5, "{partitions:?}");
     for (tenant, parts) in &partitions {
         assert_eq!(parts.len(), 1, "{tenant}'s usage came from tasks {parts:?}");
@@ -765,33 +780,11 @@ fn a_tenant_keeps_one_owner_whatever_its_producers_key() {
         "latency": { "kind": "uniform", "min_ms": 5, "max_ms": 60 },
     }))
     .unwrap();
-    let windows = vec![
-        WindowSpec::fixed("q", QUOTA_WINDOW_MS, 600_000),
-        WindowSpec::fixed("1h", 3_600_000, 3_600_000),
-    ];
+    let (windows, toml) = capped_quota_windows(quota);
     let p = Pipeline::with_partitions(
         sim,
         "exactly_once",
-        &format!(
-            r#"
-[[accounting.windows]]
-name = "q"
-size_ms = {QUOTA_WINDOW_MS}
-retention_ms = 600000
-
-[[accounting.windows]]
-name = "1h"
-size_ms = 3600000
-retention_ms = 3600000
-
-[accounting.quotas.tenants.capped]
-window = "q"
-tokens = {quota}
-
-[accounting.budgets.tenants.capped]
-1h = {budget}
-"#
-        ),
+        &format!("{toml}\n[accounting.budgets.tenants.capped]\n1h = {budget}\n"),
         3,
         &[],
     );
@@ -862,14 +855,7 @@ tokens = {quota}
     assert_results_bill_what_the_provider_billed(&p, &first);
     // Each tenant's usage came from one task: one partition of the usage
     // topic, the one its tenant id names.
-    let mut partitions: BTreeMap<String, std::collections::BTreeSet<i32>> = BTreeMap::new();
-    for m in read_all(&format!("{}.usage", p.prefix)) {
-        let u: UsageRecord = serde_json::from_slice(m.payload().unwrap()).unwrap();
-        partitions
-            .entry(u.tenant_id)
-            .or_default()
-            .insert(m.partition());
-    }
+    let partitions = usage_partitions(&p);
     assert_eq!(partitions.len(), tenants.len(), "{partitions:?}");
     for (tenant, parts) in &partitions {
         assert_eq!(parts.len(), 1, "{tenant}'s usage came from tasks {parts:?}");
