@@ -14,7 +14,13 @@ For the chart's default values and for every file in its ci/ directory:
   4. checks how the parts fit: the ConfigMap's sluice.toml parses and has
      [kafka], [llm] and [http] listen but no advertised_url, which each pod
      gets from SLUICE_HTTP__ADVERTISED_URL built from its own name; ports,
-     probes, volumes, Services, selectors and the drain budget agree.
+     probes, volumes, Services, selectors and the drain budget agree,
+  5. checks the task gateway (gateway.enabled): its Deployment runs
+     `gateway --config` on the same ConfigMap and Secret, listens, advertises
+     its pod IP and keeps its state on an emptyDir as the chart sets them; its
+     Service, PodDisruptionBudget, NetworkPolicy, Ingress and ServiceMonitor
+     select its pods and no others, the workers' objects do not select them,
+     and sluice.toml's [gateway] is gateway.config. Disabled: none of it.
 The same for configToml (the default config given as a string), for
 dashboard.enabled (the dashboard ConfigMap must hold files/dashboard.json as
 valid JSON), and for a few variants of the values (persistence off,
@@ -70,6 +76,9 @@ MUST_REFUSE = [
         "advertised_url",
     ),
     ("a grace period shorter than the drain", {"terminationGracePeriodSeconds": 10}, "drain"),
+    ("[gateway] listen set in gateway.config", {"gateway": {"config": {"listen": "0.0.0.0:9090"}}}, "listen"),
+    ("[gateway] set in config", {"config": {"gateway": {"max_batch": 10}}}, "gateway"),
+    ("a zero gateway.config.max_batch", {"gateway": {"enabled": True, "config": {"max_batch": 0}}}, "max_batch"),
     (
         "a drain longer than the rebalance timeout",
         {"config": {"kafka": {"max_poll_interval_ms": 60000}}},
@@ -119,6 +128,20 @@ VARIANTS = [
     ("KEDA on the whole consumer group, other port", {
         "autoscaling": {"enabled": True, "minReplicas": 0},
         "http": {"port": 9090}, "service": {"port": 80},
+    }),
+    ("gateway alone: no Ingress, PDB or NetworkPolicy, chart-made Secret, no anti-affinity", {
+        "gateway": {"enabled": True, "replicaCount": 1, "podDisruptionBudget": {"enabled": False},
+                    "config": {"max_batch": 10, "status_ttl_hours": None}},
+        "networkPolicy": {"enabled": False},
+        "podAntiAffinity": "none",
+        "secrets": {"data": {"openai-api-key": "sk-x", "api-tokens": "t" * 16 + " admin"}},
+        "http": {"tokensFile": "/etc/sluice/secrets/api-tokens"},
+    }),
+    ("gateway behind a bare Ingress, ServiceMonitor, other port, long name", {
+        "fullnameOverride": "a-very-long-release-name-for-sluice-in-the-staging-cluster-x",
+        "gateway": {"enabled": True, "port": 9091, "ingress": {"enabled": True},
+                    "podDisruptionBudget": {"minAvailable": "50%"}},
+        "metrics": {"serviceMonitor": {"enabled": True}},
     }),
     ("configToml on another port", {
         "http": {"port": 9090},
@@ -241,6 +264,31 @@ def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
 
+def is_gateway(d: dict) -> bool:
+    return (d.get("metadata", {}).get("labels") or {}).get("app.kubernetes.io/component") == "gateway"
+
+
+def workers(docs: list[dict]) -> list[dict]:
+    """The objects that are not the gateway's."""
+    return [d for d in docs if not is_gateway(d)]
+
+
+def config_of(manifests: dict[str, list[dict]], pod_spec: dict, config_path: str) -> tuple[str, str]:
+    """(ConfigMap name, file text) of the config file a pod reads at config_path."""
+    c = pod_spec["containers"][0]
+    mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+    volumes = {v["name"]: v for v in pod_spec.get("volumes", [])}
+    path = Path(config_path)
+    mount = mounts.get(str(path.parent))
+    if mount is None or "configMap" not in volumes.get(mount["name"], {}):
+        raise CheckError(f"{config_path} is not on a ConfigMap volume")
+    name = volumes[mount["name"]]["configMap"]["name"]
+    cms = [d for d in by_kind(manifests, "ConfigMap") if d["metadata"]["name"] == name]
+    if not cms or path.name not in (cms[0].get("data") or {}):
+        raise CheckError(f"ConfigMap {name} with {path.name} is not rendered")
+    return name, cms[0]["data"][path.name]
+
+
 def check_fit(manifests: dict[str, list[dict]], values: dict[str, Any]) -> list[str]:
     """Checks that config, StatefulSet, Services and the rest agree."""
     problems: list[str] = []
@@ -330,7 +378,7 @@ def check_fit(manifests: dict[str, list[dict]], values: dict[str, Any]) -> list[
         get = (c.get(probe) or {}).get("httpGet") or {}
         if get.get("path") != path or get.get("port") not in ("http", port):
             problems.append(f"{probe} is not GET {path} on the http port")
-    for svc in by_kind(manifests, "Service"):
+    for svc in workers(by_kind(manifests, "Service")):
         if not selects(svc["spec"].get("selector", {}), pod_labels):
             problems.append(f"Service {svc['metadata']['name']} does not select the pods")
         for p in svc["spec"].get("ports", []):
@@ -378,7 +426,7 @@ def check_fit(manifests: dict[str, list[dict]], values: dict[str, Any]) -> list[
         if ref and ref["name"] not in rendered_secrets | {existing}:
             problems.append(f"env {e['name']} uses Secret {ref['name']}, which is neither rendered nor existingSecret")
 
-    for pdb in by_kind(manifests, "PodDisruptionBudget"):
+    for pdb in workers(by_kind(manifests, "PodDisruptionBudget")):
         if not selects(pdb["spec"]["selector"].get("matchLabels", {}), pod_labels):
             problems.append("the PodDisruptionBudget does not select the pods")
 
@@ -400,7 +448,7 @@ def check_fit(manifests: dict[str, list[dict]], values: dict[str, Any]) -> list[
         if "replicas" in sts["spec"]:
             problems.append("the StatefulSet sets replicas while KEDA scales it")
 
-    for sm in by_kind(manifests, "ServiceMonitor"):
+    for sm in workers(by_kind(manifests, "ServiceMonitor")):
         sel = sm["spec"].get("selector", {}).get("matchLabels", {})
         matched = [s for s in by_kind(manifests, "Service") if selects(sel, s["metadata"].get("labels", {}))]
         if len(matched) != 1:
@@ -410,12 +458,198 @@ def check_fit(manifests: dict[str, list[dict]], values: dict[str, Any]) -> list[
     return problems
 
 
+def check_gateway(manifests: dict[str, list[dict]], values: dict[str, Any]) -> list[str]:
+    """Checks the task gateway's objects against the StatefulSet's and the values."""
+    problems: list[str] = []
+    gw = values.get("gateway") or {}
+    sts = one(manifests, "StatefulSet")
+    sts_spec = sts["spec"]["template"]["spec"]
+    sts_labels = sts["spec"]["template"]["metadata"].get("labels", {})
+    config_path = sts_spec["containers"][0]["args"][2]
+    _, text = config_of(manifests, sts_spec, config_path)
+    cfg = tomllib.loads(text)
+    ours = [d for docs in manifests.values() for d in docs if is_gateway(d)]
+    if not gw.get("enabled"):
+        if ours or by_kind(manifests, "Deployment") or by_kind(manifests, "Ingress"):
+            problems.append("gateway.enabled is false, yet gateway objects are rendered")
+        if not values.get("configToml") and "gateway" in cfg:
+            problems.append("gateway.enabled is false, yet sluice.toml has a [gateway] section")
+        return problems
+
+    dep = one(manifests, "Deployment")
+    if not is_gateway(dep):
+        problems.append("the Deployment is not labelled app.kubernetes.io/component: gateway")
+    pod_labels = dep["spec"]["template"]["metadata"].get("labels", {})
+    spec = dep["spec"]["template"]["spec"]
+    if not selects(dep["spec"]["selector"]["matchLabels"], pod_labels):
+        problems.append("the gateway Deployment's selector does not select its own pods")
+    # Selectors stay apart: the StatefulSet's (immutable) selector and the
+    # workers' Services, PDB and NetworkPolicy must not take the gateway pods,
+    # nor the gateway's the workers'.
+    if selects(sts["spec"]["selector"]["matchLabels"], pod_labels):
+        problems.append("the StatefulSet's selector selects the gateway pods")
+    if selects(dep["spec"]["selector"]["matchLabels"], sts_labels):
+        problems.append("the gateway Deployment's selector selects the StatefulSet's pods")
+    for d in [d for docs in manifests.values() for d in docs]:
+        kind = d.get("kind")
+        sel = {
+            "Service": lambda: d["spec"].get("selector", {}),
+            "PodDisruptionBudget": lambda: d["spec"]["selector"].get("matchLabels", {}),
+            "NetworkPolicy": lambda: d["spec"]["podSelector"].get("matchLabels", {}),
+        }.get(kind)
+        if sel is None:
+            continue
+        want, other = (pod_labels, sts_labels) if is_gateway(d) else (sts_labels, pod_labels)
+        if not selects(sel(), want):
+            problems.append(f"{kind} {d['metadata']['name']} does not select its pods")
+        if selects(sel(), other):
+            problems.append(f"{kind} {d['metadata']['name']} also selects the {'workers' if is_gateway(d) else 'gateway'} pods")
+
+    c = spec["containers"][0]
+    sts_c = sts_spec["containers"][0]
+    if c.get("image") != sts_c.get("image") or c.get("command") != sts_c.get("command"):
+        problems.append("the gateway's image or command differs from the StatefulSet's")
+    if c.get("args") != ["gateway", "--config", config_path]:
+        problems.append(f"gateway container args {c.get('args')} are not `gateway --config {config_path}`")
+    try:
+        cm, _ = config_of(manifests, spec, config_path)
+        if cm != config_of(manifests, sts_spec, config_path)[0]:
+            problems.append("the gateway reads another ConfigMap than the StatefulSet")
+    except CheckError as e:
+        problems.append(f"gateway: {e}")
+
+    port = int(gw["port"])
+    ports = {p.get("name"): p["containerPort"] for p in c.get("ports", [])}
+    if ports.get("gateway") != port:
+        problems.append(f"gateway container port `gateway` is {ports.get('gateway')}, gateway.port is {port}")
+    env = c.get("env", [])
+    names = [e["name"] for e in env]
+    value = {e["name"]: e.get("value") for e in env}
+    pod_ip = next((e for e in env if e["name"] == "POD_IP"), None)
+    if value.get("SLUICE_GATEWAY__LISTEN") != f"0.0.0.0:{port}":
+        problems.append(f"SLUICE_GATEWAY__LISTEN is {value.get('SLUICE_GATEWAY__LISTEN')!r}, not 0.0.0.0:{port}")
+    if value.get("SLUICE_GATEWAY__ADVERTISED_URL") != f"http://$(POD_IP):{port}":
+        problems.append(f"SLUICE_GATEWAY__ADVERTISED_URL is {value.get('SLUICE_GATEWAY__ADVERTISED_URL')!r}, not http://$(POD_IP):{port}")
+    elif (
+        pod_ip is None
+        or pod_ip.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") != "status.podIP"
+        or names.index("POD_IP") > names.index("SLUICE_GATEWAY__ADVERTISED_URL")
+    ):
+        problems.append("POD_IP must come from status.podIP, before SLUICE_GATEWAY__ADVERTISED_URL")
+    mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    state = mounts.get(value.get("SLUICE_GATEWAY__STATE_DIR") or "")
+    if state is None or "emptyDir" not in volumes.get(state["name"], {}):
+        problems.append("SLUICE_GATEWAY__STATE_DIR is not on an emptyDir")
+    if "/tmp" not in mounts:
+        problems.append("the gateway has no writable /tmp")
+    # The Secret (provider keys, tokens, claims key, Kafka CA) as the workers have it.
+    sts_volumes = {v["name"]: v for v in sts_spec.get("volumes", [])}
+    sts_secrets = [(m["mountPath"], sts_volumes.get(m["name"], {}).get("secret")) for m in sts_c.get("volumeMounts", [])]
+    for path, secret in sts_secrets:
+        if secret and (path not in mounts or volumes.get(mounts[path]["name"], {}).get("secret") != secret):
+            problems.append(f"the gateway does not mount the Secret {secret['secretName']} at {path}")
+    http = cfg.get("http") or {}
+    for key in ("tokens_file", "claims_key_file"):
+        f = http.get(key)
+        if f and not any(f.startswith(m.rstrip("/") + "/") for m in mounts):
+            problems.append(f"[http] {key} {f} is on no volume of the gateway")
+    sts_refs = {json.dumps(e) for e in sts_c.get("env", []) if (e.get("valueFrom") or {}).get("secretKeyRef")}
+    gw_refs = {json.dumps(e) for e in env if (e.get("valueFrom") or {}).get("secretKeyRef")}
+    if not sts_refs <= gw_refs:
+        problems.append("the gateway lacks Secret-backed variables the StatefulSet has (Kafka SASL)")
+    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+        if not values.get(probe, {}).get("enabled", True):
+            continue
+        get = (c.get(probe) or {}).get("httpGet") or {}
+        if get.get("path") != path or get.get("port") not in ("gateway", port):
+            problems.append(f"the gateway's {probe} is not GET {path} on the gateway port")
+    sc = c.get("securityContext") or {}
+    psc = spec.get("securityContext") or {}
+    if not sc.get("readOnlyRootFilesystem") or sc.get("allowPrivilegeEscalation") is not False:
+        problems.append("the gateway's root filesystem is writable or it may escalate privileges")
+    if not (sc.get("runAsNonRoot") or psc.get("runAsNonRoot")):
+        problems.append("the gateway container may run as root")
+
+    svcs = [s for s in by_kind(manifests, "Service") if is_gateway(s)]
+    if len(svcs) != 1:
+        return problems + [f"expected one gateway Service, rendered {len(svcs)}"]
+    svc = svcs[0]
+    if svc["spec"].get("type", "ClusterIP") != "ClusterIP":
+        problems.append("the gateway Service is not ClusterIP")
+    if [(p.get("name"), p.get("targetPort")) for p in svc["spec"]["ports"]] != [("http", "gateway")]:
+        problems.append("the gateway Service's port is not http -> gateway")
+    pdbs = [d for d in by_kind(manifests, "PodDisruptionBudget") if is_gateway(d)]
+    if len(pdbs) != (1 if gw.get("podDisruptionBudget", {}).get("enabled") else 0):
+        problems.append(f"{len(pdbs)} gateway PodDisruptionBudgets rendered")
+
+    if values.get("networkPolicy", {}).get("enabled"):
+        nps = [d for d in by_kind(manifests, "NetworkPolicy") if is_gateway(d)]
+        if len(nps) != 1:
+            problems.append(f"expected one gateway NetworkPolicy, rendered {len(nps)}")
+        else:
+            rules = nps[0]["spec"].get("ingress") or []
+            peers = [
+                p for r in rules if any(int(x.get("port", 0)) == port for x in r.get("ports", []))
+                for p in r.get("from", [])
+            ]
+            if not any(selects((p.get("podSelector") or {}).get("matchLabels", {}), pod_labels)
+                       and "namespaceSelector" not in p for p in peers):
+                problems.append("the gateway NetworkPolicy does not admit the gateway's own pods to the gateway port")
+            for p in values["networkPolicy"].get("from") or []:
+                if p not in peers:
+                    problems.append(f"the gateway NetworkPolicy does not admit networkPolicy.from peer {p}")
+            for p in gw.get("networkPolicy", {}).get("from") or []:
+                if p not in peers:
+                    problems.append(f"the gateway NetworkPolicy does not admit gateway.networkPolicy.from peer {p}")
+
+    ing_values = gw.get("ingress") or {}
+    ings = by_kind(manifests, "Ingress")
+    if len(ings) != (1 if ing_values.get("enabled") else 0):
+        problems.append(f"{len(ings)} Ingresses rendered, gateway.ingress.enabled is {ing_values.get('enabled')}")
+    for ing in ings:
+        for rule in ing["spec"].get("rules", []):
+            if rule.get("host", "") != ing_values.get("host", ""):
+                problems.append(f"Ingress rule host {rule.get('host')!r}, gateway.ingress.host is {ing_values.get('host')!r}")
+            for path in rule.get("http", {}).get("paths", []):
+                backend = path.get("backend", {}).get("service", {})
+                if backend.get("name") != svc["metadata"]["name"] or backend.get("port", {}).get("name") != "http":
+                    problems.append(f"Ingress backend {backend} is not the gateway Service's http port")
+        if (ing["spec"].get("tls") or []) != (ing_values.get("tls") or []):
+            problems.append("the Ingress's tls is not gateway.ingress.tls")
+
+    if values.get("metrics", {}).get("serviceMonitor", {}).get("enabled"):
+        sms = [d for d in by_kind(manifests, "ServiceMonitor") if is_gateway(d)]
+        if len(sms) != 1:
+            problems.append(f"expected one gateway ServiceMonitor, rendered {len(sms)}")
+        else:
+            sel = sms[0]["spec"].get("selector", {}).get("matchLabels", {})
+            matched = [s for s in by_kind(manifests, "Service") if selects(sel, s["metadata"].get("labels", {}))]
+            if matched != [svc]:
+                problems.append("the gateway ServiceMonitor does not select exactly the gateway Service")
+            if not any(ep.get("port") == "http" and ep.get("path") == "/metrics" for ep in sms[0]["spec"].get("endpoints", [])):
+                problems.append("the gateway ServiceMonitor does not scrape /metrics on port http")
+
+    # [gateway] in sluice.toml: gateway.config, without the chart-managed keys.
+    section = cfg.get("gateway")
+    if not values.get("configToml"):
+        want = {k: v for k, v in (gw.get("config") or {}).items() if v is not None}
+        if (section or {}) != want:
+            problems.append(f"sluice.toml [gateway] is {section}, gateway.config is {want}")
+    for key in ("listen", "advertised_url", "state_dir"):
+        if key in (section or {}) and values.get("configToml") is None:
+            problems.append(f"sluice.toml [gateway] {key} is the chart's (set from the environment)")
+    return problems
+
+
 def check_values(chart_dir: Path, chart: helm.Chart, label: str, values: dict[str, Any] | None) -> str:
     lint(chart_dir, values)
     manifests = render(chart, values)
     problems = validate_schemas(manifests)
     merged = chart.merge_values(values or {})
     problems += check_fit(manifests, merged)
+    if not problems:
+        problems += check_gateway(manifests, merged)
     if problems:
         raise CheckError("\n    ".join(["problems:"] + problems))
     kinds = sorted({d["kind"] for docs in manifests.values() for d in docs})

@@ -404,7 +404,8 @@ pub async fn signals() {
     }
 }
 
-async fn wait(
+/// Resolves when `shutdown` does or the application stopped.
+pub(crate) async fn wait(
     app: &RunningApp,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), RunError> {

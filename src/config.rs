@@ -56,6 +56,9 @@ pub struct Config {
     /// Spans of the LLM step and their OTLP export.
     #[serde(default)]
     pub tracing: crate::trace::TracingSection,
+    /// The HTTP task gateway (`sluice gateway`).
+    #[serde(default)]
+    pub gateway: GatewaySection,
 }
 
 /// `[app]`.
@@ -452,11 +455,7 @@ impl HttpSection {
     /// The URL this instance advertises once its listener is bound to
     /// `bound` (see [`HttpSection::advertised_url`]).
     pub fn advertised(&self, bound: std::net::SocketAddr) -> Option<String> {
-        match &self.advertised_url {
-            Some(url) => Some(url.trim_end_matches('/').to_string()),
-            None if bound.ip().is_unspecified() => None,
-            None => Some(format!("http://{bound}")),
-        }
+        advertised(self.advertised_url.as_deref(), bound)
     }
 
     /// The query API's tokens (none without `tokens_file`: the API then
@@ -487,26 +486,111 @@ impl HttpSection {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        if self.listen.parse::<std::net::SocketAddr>().is_err() {
-            return Err(ConfigError::new(
-                "http.listen",
-                "must be an address like 127.0.0.1:8080",
-            ));
-        }
         self.tokens()?;
         self.claims_key()?;
-        if let Some(url) = &self.advertised_url {
-            let ok = reqwest::Url::parse(url).is_ok_and(|u| {
-                matches!(u.scheme(), "http" | "https")
-                    && u.host().is_some()
-                    && u.query().is_none()
-                    && u.fragment().is_none()
-            });
-            if !ok {
-                return Err(ConfigError::new(
-                    "http.advertised_url",
-                    "must be an http(s) URL like http://sluice-0.sluice:8080",
-                ));
+        check_listen_and_url("http", &self.listen, self.advertised_url.as_deref())
+    }
+}
+
+/// The URL an instance advertises: `configured`, else `http://<bound>`
+/// unless that is a wildcard address.
+fn advertised(configured: Option<&str>, bound: std::net::SocketAddr) -> Option<String> {
+    match configured {
+        Some(url) => Some(url.trim_end_matches('/').to_string()),
+        None if bound.ip().is_unspecified() => None,
+        None => Some(format!("http://{bound}")),
+    }
+}
+
+/// Checks a section's `listen` address and `advertised_url`.
+fn check_listen_and_url(section: &str, listen: &str, url: Option<&str>) -> Result<(), ConfigError> {
+    if listen.parse::<std::net::SocketAddr>().is_err() {
+        return Err(ConfigError::new(
+            format!("{section}.listen"),
+            "must be an address like 127.0.0.1:8080",
+        ));
+    }
+    if let Some(url) = url {
+        let ok = reqwest::Url::parse(url).is_ok_and(|u| {
+            matches!(u.scheme(), "http" | "https")
+                && u.host().is_some()
+                && u.query().is_none()
+                && u.fragment().is_none()
+        });
+        if !ok {
+            return Err(ConfigError::new(
+                format!("{section}.advertised_url"),
+                "must be an http(s) URL like http://sluice-0.sluice:8080",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `[gateway]`: the HTTP task gateway, `sluice gateway` (see
+/// `src/gateway`). It reads the same file as `sluice run` (topics, tasks,
+/// tokens, quotas) and runs as its own stream application,
+/// `<app id>-gateway`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GatewaySection {
+    /// Address of the gateway's listener.
+    pub listen: String,
+    /// The URL other gateway instances reach this one at (status reads are
+    /// forwarded to the instance holding the task's tenant). Default:
+    /// `http://<listen address>` unless that is a wildcard address.
+    pub advertised_url: Option<String>,
+    /// Directory of the gateway's state (its task status store). Default:
+    /// `<app.state_dir>/gateway`.
+    pub state_dir: Option<PathBuf>,
+    /// Largest request body, bytes (a larger one: 413).
+    pub max_body_bytes: usize,
+    /// Most tasks in one `POST /v1/tasks:batch`.
+    pub max_batch: usize,
+    /// A tenant with this many tasks accepted and not yet answered gets 429
+    /// for new ones (0: no bound).
+    pub max_backlog_per_tenant: u64,
+    /// Period of the keep-alive comments of an event stream, ms.
+    pub keepalive_ms: u64,
+    /// Longest `wait` of a status read (long polling), ms.
+    pub max_wait_ms: u64,
+    /// How long a task's status is kept after its last change, hours.
+    pub status_ttl_hours: u64,
+}
+
+impl Default for GatewaySection {
+    fn default() -> Self {
+        GatewaySection {
+            listen: "127.0.0.1:8090".into(),
+            advertised_url: None,
+            state_dir: None,
+            max_body_bytes: 1024 * 1024,
+            max_batch: 100,
+            max_backlog_per_tenant: 10_000,
+            keepalive_ms: 15_000,
+            max_wait_ms: 30_000,
+            status_ttl_hours: 7 * 24,
+        }
+    }
+}
+
+impl GatewaySection {
+    /// The URL this gateway advertises once bound to `bound`.
+    pub fn advertised(&self, bound: std::net::SocketAddr) -> Option<String> {
+        advertised(self.advertised_url.as_deref(), bound)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        check_listen_and_url("gateway", &self.listen, self.advertised_url.as_deref())?;
+        for (key, value) in [
+            ("gateway.max_body_bytes", self.max_body_bytes as u64),
+            ("gateway.max_batch", self.max_batch as u64),
+            ("gateway.keepalive_ms", self.keepalive_ms),
+            ("gateway.max_wait_ms", self.max_wait_ms),
+            ("gateway.status_ttl_hours", self.status_ttl_hours),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::new(key, "must be at least 1"));
             }
         }
         Ok(())
@@ -751,6 +835,7 @@ impl Config {
             }
         }
         self.http.validate()?;
+        self.gateway.validate()?;
         for (i, p) in self.llm.providers.iter().enumerate() {
             p.resolve_api_key()
                 .map_err(|e| ConfigError::new(format!("llm.providers[{i}]"), e.to_string()))?;

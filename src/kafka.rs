@@ -104,7 +104,9 @@ impl From<&Cluster> for Cluster {
     }
 }
 
-fn base(cluster: impl Into<Cluster>) -> ClientConfig {
+/// A client configuration for `cluster` (its bootstrap servers and client
+/// properties).
+pub fn base(cluster: impl Into<Cluster>) -> ClientConfig {
     let cluster = cluster.into();
     let mut c = ClientConfig::new();
     c.set("bootstrap.servers", &cluster.bootstrap);

@@ -12,6 +12,7 @@ pub mod dlq;
 pub mod envelope;
 pub mod error;
 pub mod examples;
+pub mod gateway;
 pub mod http;
 pub mod kafka;
 pub mod llm;

@@ -17,6 +17,13 @@ struct Cli {
 enum Command {
     /// Runs the LLM task pipeline.
     Run(ConfigArg),
+    /// Runs the HTTP task gateway: tasks submitted over HTTP, their status
+    /// and results read back (its own stream application, beside `run`).
+    Gateway(ConfigArg),
+    /// Prints the hashed form of an API token (`sha256:<hex>`) for a tokens
+    /// file, which then holds no token in clear; the token is read from
+    /// standard input.
+    TokenHash,
     /// Manages the topics a configuration uses.
     Topics {
         #[command(subcommand)]
@@ -86,6 +93,22 @@ fn main() -> ExitCode {
                 sluice::app::RunError::Config(c) => (EXIT_CONFIG, c.to_string()),
                 other => fail(other.into()),
             }),
+            Command::Gateway(a) => sluice::gateway::run(&a.config).await.map_err(|e| match e {
+                sluice::app::RunError::Config(c) => (EXIT_CONFIG, c.to_string()),
+                other => fail(other.into()),
+            }),
+            Command::TokenHash => {
+                let mut token = String::new();
+                std::io::stdin()
+                    .read_line(&mut token)
+                    .map_err(|e| fail(e.into()))?;
+                let token = token.trim();
+                if token.len() < 16 {
+                    return Err((EXIT_CONFIG, "a token needs at least 16 characters".into()));
+                }
+                println!("{}", sluice::http::auth::hashed(token));
+                Ok(())
+            }
             Command::Topics {
                 command: TopicsCommand::Create(a),
             } => {

@@ -23,6 +23,7 @@ use prometheus::{IntGauge, Registry};
 use sluice_topology::runtime::metrics::{names as engine, EngineMetrics};
 
 use crate::config::Config;
+use crate::gateway::metrics::names as gateway;
 use crate::llm::metrics::names as llm;
 use crate::llm::LlmClient;
 use crate::operator::metrics::names as operator;
@@ -105,6 +106,9 @@ fn named_families() -> Vec<&'static str> {
         crate::pipeline::MISPLACED_METRIC,
         // account (the name is a literal in `Accounting::registered`).
         "sluice_alerts_emitted_total",
+        // gateway.
+        gateway::REQUESTS,
+        gateway::SKIPPED,
     ]
 }
 
@@ -132,7 +136,9 @@ pub fn register_all(registry: &Registry) -> prometheus::Result<Vec<String>> {
         registry,
         Health::default(),
     )?;
-    drop((engine_metrics, steps));
+    // `sluice gateway`'s own (on its own listener).
+    let gateway_metrics = crate::gateway::metrics::GatewayMetrics::register(registry)?;
+    drop((engine_metrics, steps, gateway_metrics));
 
     let collectors = collector_count(registry)?;
     let mut found: Vec<String> = registry

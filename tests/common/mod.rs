@@ -2,6 +2,7 @@
 //! started, unique names, and fixture processes of the `sluice` binary.
 #![allow(dead_code)]
 
+pub mod gateway;
 pub mod pipeline;
 
 use std::io::{BufRead, BufReader};

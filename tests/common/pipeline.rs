@@ -22,14 +22,24 @@ pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789";
 /// `tenant-0`'s own token in the fixture's tokens file.
 pub const TENANT0_TOKEN: &str = "test-tenant-0-token-0123456789";
 
-/// Writes the fixture's tokens file into `dir`.
+/// `tenant-<i>`'s own token in the fixture's tokens file (`i` < 10).
+pub fn tenant_token(i: usize) -> String {
+    format!("test-tenant-{i}-token-0123456789")
+}
+
+/// Writes the fixture's tokens file into `dir`: the admin token, and one
+/// token for each of `tenant-0` … `tenant-9`, `tenant-9`'s kept hashed.
 fn tokens_file(dir: &tempfile::TempDir) -> std::path::PathBuf {
     let path = dir.path().join("tokens");
-    std::fs::write(
-        &path,
-        format!("{ADMIN_TOKEN} admin\n{TENANT0_TOKEN} tenant:tenant-0\n"),
-    )
-    .unwrap();
+    let mut text = format!("{ADMIN_TOKEN} admin\n");
+    for i in 0..10 {
+        let token = match i {
+            9 => sluice::http::auth::hashed(&tenant_token(i)),
+            _ => tenant_token(i),
+        };
+        text.push_str(&format!("{token} tenant:tenant-{i}\n"));
+    }
+    std::fs::write(&path, text).unwrap();
     path
 }
 

@@ -50,6 +50,43 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
 {{/*
+Full name of the gateway's resources (at most 60 characters).
+*/}}
+{{- define "sluice.gateway.fullname" -}}
+{{- printf "%s-gateway" (include "sluice.fullname" .) }}
+{{- end }}
+
+{{/*
+Labels selecting the gateway's pods. Their app.kubernetes.io/name is
+<name>-gateway, not the StatefulSet's: its selector (name and instance, as in
+sluice.selectorLabels; immutable) and the workers' Services, PodDisruptionBudget,
+NetworkPolicy and anti-affinity must not match the gateway's pods.
+*/}}
+{{- define "sluice.gateway.selectorLabels" -}}
+app.kubernetes.io/name: {{ printf "%s-gateway" (include "sluice.name" .) | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: gateway
+{{- end }}
+
+{{/*
+Labels of every gateway resource.
+*/}}
+{{- define "sluice.gateway.labels" -}}
+helm.sh/chart: {{ include "sluice.chart" . }}
+{{ include "sluice.gateway.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Values.image.tag | default .Chart.AppVersion | trunc 63 | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: sluice
+{{- end }}
+
+{{/*
+Where the gateway's state (its status store) lives: an emptyDir.
+*/}}
+{{- define "sluice.gateway.stateDir" -}}
+/var/lib/sluice-gateway
+{{- end }}
+
+{{/*
 Name of the headless Service that gives each pod a stable DNS name.
 */}}
 {{- define "sluice.headlessServiceName" -}}
@@ -106,7 +143,9 @@ This pod's query URL, as other instances reach it through the headless Service
 
 {{/*
 The configuration as Sluice will read it, as JSON: configToml parsed, or the
-`config` tree with the chart-managed keys ([app] state_dir, [http] listen) set.
+`config` tree with the chart-managed keys ([app] state_dir, [http] listen) set,
+and [gateway] from gateway.config while the gateway is enabled (its listen,
+advertised_url and state_dir come from the gateway pods' environment).
 */}}
 {{- define "sluice.effectiveConfig" -}}
 {{- if .Values.configToml }}
@@ -128,6 +167,9 @@ The configuration as Sluice will read it, as JSON: configToml parsed, or the
 {{- $_ := set $http "claims_key_file" . }}
 {{- end }}
 {{- $_ := set $cfg "http" $http }}
+{{- if .Values.gateway.enabled }}
+{{- $_ := set $cfg "gateway" (deepCopy (.Values.gateway.config | default dict)) }}
+{{- end }}
 {{- toJson $cfg }}
 {{- end }}
 {{- end }}
@@ -354,10 +396,13 @@ its sections in the order of Sluice's documentation.
 {{- .Values.configToml }}
 {{- else }}
 {{- $cfg := include "sluice.effectiveConfig" . | fromJson }}
-{{- $order := list "app" "kafka" "topics" "tasks" "llm" "prompts" "routing" "batching" "accounting" "prices" "http" }}
+{{- $order := list "app" "kafka" "topics" "tasks" "llm" "prompts" "routing" "batching" "accounting" "prices" "http" "gateway" }}
 {{- $rest := list }}
 {{- range $k := keys $cfg | sortAlpha }}{{ if not (has $k $order) }}{{ $rest = append $rest $k }}{{ end }}{{ end }}
 {{- printf "# Rendered by the %s chart from its `config` values; [http] advertised_url comes\n# from SLUICE_HTTP__ADVERTISED_URL, set per pod." .Chart.Name }}
+{{- if .Values.gateway.enabled }}
+{{- printf "\n# [gateway] listen, advertised_url and state_dir come from SLUICE_GATEWAY__*, set\n# per gateway pod." }}
+{{- end }}
 {{- range $section := concat $order $rest }}
 {{- if hasKey $cfg $section }}
 {{- $body := get $cfg $section }}

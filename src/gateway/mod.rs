@@ -1,0 +1,586 @@
+//! `sluice gateway`: the HTTP front of the task topics.
+//!
+//! A caller submits a task (`POST /v1/tasks`) and gets `202 Accepted` with
+//! its id as soon as the broker acknowledged the task record; it reads the
+//! task's status (`GET /v1/tasks/{id}`, optionally long-polling), or waits
+//! for its result over server-sent events (`GET /v1/tasks/{id}/events`).
+//!
+//! The gateway is a process of its own (not a part of `sluice run`): it
+//! scales with callers, the pipeline with LLM throughput, and a gateway's
+//! restart never moves a pipeline partition (whose calls may run for a
+//! minute). It reads the same configuration file (topics, tenant rules,
+//! tokens) and runs a stream application of its own, `<app id>-gateway`,
+//! whose topology ([`status`]) materialises every task's status from the
+//! task and results topics. Any gateway instance answers for any task: a
+//! read is served where the task's tenant is held, forwarded there
+//! otherwise (as usage queries are), never more than once.
+//!
+//! A submission is published by an idempotent producer, keyed by tenant, to
+//! the partition the configured partitioner gives the tenant, so the
+//! pipeline takes it where it belongs and its result lands in the same
+//! partition number, where this gateway's status table finds both.
+
+mod api;
+pub mod metrics;
+pub mod status;
+pub mod submit;
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use parking_lot::Mutex;
+use prometheus::Registry;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use sluice_topology::runtime::{AppStatus, EngineMetrics, KeyPartitioner, Queries, StreamsApp};
+
+use crate::app::RunError;
+use crate::config::{Config, ConfigError};
+use crate::envelope::{EnvelopeLimits, TenantRules};
+use crate::http::auth::ApiTokens;
+use crate::usage::FORWARDED_HEADER;
+use metrics::GatewayMetrics;
+use status::{
+    StatusKey, StatusSettings, StatusView, StoredStatus, Watchers, BACKLOG_STORE, STATUS_STORE,
+};
+use submit::{Submission, SubmitRules};
+
+/// How long a read of an unknown task waits for it to appear: a status read
+/// right after the 202 may reach the holder before its status table read
+/// the task record (usually within a millisecond; under load, a commit or
+/// two later).
+const UNKNOWN_GRACE: Duration = Duration::from_secs(2);
+/// How long a tenant's backlog, once read, serves admission decisions.
+const BACKLOG_FRESH: Duration = Duration::from_millis(250);
+/// How long the broker may take to acknowledge a task.
+const PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
+/// Added to a forwarded long poll's wait for its own timeout.
+const FORWARD_MARGIN: Duration = Duration::from_secs(10);
+
+/// Why a request is refused.
+#[derive(Debug, Clone)]
+pub struct Refusal {
+    /// The status code.
+    pub status: StatusCode,
+    /// For the caller.
+    pub reason: String,
+    /// The field at fault (400).
+    pub field: Option<String>,
+    /// `Retry-After`, seconds (429, 503).
+    pub retry_after: Option<u64>,
+}
+
+impl Refusal {
+    /// A refusal without field or retry hint.
+    pub fn new(status: StatusCode, reason: impl Into<String>) -> Refusal {
+        Refusal {
+            status,
+            reason: reason.into(),
+            field: None,
+            retry_after: None,
+        }
+    }
+
+    /// 503 with `Retry-After: 1`.
+    pub fn unavailable(reason: impl Into<String>) -> Refusal {
+        Refusal {
+            retry_after: Some(1),
+            ..Refusal::new(StatusCode::SERVICE_UNAVAILABLE, reason)
+        }
+    }
+}
+
+/// One gateway instance's shared state.
+pub struct Gateway {
+    config: crate::config::GatewaySection,
+    tokens: ApiTokens,
+    rules: SubmitRules,
+    queries: Queries,
+    watchers: Arc<Watchers>,
+    producer: FutureProducer,
+    /// Task topic and partition count by task type.
+    topics: HashMap<String, (String, i32)>,
+    partitioner: KeyPartitioner,
+    metrics: GatewayMetrics,
+    client: reqwest::Client,
+    served_by: String,
+    status: Arc<AppStatus>,
+    registry: Registry,
+    backlogs: Mutex<HashMap<String, (u64, Instant)>>,
+}
+
+/// Where a tenant's statuses are.
+enum Holder {
+    /// Here, in this partition.
+    Local(i32),
+    /// At this URL.
+    Remote(String),
+}
+
+impl Gateway {
+    /// Where `tenant`'s statuses are held; `forwarded` requests are never
+    /// forwarded again.
+    fn holder(&self, store: &str, tenant: &str, forwarded: bool) -> Result<Holder, Refusal> {
+        let md = self
+            .queries
+            .metadata_for_key(store, tenant.as_bytes())
+            .map_err(|e| Refusal::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+        if md.local {
+            return Ok(Holder::Local(md.partition));
+        }
+        let own = self.queries.application_server();
+        match md.host {
+            _ if md.restoring => Err(Refusal::unavailable(format!(
+                "partition {} is restoring on this instance",
+                md.partition
+            ))),
+            Some(host) if Some(host.as_str()) != own && !forwarded => Ok(Holder::Remote(host)),
+            Some(host) if Some(host.as_str()) != own => Err(Refusal::unavailable(format!(
+                "forwarded here, but this instance does not hold partition {} ({host} does, as \
+                 far as it knows)",
+                md.partition
+            ))),
+            _ => Err(Refusal::unavailable(format!(
+                "no instance is known to hold partition {} yet",
+                md.partition
+            ))),
+        }
+    }
+
+    /// The status of `key` held here: the latest written (perhaps not
+    /// committed yet), else the committed one.
+    fn local_status(
+        &self,
+        partition: i32,
+        key: &StatusKey,
+    ) -> Result<Option<StoredStatus>, Refusal> {
+        if let Some(s) = self.watchers.recent(key) {
+            return Ok(Some(s));
+        }
+        self.queries
+            .get::<StatusKey, StoredStatus>(STATUS_STORE, partition, key)
+            .map_err(|e| {
+                if e.unavailable() {
+                    Refusal::unavailable(e.to_string())
+                } else {
+                    Refusal::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
+                }
+            })
+    }
+
+    /// A task's status, waiting up to `wait` while it is pending (or, for a
+    /// moment, unknown); `None` for a task unknown for `tenant`.
+    pub async fn status_of(
+        &self,
+        tenant: &str,
+        task_id: &str,
+        wait: Duration,
+        headers: &HeaderMap,
+    ) -> Result<Option<StatusView>, Refusal> {
+        let forwarded = headers.contains_key(FORWARDED_HEADER);
+        let partition = match self.holder(STATUS_STORE, tenant, forwarded)? {
+            Holder::Remote(host) => {
+                return self
+                    .forward_status(&host, tenant, task_id, wait, headers)
+                    .await
+            }
+            Holder::Local(p) => p,
+        };
+        let key: StatusKey = (tenant.to_string(), task_id.to_string());
+        let deadline = Instant::now() + wait;
+        let grace = Instant::now() + UNKNOWN_GRACE;
+        loop {
+            let waiter = self.watchers.subscribe(&key);
+            let rx = match waiter {
+                Ok(done) => return Ok(Some(StatusView::of(tenant, task_id, &done))),
+                Err(rx) => rx,
+            };
+            let current = self.local_status(partition, &key)?;
+            let until = match &current {
+                Some(s) if s.phase.is_final() => {
+                    return Ok(Some(StatusView::of(tenant, task_id, s)))
+                }
+                Some(_) => deadline,
+                None => deadline.max(grace),
+            };
+            let now = Instant::now();
+            if now >= until {
+                return Ok(current.map(|s| StatusView::of(tenant, task_id, &s)));
+            }
+            match tokio::time::timeout(until - now, rx).await {
+                Ok(Ok(s)) if s.phase.is_final() => {
+                    return Ok(Some(StatusView::of(tenant, task_id, &s)))
+                }
+                // Pending now, or the waiter was dropped: look again.
+                Ok(_) => {}
+                Err(_) => {
+                    let last = self.local_status(partition, &key)?;
+                    return Ok(last.map(|s| StatusView::of(tenant, task_id, &s)));
+                }
+            }
+        }
+    }
+
+    fn forward_request(
+        &self,
+        url: String,
+        headers: &HeaderMap,
+        timeout: Duration,
+    ) -> reqwest::RequestBuilder {
+        let mut req = self
+            .client
+            .get(url)
+            .timeout(timeout)
+            .header(FORWARDED_HEADER, "1");
+        if let Some(auth) = headers.get(axum::http::header::AUTHORIZATION) {
+            req = req.header(axum::http::header::AUTHORIZATION, auth.as_bytes());
+        }
+        req
+    }
+
+    async fn forward_status(
+        &self,
+        host: &str,
+        tenant: &str,
+        task_id: &str,
+        wait: Duration,
+        headers: &HeaderMap,
+    ) -> Result<Option<StatusView>, Refusal> {
+        let url = format!(
+            "{host}/v1/tasks/{}?tenant={}&wait={}ms",
+            urlencode(task_id),
+            urlencode(tenant),
+            wait.as_millis()
+        );
+        let resp = self
+            .forward_request(url, headers, wait + FORWARD_MARGIN)
+            .send()
+            .await
+            .map_err(|e| Refusal::unavailable(format!("forwarding to {host}: {e}")))?;
+        match resp.status().as_u16() {
+            200 => resp
+                .json::<StatusView>()
+                .await
+                .map(Some)
+                .map_err(|e| Refusal::unavailable(format!("forwarded answer of {host}: {e}"))),
+            404 => Ok(None),
+            code => {
+                let status = StatusCode::from_u16(code).unwrap_or(StatusCode::BAD_GATEWAY);
+                let reason = resp
+                    .json::<crate::usage::ErrorBody>()
+                    .await
+                    .map(|b| b.reason)
+                    .unwrap_or_else(|_| format!("{host} answered {code}"));
+                Err(Refusal {
+                    retry_after: (code == 503).then_some(1),
+                    ..Refusal::new(status, reason)
+                })
+            }
+        }
+    }
+
+    /// `tenant`'s tasks pending, read where the tenant is held.
+    pub async fn backlog(&self, tenant: &str, headers: &HeaderMap) -> Result<u64, Refusal> {
+        let forwarded = headers.contains_key(FORWARDED_HEADER);
+        match self.holder(BACKLOG_STORE, tenant, forwarded)? {
+            Holder::Local(p) => self
+                .queries
+                .get::<String, i64>(BACKLOG_STORE, p, &tenant.to_string())
+                .map(|n| n.unwrap_or(0).max(0) as u64)
+                .map_err(|e| Refusal::unavailable(e.to_string())),
+            Holder::Remote(host) => {
+                let url = format!("{host}/v1/tenants/{}/backlog", urlencode(tenant));
+                let resp = self
+                    .forward_request(url, headers, FORWARD_MARGIN)
+                    .send()
+                    .await
+                    .map_err(|e| Refusal::unavailable(format!("forwarding to {host}: {e}")))?;
+                if !resp.status().is_success() {
+                    return Err(Refusal::unavailable(format!(
+                        "{host} answered {}",
+                        resp.status()
+                    )));
+                }
+                let body: api::BacklogBody = resp.json().await.map_err(|e| {
+                    Refusal::unavailable(format!("forwarded answer of {host}: {e}"))
+                })?;
+                Ok(body.pending)
+            }
+        }
+    }
+
+    /// Whether `tenant` may submit `n` more tasks: its backlog (read at most
+    /// [`BACKLOG_FRESH`] ago, plus what this instance accepted since) stays
+    /// under the bound. When the backlog cannot be read (a rebalance), the
+    /// tasks are admitted: the bound is a brake, not an account.
+    async fn admit(&self, tenant: &str, n: u64, headers: &HeaderMap) -> Result<(), Refusal> {
+        let bound = self.config.max_backlog_per_tenant;
+        if bound == 0 {
+            return Ok(());
+        }
+        let cached = self
+            .backlogs
+            .lock()
+            .get(tenant)
+            .filter(|(_, at)| at.elapsed() < BACKLOG_FRESH)
+            .map(|(n, _)| *n);
+        let pending = match cached {
+            Some(p) => p,
+            None => match self.backlog(tenant, headers).await {
+                Ok(p) => {
+                    self.backlogs
+                        .lock()
+                        .insert(tenant.to_string(), (p, Instant::now()));
+                    p
+                }
+                Err(e) => {
+                    tracing::debug!(tenant, reason = %e.reason, "backlog unknown: admitted");
+                    return Ok(());
+                }
+            },
+        };
+        if pending + n > bound {
+            self.metrics.rejected("backlog", n);
+            return Err(Refusal {
+                retry_after: Some(1),
+                ..Refusal::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    format!(
+                        "the tenant has {pending} tasks pending, at its bound of {bound} \
+                         ([gateway] max_backlog_per_tenant)"
+                    ),
+                )
+            });
+        }
+        Ok(())
+    }
+
+    /// Counts `n` tasks accepted into the cached backlog of `tenant`.
+    fn accepted(&self, tenant: &str, n: u64) {
+        if let Some((p, _)) = self.backlogs.lock().get_mut(tenant) {
+            *p += n;
+        }
+        self.metrics.accepted.inc_by(n);
+    }
+
+    /// Publishes checked submissions (all of one tenant) and waits for the
+    /// broker's acknowledgements. A submission whose id is the caller's and
+    /// that is known already is not published again. Returns, in order,
+    /// whether each was a replay.
+    async fn publish(
+        &self,
+        subs: &[Submission],
+        headers: &HeaderMap,
+    ) -> Result<Vec<bool>, Refusal> {
+        let mut replayed = Vec::with_capacity(subs.len());
+        for s in subs {
+            let known = match &s.id {
+                submit::IdSource::Caller(id) => self
+                    .status_of(&s.tenant, id, Duration::ZERO, headers)
+                    .await?
+                    .is_some(),
+                submit::IdSource::Fresh(_) => false,
+            };
+            replayed.push(known);
+        }
+        let fresh = replayed.iter().filter(|r| !**r).count() as u64;
+        if let Some(first) = subs.first() {
+            self.admit(&first.tenant, fresh, headers).await?;
+        }
+        let sends = subs
+            .iter()
+            .zip(&replayed)
+            .filter(|(_, r)| !**r)
+            .map(|(s, _)| {
+                let (topic, partitions) = &self.topics[&s.envelope.task_type];
+                let partition = self.partitioner.partition(s.tenant.as_bytes(), *partitions);
+                let record = FutureRecord::to(topic)
+                    .key(s.tenant.as_bytes())
+                    .payload(&s.bytes)
+                    .partition(partition);
+                self.producer.send(record, PUBLISH_TIMEOUT)
+            });
+        for delivery in futures::future::join_all(sends).await {
+            if let Err((e, _)) = delivery {
+                self.metrics.rejected("unavailable", 1);
+                return Err(Refusal::unavailable(format!(
+                    "the broker did not acknowledge the task: {e}"
+                )));
+            }
+        }
+        if let Some(first) = subs.first() {
+            self.accepted(&first.tenant, fresh);
+        }
+        Ok(replayed)
+    }
+}
+
+/// Percent-encodes a path or query component.
+fn urlencode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// Loads the config and runs the gateway until SIGTERM/SIGINT.
+pub async fn run(config_path: &Path) -> Result<(), RunError> {
+    let config = Config::load(config_path)?;
+    run_until(config, crate::app::signals()).await
+}
+
+/// The task topics' partition counts, which must equal the results
+/// topics': the gateway finds a tenant's tasks and results in one partition
+/// number.
+fn partitions(config: &Config) -> Result<HashMap<String, (String, i32)>, RunError> {
+    let t = &config.topics;
+    let mut names: Vec<String> = t.task_types.iter().map(|x| t.task_topic(x)).collect();
+    names.push(t.results_completed.clone());
+    names.push(t.results_failed.clone());
+    let counts = crate::kafka::partition_counts(config.kafka.cluster(), &names)?;
+    let mut out = HashMap::new();
+    let mut seen: Vec<(String, i32)> = Vec::new();
+    for name in &names {
+        let Some(n) = counts.get(name) else {
+            return Err(ConfigError::new(
+                "topics",
+                format!("topic {name} does not exist (run `sluice topics create`)"),
+            )
+            .into());
+        };
+        seen.push((name.clone(), *n));
+    }
+    if seen.iter().any(|(_, n)| *n != seen[0].1) {
+        return Err(ConfigError::new(
+            "topics.partitions",
+            format!(
+                "the gateway needs task and results topics of one partition count (a tenant's \
+                 tasks and results meet in one partition number), found {seen:?}"
+            ),
+        )
+        .into());
+    }
+    for ty in &t.task_types {
+        let topic = t.task_topic(ty);
+        let n = counts[&topic];
+        out.insert(ty.clone(), (topic, n));
+    }
+    Ok(out)
+}
+
+/// Runs the gateway of a loaded config until `shutdown` resolves.
+pub async fn run_until(
+    config: Config,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), RunError> {
+    let registry = Registry::new();
+    let tokens = config.http.tokens()?;
+    if tokens.is_empty() {
+        tracing::warn!("no tokens ([http] tokens_file): the gateway refuses every task (401)");
+    }
+    let engine_metrics = EngineMetrics::register(&registry)?;
+    let metrics = GatewayMetrics::register(&registry)?;
+    let topics = partitions(&config)?;
+    let t = &config.topics;
+    let tenants =
+        TenantRules::new(&config.tasks.tenant_pattern, &config.tasks.tenants).unwrap_or_default();
+    let limits = EnvelopeLimits {
+        max_bytes: config.tasks.max_bytes,
+        tenants: tenants.clone(),
+        ..EnvelopeLimits::default()
+    };
+    let settings = StatusSettings {
+        task_topics: t.task_types.iter().map(|x| t.task_topic(x)).collect(),
+        task_types: t.task_types.clone(),
+        limits,
+        result_topics: vec![t.results_completed.clone(), t.results_failed.clone()],
+        ttl: Duration::from_secs(config.gateway.status_ttl_hours * 3600),
+    };
+    let watchers = Arc::new(Watchers::default());
+    let topology = status::topology(&settings, watchers.clone(), metrics.clone())?;
+    let gw = &config.gateway;
+    let addr: std::net::SocketAddr = gw
+        .listen
+        .parse()
+        .map_err(|_| ConfigError::new("gateway.listen", "not an address"))?;
+    let listener = crate::http::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    let mut streams = config.streams();
+    streams.application_id = format!("{}-gateway", config.app.id);
+    streams.state_dir = gw
+        .state_dir
+        .clone()
+        .unwrap_or_else(|| config.app.state_dir.join("gateway"));
+    // Static membership is the pipeline's (its pods'); a gateway instance
+    // joins its own group without one.
+    streams.group_instance_id = None;
+    streams.application_server = gw.advertised(bound);
+    streams.instance_claim_key = config.http.claims_key()?;
+    let served_by = streams
+        .application_server
+        .clone()
+        .unwrap_or_else(|| format!("http://{bound}"));
+    let producer: FutureProducer = crate::kafka::base(config.kafka.cluster())
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "1")
+        .create()
+        .map_err(crate::kafka::KafkaError::from)?;
+    let app = StreamsApp::new(topology, streams, engine_metrics)
+        .with_runtime(tokio::runtime::Handle::current())
+        .start()
+        .map_err(RunError::Start)?;
+    let gateway = Arc::new(Gateway {
+        config: gw.clone(),
+        tokens,
+        rules: SubmitRules {
+            task_types: t.task_types.clone(),
+            tenants,
+            max_task_bytes: config.tasks.max_bytes,
+        },
+        queries: app.queries(),
+        watchers,
+        producer,
+        topics,
+        partitioner: config.tasks.partitioner,
+        metrics,
+        client: reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .no_proxy()
+            .build()
+            .unwrap_or_default(),
+        served_by,
+        status: app.status(),
+        registry,
+        backlogs: Mutex::default(),
+    });
+    let http = tokio::spawn({
+        let router = api::router(gateway.clone());
+        async move {
+            if let Err(e) = axum::serve(listener, router).await {
+                tracing::error!(error = %e, "gateway listener stopped");
+            }
+        }
+    });
+    tracing::info!(%bound, "gateway listening");
+    println!("LISTENING {bound}");
+    let result = crate::app::wait(&app, shutdown).await;
+    app.shutdown();
+    let joined = tokio::task::spawn_blocking(move || app.join()).await?;
+    http.abort();
+    result?;
+    joined?;
+    println!("STOPPED");
+    Ok(())
+}
+
+/// `Retry-After` as a header value.
+fn retry_after(seconds: u64) -> HeaderValue {
+    HeaderValue::from_str(&seconds.to_string()).unwrap_or(HeaderValue::from_static("1"))
+}
