@@ -221,22 +221,20 @@ fn reader(
     }
 }
 
-/// `wait`: `30s`, `500ms` or a number of seconds, at most `max`.
+/// `wait`: `30s`, `500ms` or a whole number of seconds (up to nine
+/// digits), at most `max`.
 fn wait_param(params: &BTreeMap<String, String>, max: Duration) -> Result<Duration, Refusal> {
     let Some(w) = params.get("wait") else {
         return Ok(Duration::ZERO);
     };
-    let w = w.trim();
-    let parsed = if let Some(ms) = w.strip_suffix("ms") {
-        ms.parse::<u64>().ok().map(Duration::from_millis)
-    } else {
-        w.strip_suffix('s')
-            .unwrap_or(w)
-            .parse::<f64>()
-            .ok()
-            .filter(|s| s.is_finite() && *s >= 0.0)
-            .map(|s| Duration::from_secs_f64(s.min(86_400.0)))
+    let (digits, unit_ms) = match w.strip_suffix("ms") {
+        Some(d) => (d, 1),
+        None => (w.strip_suffix('s').unwrap_or(w), 1000),
     };
+    let parsed = ((1..=9).contains(&digits.len()) && digits.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| digits.parse::<u64>().ok())
+        .flatten()
+        .map(|n| Duration::from_millis(n.saturating_mul(unit_ms)));
     parsed
         .map(|d| d.min(max))
         .ok_or_else(|| bad("wait", "must be a duration like 30s or 500ms"))
@@ -511,4 +509,37 @@ async fn submit_batch(
         Ok(accepted_response(body, None, replayed.iter().all(|r| *r)))
     })
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wait_takes_seconds_or_milliseconds_up_to_the_cap() {
+        let max = Duration::from_secs(30);
+        let w = |v: &str| {
+            let p = BTreeMap::from([("wait".to_string(), v.to_string())]);
+            wait_param(&p, max).map_err(|r| r.field)
+        };
+        assert_eq!(w("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(w("2s"), Ok(Duration::from_secs(2)));
+        assert_eq!(w("7"), Ok(Duration::from_secs(7)));
+        assert_eq!(w("600s"), Ok(max));
+        for bad in [
+            "",
+            "s",
+            "ms",
+            "1.5s",
+            "-1",
+            "+5",
+            " 5",
+            "1e3",
+            "5m",
+            "1234567890",
+        ] {
+            assert_eq!(w(bad), Err(Some("wait".to_string())), "{bad:?}");
+        }
+        assert_eq!(wait_param(&BTreeMap::new(), max).unwrap(), Duration::ZERO);
+    }
 }

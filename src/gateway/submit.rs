@@ -109,13 +109,18 @@ pub fn idempotent_id(tenant: &str, key: &str) -> String {
 
 /// Checks an `Idempotency-Key` header value.
 pub fn check_idempotency_key(key: &str) -> Result<(), Invalid> {
-    if key.is_empty()
-        || key.len() > MAX_IDEMPOTENCY_KEY
+    let ends_visible = key.starts_with(|c: char| c.is_ascii_graphic())
+        && key.ends_with(|c: char| c.is_ascii_graphic());
+    if key.len() > MAX_IDEMPOTENCY_KEY
+        || !ends_visible
         || !key.bytes().all(|b| b.is_ascii_graphic() || b == b' ')
     {
         return Err(Invalid::field(
             "Idempotency-Key",
-            format!("must be 1 to {MAX_IDEMPOTENCY_KEY} visible ASCII characters"),
+            format!(
+                "must be 1 to {MAX_IDEMPOTENCY_KEY} printable ASCII characters, not starting \
+                 or ending with a space"
+            ),
         ));
     }
     Ok(())
@@ -504,5 +509,7 @@ mod tests {
         assert!(check_idempotency_key("").is_err());
         assert!(check_idempotency_key("ok-key_1").is_ok());
         assert!(check_idempotency_key("bad\u{7f}").is_err());
+        assert!(check_idempotency_key(" lead").is_err());
+        assert!(check_idempotency_key("order 42").is_ok());
     }
 }

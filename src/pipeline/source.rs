@@ -77,6 +77,16 @@ pub struct KeyCheck {
     pub misplaced: Misplaced,
 }
 
+impl KeyCheck {
+    /// What happens to a record that does not match (the `action` label).
+    fn action(&self) -> &'static str {
+        match self.rekey {
+            Some(_) => "repartitioned",
+            None => "dead_lettered",
+        }
+    }
+}
+
 /// Why a task record is not where its tenant's owner reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Mismatch {
@@ -140,18 +150,15 @@ impl Misplaced {
     }
 
     fn record(&self, topic: &str, why: Mismatch, check: &KeyCheck, tenant: &str) {
-        let action = match check.rekey {
-            Some(_) => "repartitioned",
-            None => "dead_lettered",
-        };
+        let action = check.action();
         self.counter
             .with_label_values(&[topic, why.as_str(), action])
             .inc();
         let mut seen = self.seen.lock();
         let count = seen.entry((topic.to_string(), why)).or_default();
         *count += 1;
+        let hint = partitioner_hint(why, check, tenant);
         if *count == 1 {
-            let hint = partitioner_hint(why, check, tenant);
             tracing::warn!(
                 topic,
                 reason = why.as_str(),
@@ -169,9 +176,8 @@ impl Misplaced {
                 "tenant_partitions",
                 format!(
                     "{total} task records keyed by their tenant arrived on partitions [tasks] \
-                     partitioner = \"{}\" does not name for it ({action}){}",
+                     partitioner = \"{}\" does not name for it ({action}){hint}",
                     partitioner_name(check.partitioner),
-                    partitioner_hint(why, check, tenant),
                 ),
             );
         }
@@ -361,6 +367,16 @@ impl Decode {
         let bytes = value.ok_or_else(|| "missing_value".to_string())?;
         decode_task(bytes, &self.limits, &self.task_types).map_err(|e| e.reason())
     }
+
+    /// The task of a decoded record of this topic, received now.
+    fn task(&self, envelope: TaskEnvelope, key: RawKey) -> Task {
+        Task {
+            envelope,
+            topic: self.topic.clone(),
+            key,
+            received_ms: Utc::now().timestamp_millis(),
+        }
+    }
 }
 
 impl Processor<RawKey, Option<Vec<u8>>> for Decode {
@@ -377,12 +393,7 @@ impl Processor<RawKey, Option<Vec<u8>>> for Decode {
             Ok(t) => t,
             Err(reason) => return ctx.dead_letter(&reason, DlqCategory::Poison.as_str(), 1),
         };
-        let task = Task {
-            envelope,
-            topic: self.topic.clone(),
-            key: record.key.clone(),
-            received_ms: Utc::now().timestamp_millis(),
-        };
+        let task = self.task(envelope, record.key.clone());
         let key = record.key.clone();
         ctx.forward(record.with(key, task))
     }
@@ -464,12 +475,7 @@ impl Processor<RawKey, Option<Vec<u8>>> for CheckOwner {
         let tenant = envelope.tenant().unwrap_or_default().to_string();
         let partition = ctx.task_id().partition;
         let Some(why) = self.mismatch(record.key.as_deref(), &tenant, partition) else {
-            let task = Task {
-                envelope,
-                topic: self.decode.topic.clone(),
-                key: record.key.clone(),
-                received_ms: Utc::now().timestamp_millis(),
-            };
+            let task = self.decode.task(envelope, record.key.clone());
             let key = record.key.clone();
             return ctx.forward(record.with(key, Checked::Owned(Box::new(task))));
         };
