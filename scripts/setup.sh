@@ -6,6 +6,9 @@
 #   - a Java 17+ runtime and Maven, for the local Apache Kafka broker
 #   - openssl, for the TLS test's certificates
 #   - the local broker (Apache Kafka, resolved with Maven), see scripts/install-kafka.sh
+#   - for the gateway's tests (tests/gateway_api.rs): Debian's chromium (headless,
+#     drives the page at /) and schemathesis (checks the gateway against
+#     docs/gateway-openapi.yaml) in a project-local venv, .tools/schemathesis-venv
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
@@ -43,17 +46,74 @@ if ! command -v java >/dev/null || [ "$(java_major)" -lt 17 ] 2>/dev/null; then
 fi
 command -v mvn >/dev/null || missing+=(maven)
 command -v openssl >/dev/null || missing+=(openssl)
+# The venv of schemathesis needs venv and ensurepip (Debian's python3-venv).
+python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
+# Installed without their Recommends: chromium's (printing, audio, a desktop's
+# services) are several hundred megabytes a headless browser does not use.
+lean=()
+command -v chromium >/dev/null || lean+=(chromium)
 
-if [ "${#missing[@]}" -gt 0 ]; then
-  echo "setup: installing system packages: ${missing[*]}"
+if [ "${#missing[@]}" -gt 0 ] || [ "${#lean[@]}" -gt 0 ]; then
+  echo "setup: installing system packages: ${missing[*]} ${lean[*]}"
   if [ "$(id -u)" = 0 ]; then sudo=""; elif command -v sudo >/dev/null; then sudo="sudo"; else
-    die "missing ${missing[*]} and not root: install them with apt-get"
+    die "missing ${missing[*]} ${lean[*]} and not root: install them with apt-get"
   fi
   export DEBIAN_FRONTEND=noninteractive
   $sudo apt-get update -qq || die "apt-get update failed"
-  $sudo apt-get install -y -qq "${missing[@]}" >/dev/null || die "apt-get install ${missing[*]} failed"
-  have_libclang || die "libclang still missing after installing libclang-dev"
-  [ "$(java_major)" -ge 17 ] 2>/dev/null || die "Java 17 or newer still missing after installing it"
+  if [ "${#missing[@]}" -gt 0 ]; then
+    $sudo apt-get install -y -qq "${missing[@]}" >/dev/null || die "apt-get install ${missing[*]} failed"
+    have_libclang || die "libclang still missing after installing libclang-dev"
+    [ "$(java_major)" -ge 17 ] 2>/dev/null || die "Java 17 or newer still missing after installing it"
+  fi
+  if [ "${#lean[@]}" -gt 0 ]; then
+    $sudo apt-get install -y -qq --no-install-recommends "${lean[@]}" >/dev/null \
+      || die "apt-get install ${lean[*]} failed"
+    command -v chromium >/dev/null || die "chromium still missing after installing it"
+  fi
+fi
+
+# schemathesis for tests/gateway_api.rs, with its dependencies pinned too: a
+# release upstream (hypothesis's above all) would change the requests a fixed
+# seed generates. Reinstalled when missing, broken, or made for other pins.
+st_venv="$(cd "$here/.." && pwd)/.tools/schemathesis-venv"
+st_pins=(
+  schemathesis==4.32.5
+  anyio==4.16.0
+  certifi==2026.10.19.post1
+  charset-normalizer==3.5.3
+  click==8.5.1
+  graphql-core==3.3.2
+  harfile==0.6.0
+  hypothesis==6.170.27
+  hypothesis-graphql==0.13.5
+  idna==3.20
+  iniconfig==2.3.1
+  jsonschema-rs==0.60.3
+  markdown-it-py==4.3.0
+  MarkupSafe==3.0.4
+  mdurl==0.1.2
+  packaging==26.4
+  pluggy==1.7.0
+  Pygments==2.21.0
+  pyrate-limiter==4.6.0
+  pytest==9.2.0
+  PyYAML==6.0.4
+  requests==2.34.2
+  rich==15.0.0
+  sortedcontainers==2.4.0
+  typing_extensions==4.16.0
+  urllib3==2.8.0
+  Werkzeug==3.1.9
+)
+if [ "$(cat "$st_venv/.pins" 2>/dev/null)" != "${st_pins[*]}" ] \
+  || ! "$st_venv/bin/python" -c 'import schemathesis' 2>/dev/null; then
+  echo "setup: installing ${st_pins[0]} into .tools/schemathesis-venv"
+  rm -rf "$st_venv"
+  python3 -m venv "$st_venv" || die "cannot create the venv $st_venv"
+  "$st_venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-input \
+    --only-binary=:all: "${st_pins[@]}" \
+    || { rm -rf "$st_venv"; die "pip install of ${st_pins[*]} failed"; }
+  echo "${st_pins[*]}" > "$st_venv/.pins"
 fi
 
 "$here/install-kafka.sh"

@@ -16,21 +16,6 @@ use rdkafka::Message;
 use serde_json::{json, Value};
 use sluice::sim::SimConfig;
 
-/// A submission of `task_type` (as the seeds' services would send it).
-fn submission(i: usize, task_type: &str) -> Value {
-    let mut payload =
-        json!({ "content": format!("Document {i}: the quick brown fox jumps over the lazy dog.") });
-    match task_type {
-        "summarize" => payload["maxWords"] = 8.into(),
-        "classify" => payload["labels"] = json!(["news", "sports", "tech"]),
-        _ => {
-            payload["schema"] =
-                json!({"type": "object", "properties": {"topic": {"type": "string"}}})
-        }
-    }
-    json!({ "taskType": task_type, "payload": payload, "metadata": {"correlationId": format!("c-{i}")} })
-}
-
 const TYPES: [&str; 3] = ["summarize", "classify", "extract"];
 
 /// A submission's tenant number, task id, answer and event stream (status,
@@ -513,4 +498,79 @@ fn a_tenant_over_its_backlog_waits_and_a_batch_is_checked_whole() {
     for id in &ids {
         assert_eq!(by_id[id].len(), 1, "{id} answered once");
     }
+}
+
+/// A tenant whose hard quota made the pipeline refuse a task gets 429
+/// (`quota`) with `Retry-After` until its window ends; other tenants are
+/// accepted.
+#[test]
+fn a_tenant_whose_hard_quota_is_used_up_is_refused_at_the_door() {
+    let p = Pipeline::new(
+        SimConfig::default(),
+        "[accounting]\nenabled = true\n\n[accounting.quotas.tenants.tenant-5]\nwindow = \"1h\"\ntokens = 400\n",
+    );
+    let _run = p.start("run");
+    let state = temp_dir();
+    let g = start_gateway(&p, "gw", state.path());
+    wait_ready(&p, &g);
+    let c = client();
+    let t5 = tenant_token(5);
+    let submit = |token: &str, i: usize| {
+        p.rt.block_on(post(
+            &c,
+            g.url("/v1/tasks"),
+            Some(token),
+            &[],
+            serde_json::to_vec(&submission(i, "summarize")).unwrap(),
+        ))
+    };
+    // One task at a time, each waited for, until the pipeline refuses one.
+    let mut refused = false;
+    for i in 0..50 {
+        let a = submit(&t5, i);
+        assert_eq!(a.status, 202, "{}", a.body);
+        let id = a.json()["taskId"].as_str().unwrap().to_string();
+        let s = p.rt.block_on(get(
+            &c,
+            g.url(&format!("/v1/tasks/{id}?wait=30s")),
+            Some(&t5),
+        ));
+        let v = s.json();
+        assert_ne!(v["status"], "pending", "answered within 30 s");
+        if v["result"]["errorCode"] == "quota_exceeded" {
+            refused = true;
+            break;
+        }
+    }
+    assert!(
+        refused,
+        "tenant-5's quota of 400 tokens an hour refuses a task"
+    );
+    // Once the table's commit makes it readable.
+    eventually(Duration::from_secs(10), "the quota window marked", || {
+        let backlog =
+            p.rt.block_on(get(&c, g.url("/v1/tenants/tenant-5/backlog"), Some(&t5)));
+        backlog.json()["quotaExhaustedUntil"]
+            .is_string()
+            .then_some(())
+    });
+    // Past the admission cache's freshness.
+    std::thread::sleep(Duration::from_millis(300));
+    let at_door = submit(&t5, 100);
+    assert_eq!(at_door.status, 429, "{}", at_door.body);
+    let retry: u64 = at_door.headers["retry-after"].parse().unwrap();
+    assert!((1..=3600).contains(&retry), "until the hour ends: {retry}");
+    assert_eq!(
+        metric(
+            &p,
+            &g,
+            "sluice_gateway_tasks_rejected_total{reason=\"quota\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        submit(&tenant_token(6), 101).status,
+        202,
+        "other tenants go on"
+    );
 }

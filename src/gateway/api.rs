@@ -19,7 +19,7 @@ use serde_json::Value;
 use sluice_topology::runtime::AppState;
 
 use super::submit::{self, Invalid, Submission};
-use super::{retry_after, Gateway, Refusal};
+use super::{retry_after, Gateway, Refusal, NO_GRACE_HEADER, UNKNOWN_GRACE};
 use crate::envelope::normalise_tenant;
 use crate::http::auth::{Denied, Scope};
 
@@ -32,6 +32,7 @@ pub(super) fn router(gw: Arc<Gateway>) -> Router {
         .route("/", get(ui))
         .route("/v1/tasks", post(submit_one))
         .route("/v1/tasks:batch", post(submit_batch))
+        .route("/v1/tasks:accepted", post(tasks_accepted))
         .route("/v1/tasks/{id}", get(task_status))
         .route("/v1/tasks/{id}/events", get(task_events))
         .route("/v1/tenants/{id}/backlog", get(tenant_backlog))
@@ -186,16 +187,28 @@ pub struct BacklogBody {
     pub tenant_id: String,
     /// Its tasks accepted and not answered.
     pub pending: u64,
+    /// Until when its hard quota's window counts as used up (RFC 3339): the
+    /// pipeline refused one of its tasks `quota_exceeded` in it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quota_exhausted_until: Option<String>,
     /// The instance that read it.
     pub served_by: String,
 }
 
-/// The query parameters of a URL, decoded.
-fn params(raw: Option<String>) -> BTreeMap<String, String> {
+/// The query parameters of a URL, decoded; one given twice is refused.
+fn params(raw: Option<String>) -> Result<BTreeMap<String, String>, Refusal> {
     let raw = raw.unwrap_or_default();
-    reqwest::Url::parse(&format!("http://q/?{raw}"))
-        .map(|u| u.query_pairs().into_owned().collect())
-        .unwrap_or_default()
+    let mut out = BTreeMap::new();
+    let Ok(url) = reqwest::Url::parse(&format!("http://q/?{raw}")) else {
+        return Ok(out);
+    };
+    for (k, v) in url.query_pairs().into_owned() {
+        if out.contains_key(&k) {
+            return Err(bad(&k, "is given more than once"));
+        }
+        out.insert(k, v);
+    }
+    Ok(out)
 }
 
 /// The tenant a read is for: the token's, or the `tenant` parameter with an
@@ -250,10 +263,14 @@ async fn task_status(
     RawQuery(raw): RawQuery,
     headers: HeaderMap,
 ) -> Result<Response, Refusal> {
-    let params = params(raw);
+    let params = params(raw)?;
     let tenant = reader(&gw, &headers, &params)?;
     let wait = wait_param(&params, Duration::from_millis(gw.config.max_wait_ms))?;
-    match gw.status_of(&tenant, &id, wait, &headers).await? {
+    let grace = match headers.contains_key(NO_GRACE_HEADER) {
+        true => Duration::ZERO,
+        false => UNKNOWN_GRACE,
+    };
+    match gw.status_of(&tenant, &id, wait, grace, &headers).await? {
         Some(view) => Ok(Json(view).into_response()),
         None => Err(unknown_task()),
     }
@@ -274,10 +291,10 @@ async fn task_events(
     RawQuery(raw): RawQuery,
     headers: HeaderMap,
 ) -> Result<Response, Refusal> {
-    let params = params(raw);
+    let params = params(raw)?;
     let tenant = reader(&gw, &headers, &params)?;
     let first = gw
-        .status_of(&tenant, &id, Duration::ZERO, &headers)
+        .status_of(&tenant, &id, Duration::ZERO, UNKNOWN_GRACE, &headers)
         .await?
         .ok_or_else(unknown_task)?;
     // The only event a stream sends is its last: whoever saw it is done.
@@ -303,7 +320,10 @@ async fn task_events(
                     .unwrap_or_else(|_| Event::default().event("error").data("encoding"));
                 return Ok::<Event, Infallible>(event);
             }
-            match gw.status_of(&tenant, &id, max_wait, &headers).await {
+            match gw
+                .status_of(&tenant, &id, max_wait, UNKNOWN_GRACE, &headers)
+                .await
+            {
                 Ok(Some(v)) => view = v,
                 Ok(None) => {
                     return Ok(Event::default()
@@ -324,6 +344,25 @@ async fn task_events(
         .into_response())
 }
 
+/// Internal: another instance accepted tasks of a tenant held here.
+async fn tasks_accepted(
+    State(gw): State<Arc<Gateway>>,
+    RawQuery(raw): RawQuery,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, Refusal> {
+    if !headers.contains_key(crate::usage::FORWARDED_HEADER) {
+        return Err(Refusal::new(StatusCode::NOT_FOUND, "not found"));
+    }
+    let params = params(raw)?;
+    let tenant = reader(&gw, &headers, &params)?;
+    let value = json_body(body, &headers, gw.config.max_body_bytes).await?;
+    let body: super::ExpectedBody =
+        serde_json::from_value(value).map_err(|e| bad("tasks", e.to_string()))?;
+    gw.expect(&tenant, &body.tasks);
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
 async fn tenant_backlog(
     State(gw): State<Arc<Gateway>>,
     Path(tenant): Path<String>,
@@ -331,10 +370,14 @@ async fn tenant_backlog(
 ) -> Result<Response, Refusal> {
     gw.tokens.authorize(&headers, &tenant)?;
     let tenant = normalise_tenant(&tenant);
-    let pending = gw.backlog(&tenant, &headers).await?;
+    let admission = gw.admission_of(&tenant, &headers).await?;
     Ok(Json(BacklogBody {
         tenant_id: tenant,
-        pending,
+        pending: admission.pending,
+        quota_exhausted_until: admission.quota_until_ms.and_then(|ms| {
+            chrono::DateTime::from_timestamp_millis(ms)
+                .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
+        }),
         served_by: gw.served_by.clone(),
     })
     .into_response())
@@ -514,6 +557,14 @@ async fn submit_batch(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_parameter_given_twice_is_refused() {
+        let twice = params(Some("wait=x&wait=5s".into())).unwrap_err();
+        assert_eq!(twice.field.as_deref(), Some("wait"));
+        let once = params(Some("wait=5s&tenant=a%2Db".into())).unwrap();
+        assert_eq!(once["tenant"], "a-b");
+    }
 
     #[test]
     fn wait_takes_seconds_or_milliseconds_up_to_the_cap() {

@@ -43,7 +43,8 @@ use crate::http::auth::ApiTokens;
 use crate::usage::FORWARDED_HEADER;
 use metrics::GatewayMetrics;
 use status::{
-    StatusKey, StatusSettings, StatusView, StoredStatus, Watchers, BACKLOG_STORE, STATUS_STORE,
+    StatusKey, StatusSettings, StatusView, StoredStatus, Watchers, BACKLOG_STORE, QUOTA_STORE,
+    STATUS_STORE,
 };
 use submit::{Submission, SubmitRules};
 
@@ -56,6 +57,9 @@ const UNKNOWN_GRACE: Duration = Duration::from_secs(2);
 const BACKLOG_FRESH: Duration = Duration::from_millis(250);
 /// How long the broker may take to acknowledge a task.
 const PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
+/// Marks a forwarded status read that must not wait for an unknown task
+/// (an idempotency check before publishing).
+pub const NO_GRACE_HEADER: &str = "x-sluice-no-grace";
 /// Added to a forwarded long poll's wait for its own timeout.
 const FORWARD_MARGIN: Duration = Duration::from_secs(10);
 
@@ -108,7 +112,19 @@ pub struct Gateway {
     served_by: String,
     status: Arc<AppStatus>,
     registry: Registry,
-    backlogs: Mutex<HashMap<String, (u64, Instant)>>,
+    /// Whether any tenant has a hard quota.
+    quotas_hard: bool,
+    /// What admission last read per tenant, and when.
+    admissions: Mutex<HashMap<String, (Admission, Instant)>>,
+}
+
+/// What admission knows of a tenant.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Admission {
+    /// Tasks accepted and not answered.
+    pub pending: u64,
+    /// Until when its hard quota's window counts as used up, ms.
+    pub quota_until_ms: Option<i64>,
 }
 
 /// Where a tenant's statuses are.
@@ -170,27 +186,29 @@ impl Gateway {
             })
     }
 
-    /// A task's status, waiting up to `wait` while it is pending (or, for a
-    /// moment, unknown); `None` for a task unknown for `tenant`.
+    /// A task's status, waiting up to `wait` while it is pending, and up
+    /// to `grace` while it is unknown (a read right after its 202); `None`
+    /// for a task unknown for `tenant`.
     pub async fn status_of(
         &self,
         tenant: &str,
         task_id: &str,
         wait: Duration,
+        grace: Duration,
         headers: &HeaderMap,
     ) -> Result<Option<StatusView>, Refusal> {
         let forwarded = headers.contains_key(FORWARDED_HEADER);
         let partition = match self.holder(STATUS_STORE, tenant, forwarded)? {
             Holder::Remote(host) => {
                 return self
-                    .forward_status(&host, tenant, task_id, wait, headers)
+                    .forward_status(&host, tenant, task_id, wait, grace, headers)
                     .await
             }
             Holder::Local(p) => p,
         };
         let key: StatusKey = (tenant.to_string(), task_id.to_string());
         let deadline = Instant::now() + wait;
-        let grace = Instant::now() + UNKNOWN_GRACE;
+        let grace = Instant::now() + grace;
         loop {
             let waiter = self.watchers.subscribe(&key);
             let rx = match waiter {
@@ -246,6 +264,7 @@ impl Gateway {
         tenant: &str,
         task_id: &str,
         wait: Duration,
+        grace: Duration,
         headers: &HeaderMap,
     ) -> Result<Option<StatusView>, Refusal> {
         let url = format!(
@@ -254,8 +273,11 @@ impl Gateway {
             urlencode(tenant),
             wait.as_millis()
         );
-        let resp = self
-            .forward_request(url, headers, wait + FORWARD_MARGIN)
+        let mut req = self.forward_request(url, headers, wait + FORWARD_MARGIN);
+        if grace.is_zero() {
+            req = req.header(NO_GRACE_HEADER, "1");
+        }
+        let resp = req
             .send()
             .await
             .map_err(|e| Refusal::unavailable(format!("forwarding to {host}: {e}")))?;
@@ -281,15 +303,25 @@ impl Gateway {
         }
     }
 
-    /// `tenant`'s tasks pending, read where the tenant is held.
-    pub async fn backlog(&self, tenant: &str, headers: &HeaderMap) -> Result<u64, Refusal> {
+    /// What admission knows of `tenant`, read where the tenant is held.
+    pub async fn admission_of(
+        &self,
+        tenant: &str,
+        headers: &HeaderMap,
+    ) -> Result<Admission, Refusal> {
         let forwarded = headers.contains_key(FORWARDED_HEADER);
         match self.holder(BACKLOG_STORE, tenant, forwarded)? {
-            Holder::Local(p) => self
-                .queries
-                .get::<String, i64>(BACKLOG_STORE, p, &tenant.to_string())
-                .map(|n| n.unwrap_or(0).max(0) as u64)
-                .map_err(|e| Refusal::unavailable(e.to_string())),
+            Holder::Local(p) => {
+                let read = |store: &str| {
+                    self.queries
+                        .get::<String, i64>(store, p, &tenant.to_string())
+                        .map_err(|e| Refusal::unavailable(e.to_string()))
+                };
+                Ok(Admission {
+                    pending: read(BACKLOG_STORE)?.unwrap_or(0).max(0) as u64,
+                    quota_until_ms: read(QUOTA_STORE)?,
+                })
+            }
             Holder::Remote(host) => {
                 let url = format!("{host}/v1/tenants/{}/backlog", urlencode(tenant));
                 let resp = self
@@ -306,50 +338,72 @@ impl Gateway {
                 let body: api::BacklogBody = resp.json().await.map_err(|e| {
                     Refusal::unavailable(format!("forwarded answer of {host}: {e}"))
                 })?;
-                Ok(body.pending)
+                Ok(Admission {
+                    pending: body.pending,
+                    quota_until_ms: body
+                        .quota_exhausted_until
+                        .and_then(|t| chrono::DateTime::parse_from_rfc3339(&t).ok())
+                        .map(|t| t.timestamp_millis()),
+                })
             }
         }
     }
 
-    /// Whether `tenant` may submit `n` more tasks: its backlog (read at most
-    /// [`BACKLOG_FRESH`] ago, plus what this instance accepted since) stays
-    /// under the bound. When the backlog cannot be read (a rebalance), the
-    /// tasks are admitted: the bound is a brake, not an account.
+    /// Whether `tenant` may submit `n` more tasks: its hard quota's window is
+    /// not used up (the pipeline refused none of its tasks in it), and its
+    /// backlog (read at most [`BACKLOG_FRESH`] ago, plus what this instance
+    /// accepted since) stays under the bound. When neither can be read (a
+    /// rebalance), the tasks are admitted: the pipeline still enforces the
+    /// quota, and the bound is a brake, not an account.
     async fn admit(&self, tenant: &str, n: u64, headers: &HeaderMap) -> Result<(), Refusal> {
         let bound = self.config.max_backlog_per_tenant;
-        if bound == 0 {
+        if bound == 0 && !self.quotas_hard {
             return Ok(());
         }
         let cached = self
-            .backlogs
+            .admissions
             .lock()
             .get(tenant)
             .filter(|(_, at)| at.elapsed() < BACKLOG_FRESH)
-            .map(|(n, _)| *n);
-        let pending = match cached {
-            Some(p) => p,
-            None => match self.backlog(tenant, headers).await {
-                Ok(p) => {
-                    self.backlogs
+            .map(|(a, _)| *a);
+        let known = match cached {
+            Some(a) => a,
+            None => match self.admission_of(tenant, headers).await {
+                Ok(a) => {
+                    self.admissions
                         .lock()
-                        .insert(tenant.to_string(), (p, Instant::now()));
-                    p
+                        .insert(tenant.to_string(), (a, Instant::now()));
+                    a
                 }
                 Err(e) => {
-                    tracing::debug!(tenant, reason = %e.reason, "backlog unknown: admitted");
+                    tracing::debug!(tenant, reason = %e.reason, "admission unknown: admitted");
                     return Ok(());
                 }
             },
         };
-        if pending + n > bound {
+        let now = chrono::Utc::now().timestamp_millis();
+        if let Some(until) = known.quota_until_ms.filter(|until| *until > now) {
+            self.metrics.rejected("quota", n);
+            let seconds = (until - now + 999) / 1000;
+            return Err(Refusal {
+                retry_after: Some(seconds.max(1) as u64),
+                ..Refusal::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "the tenant's hard quota for this window is used up (a task was refused \
+                     quota_exceeded); it resets when the window ends",
+                )
+            });
+        }
+        if bound > 0 && known.pending + n > bound {
             self.metrics.rejected("backlog", n);
             return Err(Refusal {
                 retry_after: Some(1),
                 ..Refusal::new(
                     StatusCode::TOO_MANY_REQUESTS,
                     format!(
-                        "the tenant has {pending} tasks pending, at its bound of {bound} \
-                         ([gateway] max_backlog_per_tenant)"
+                        "the tenant has {} tasks pending, at its bound of {bound} \
+                         ([gateway] max_backlog_per_tenant)",
+                        known.pending
                     ),
                 )
             });
@@ -359,8 +413,8 @@ impl Gateway {
 
     /// Counts `n` tasks accepted into the cached backlog of `tenant`.
     fn accepted(&self, tenant: &str, n: u64) {
-        if let Some((p, _)) = self.backlogs.lock().get_mut(tenant) {
-            *p += n;
+        if let Some((a, _)) = self.admissions.lock().get_mut(tenant) {
+            a.pending += n;
         }
         self.metrics.accepted.inc_by(n);
     }
@@ -378,7 +432,7 @@ impl Gateway {
         for s in subs {
             let known = match &s.id {
                 submit::IdSource::Caller(id) => self
-                    .status_of(&s.tenant, id, Duration::ZERO, headers)
+                    .status_of(&s.tenant, id, Duration::ZERO, Duration::ZERO, headers)
                     .await?
                     .is_some(),
                 submit::IdSource::Fresh(_) => false,
@@ -412,9 +466,90 @@ impl Gateway {
         }
         if let Some(first) = subs.first() {
             self.accepted(&first.tenant, fresh);
+            let published: Vec<Expected> = subs
+                .iter()
+                .zip(&replayed)
+                .filter(|(_, r)| !**r)
+                .map(|(s, _)| Expected {
+                    task_id: s.id.id().to_string(),
+                    task_type: s.envelope.task_type.clone(),
+                    accepted_ms: s.envelope.submitted_at.timestamp_millis(),
+                })
+                .collect();
+            self.note_accepted(&first.tenant, &published, headers).await;
         }
         Ok(replayed)
     }
+
+    /// Tells the holder of `tenant`'s statuses that these tasks were
+    /// accepted, so a read right after the 202, or an idempotent retry on
+    /// any instance, finds them pending before the holder read their
+    /// records. Best effort: without it, reads wait [`UNKNOWN_GRACE`] for the
+    /// records instead.
+    async fn note_accepted(&self, tenant: &str, tasks: &[Expected], headers: &HeaderMap) {
+        if tasks.is_empty() {
+            return;
+        }
+        match self.holder(STATUS_STORE, tenant, false) {
+            Ok(Holder::Local(_)) => self.expect(tenant, tasks),
+            Ok(Holder::Remote(host)) => {
+                let url = format!("{host}/v1/tasks:accepted?tenant={}", urlencode(tenant));
+                let mut req = self
+                    .client
+                    .post(url)
+                    .timeout(FORWARD_MARGIN)
+                    .header(FORWARDED_HEADER, "1")
+                    .json(&ExpectedBody {
+                        tasks: tasks.to_vec(),
+                    });
+                if let Some(auth) = headers.get(axum::http::header::AUTHORIZATION) {
+                    req = req.header(axum::http::header::AUTHORIZATION, auth.as_bytes());
+                }
+                match req.send().await {
+                    Ok(r) if r.status().is_success() => {}
+                    Ok(r) => {
+                        tracing::debug!(%host, status = %r.status(), "accepted tasks not noted")
+                    }
+                    Err(e) => tracing::debug!(%host, error = %e, "accepted tasks not noted"),
+                }
+            }
+            Err(e) => tracing::debug!(reason = %e.reason, "accepted tasks not noted"),
+        }
+    }
+
+    /// Expects accepted tasks of `tenant` here.
+    fn expect(&self, tenant: &str, tasks: &[Expected]) {
+        for t in tasks {
+            let pending = StoredStatus {
+                task_type: t.task_type.clone(),
+                phase: status::Phase::Pending,
+                accepted_ms: Some(t.accepted_ms),
+                result: None,
+                updated_ms: t.accepted_ms,
+            };
+            self.watchers
+                .expect(&(tenant.to_string(), t.task_id.clone()), pending);
+        }
+    }
+}
+
+/// A task accepted, as one instance tells the holder of its tenant.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Expected {
+    /// The task.
+    pub task_id: String,
+    /// Its type.
+    pub task_type: String,
+    /// When it was accepted, ms.
+    pub accepted_ms: i64,
+}
+
+/// The body of the internal `POST /v1/tasks:accepted`.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct ExpectedBody {
+    /// The tasks.
+    pub tasks: Vec<Expected>,
 }
 
 /// Percent-encodes a path or query component.
@@ -502,6 +637,12 @@ pub async fn run_until(
         limits,
         result_topics: vec![t.results_completed.clone(), t.results_failed.clone()],
         ttl: Duration::from_secs(config.gateway.status_ttl_hours * 3600),
+        windows: config.accounting.windows.clone(),
+        quotas: if config.accounting.enabled {
+            config.accounting.quotas.clone()
+        } else {
+            Default::default()
+        },
     };
     let watchers = Arc::new(Watchers::default());
     let topology = status::topology(&settings, watchers.clone(), metrics.clone())?;
@@ -558,7 +699,13 @@ pub async fn run_until(
         served_by,
         status: app.status(),
         registry,
-        backlogs: Mutex::default(),
+        quotas_hard: {
+            let q = &config.accounting.quotas;
+            let hard = |q: &crate::accounting::Quota| q.mode == crate::accounting::QuotaMode::Hard;
+            config.accounting.enabled
+                && (q.default.iter().any(hard) || q.tenants.values().any(hard))
+        },
+        admissions: Mutex::default(),
     });
     let http = tokio::spawn({
         let router = api::router(gateway.clone());

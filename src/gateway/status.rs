@@ -7,8 +7,9 @@
 //! its task's input partition, so a tenant's tasks and results share one
 //! partition number: the status of every task of a tenant is in one task of
 //! this topology, found by the tenant's key like its usage windows. The
-//! same task keeps each tenant's backlog (tasks pending), which admission
-//! reads.
+//! same task keeps each tenant's backlog (tasks pending) and, once the
+//! pipeline refused one of its tasks `quota_exceeded`, the end of the hard
+//! quota's window: admission reads both.
 //!
 //! Each status written is also handed to [`Watchers`] at once, before the
 //! store commits it: a long poll or an event stream waiting on the task is
@@ -28,12 +29,18 @@ use sluice_topology::{
 use tokio::sync::oneshot;
 
 use super::metrics::GatewayMetrics;
+use crate::accounting::{Quotas, WindowSpec};
 use crate::envelope::{decode_task, normalise_tenant, EnvelopeLimits, TaskResult};
 
 /// The status store: (tenant, task id) → [`StoredStatus`].
 pub const STATUS_STORE: &str = "gateway-status";
 /// The backlog store: tenant → tasks pending.
 pub const BACKLOG_STORE: &str = "gateway-backlog";
+/// The quota store: tenant → end of the hard-quota window the pipeline
+/// refused a task in (ms).
+pub const QUOTA_STORE: &str = "gateway-quota";
+/// The failure code of a task refused for its tenant's hard quota.
+const QUOTA_EXCEEDED: &str = "quota_exceeded";
 
 /// Where a task is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -126,6 +133,9 @@ pub type StatusKey = (String, String);
 /// a commit interval, so a read between the write and its commit finds it.
 const RECENT: Duration = Duration::from_secs(10);
 
+/// How long an accepted task is expected without its record being read.
+const EXPECTED_FOR: Duration = Duration::from_secs(300);
+
 /// Who waits on which task, and the statuses written lately (not yet
 /// committed, perhaps), shared by the status processors and the HTTP
 /// handlers of one instance.
@@ -139,6 +149,8 @@ struct WatchersInner {
     waiting: HashMap<StatusKey, Vec<oneshot::Sender<StoredStatus>>>,
     recent: HashMap<StatusKey, StoredStatus>,
     order: VecDeque<(Instant, StatusKey)>,
+    /// Tasks a gateway accepted whose record this table has not read yet.
+    expected: HashMap<StatusKey, (StoredStatus, Instant)>,
 }
 
 impl Watchers {
@@ -155,6 +167,7 @@ impl Watchers {
                 inner.recent.remove(&old);
             }
         }
+        inner.expected.remove(key);
         inner.recent.insert(key.clone(), status.clone());
         inner.order.push_back((now, key.clone()));
         if let Some(waiters) = inner.waiting.remove(key) {
@@ -164,9 +177,27 @@ impl Watchers {
         }
     }
 
-    /// The status written lately for `key`, if any.
+    /// The status written lately for `key`, or that a gateway accepted it
+    /// (its record not read yet), if either.
     pub fn recent(&self, key: &StatusKey) -> Option<StoredStatus> {
-        self.inner.lock().recent.get(key).cloned()
+        let inner = self.inner.lock();
+        inner
+            .recent
+            .get(key)
+            .or_else(|| inner.expected.get(key).map(|(s, _)| s))
+            .cloned()
+    }
+
+    /// A gateway accepted the task `key` (the broker acknowledged its
+    /// record): it is pending until the table reads the record, so a read
+    /// right after the 202, or an idempotent retry, finds it.
+    pub fn expect(&self, key: &StatusKey, pending: StoredStatus) {
+        let mut inner = self.inner.lock();
+        if !inner.recent.contains_key(key) {
+            inner
+                .expected
+                .insert(key.clone(), (pending, Instant::now()));
+        }
     }
 
     /// Waits for the next status written for `key`: the one written lately
@@ -186,12 +217,17 @@ impl Watchers {
         Err(rx)
     }
 
-    /// Forgets waiters that gave up (their receivers dropped).
+    /// Forgets waiters that gave up (their receivers dropped), and
+    /// expectations of records never read here (their partition moved).
     pub fn prune(&self) {
-        self.inner.lock().waiting.retain(|_, ws| {
+        let mut inner = self.inner.lock();
+        inner.waiting.retain(|_, ws| {
             ws.retain(|w| !w.is_closed());
             !ws.is_empty()
         });
+        inner
+            .expected
+            .retain(|_, (_, at)| at.elapsed() < EXPECTED_FOR);
     }
 }
 
@@ -217,6 +253,19 @@ pub struct StatusSettings {
     pub result_topics: Vec<String>,
     /// How long a status is kept after its last change.
     pub ttl: Duration,
+    /// The accounting windows (to find a hard quota's window).
+    pub windows: Vec<WindowSpec>,
+    /// The tenants' quotas.
+    pub quotas: Quotas,
+}
+
+impl StatusSettings {
+    /// The end of the window of `tenant`'s hard quota that contains `at_ms`.
+    fn quota_window_end(&self, tenant: &str, at_ms: i64) -> Option<i64> {
+        let quota = self.quotas.hard(tenant)?;
+        let w = self.windows.iter().find(|w| w.name == quota.window)?;
+        Some(w.end_of(w.start_of(at_ms)))
+    }
 }
 
 /// The status topology: task and results topics into the status and
@@ -229,6 +278,7 @@ pub fn topology(
     let b = StreamBuilder::new();
     b.add_kv_store(STATUS_STORE, true);
     b.add_kv_store(BACKLOG_STORE, true);
+    b.add_kv_store(QUOTA_STORE, true);
     let topics = |v: &[String]| v.to_vec();
     let task_topics = topics(&settings.task_topics);
     let result_topics = topics(&settings.result_topics);
@@ -249,7 +299,7 @@ pub fn topology(
     let settings = settings.clone();
     tasks.merge(&results).process(
         "gateway-status-table",
-        &[STATUS_STORE, BACKLOG_STORE],
+        &[STATUS_STORE, BACKLOG_STORE, QUOTA_STORE],
         move || StatusTable {
             settings: settings.clone(),
             watchers: watchers.clone(),
@@ -366,6 +416,9 @@ impl StatusTable {
         };
         ctx.kv::<StatusKey, StoredStatus>(STATUS_STORE)?
             .put(&key, &status);
+        if result.error_code.as_deref() == Some(QUOTA_EXCEEDED) {
+            self.quota_refused(ctx, &tenant, result.completed_at.timestamp_millis())?;
+        }
         if before.is_some() {
             self.backlog(ctx, &tenant, -1)?;
             if let Some(at) = accepted_ms {
@@ -373,6 +426,25 @@ impl StatusTable {
             }
         }
         self.watchers.publish(&key, &status);
+        Ok(())
+    }
+
+    /// The pipeline refused a task of `tenant` for its hard quota at
+    /// `at_ms`: its window counts as used up until it ends.
+    fn quota_refused(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        tenant: &str,
+        at_ms: i64,
+    ) -> Result<(), ProcessError> {
+        let Some(end) = self.settings.quota_window_end(tenant, at_ms) else {
+            return Ok(());
+        };
+        let mut store = ctx.kv::<String, i64>(QUOTA_STORE)?;
+        let key = tenant.to_string();
+        if store.get(&key)?.is_none_or(|until| until < end) {
+            store.put(&key, &end);
+        }
         Ok(())
     }
 

@@ -176,3 +176,28 @@ pub fn metric(p: &Pipeline, g: &Gateway, name: &str) -> f64 {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }
+
+/// A submission of `task_type` with `content` (as the seeds' services would
+/// send it).
+pub fn submission_of(task_type: &str, content: &str) -> Value {
+    let mut payload = serde_json::json!({ "content": content });
+    match task_type {
+        "summarize" => payload["maxWords"] = 8.into(),
+        "classify" => payload["labels"] = serde_json::json!(["news", "sports", "tech"]),
+        _ => {
+            payload["schema"] =
+                serde_json::json!({"type": "object", "properties": {"topic": {"type": "string"}}})
+        }
+    }
+    serde_json::json!({ "taskType": task_type, "payload": payload })
+}
+
+/// Submission `i` of `task_type`, with a correlation id.
+pub fn submission(i: usize, task_type: &str) -> Value {
+    let mut v = submission_of(
+        task_type,
+        &format!("Document {i}: the quick brown fox jumps over the lazy dog."),
+    );
+    v["metadata"] = serde_json::json!({ "correlationId": format!("c-{i}") });
+    v
+}

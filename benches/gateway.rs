@@ -1,0 +1,416 @@
+//! `make bench-gateway`, in one run on one broker:
+//!
+//! - accepted POSTs per second through `sluice gateway` at a fixed
+//!   concurrency (64 connections from this process, on loopback), against a
+//!   plain idempotent produce loop of the same task records with the same
+//!   number of records in flight, each waiting for its acknowledgement, in
+//!   rounds that alternate (`accept_ratio` = gateway / produce loop); the
+//!   time to each 202 (p50, p99);
+//! - the time from a 202 to its result's server-sent event, with `sluice run`
+//!   answering through the simulated provider at zero latency (its 100 ms
+//!   batching window included), for tasks submitted at a steady rate with
+//!   their event streams opened right after each 202.
+//!
+//! Environment: `SLUICE_BENCH_SECS` (seconds of each accept round, default
+//! 8), `SLUICE_BENCH_ROUNDS` (rounds of each, default 2),
+//! `SLUICE_BENCH_EVENT_TASKS` (tasks of the latency run, default 500).
+
+/// The same allocator as the `sluice` binary.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+use std::io::BufRead;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::ClientConfig;
+use sluice::sim::SimConfig;
+
+/// Connections (and records in flight) of the accept rounds.
+const CONCURRENCY: usize = 64;
+/// Partitions of the topics.
+const PARTITIONS: i32 = 4;
+/// Tenants the tasks are spread over.
+const TENANTS: usize = 10;
+
+fn token(t: usize) -> String {
+    format!("bench-tenant-{t}-token-0123456789")
+}
+
+fn task(i: u64) -> serde_json::Value {
+    serde_json::json!({
+        "taskType": "classify",
+        "payload": {
+            "content": format!("Item {i}: shares rose after the quarterly report."),
+            "labels": ["news", "sports", "tech"],
+        },
+    })
+}
+
+/// The record the gateway publishes for a task, as the produce loop sends it.
+fn record(i: u64) -> (String, Vec<u8>) {
+    let tenant = format!("tenant-{}", i as usize % TENANTS);
+    let mut v = task(i);
+    v["taskId"] = format!("p{i}").into();
+    v["tenantId"] = tenant.clone().into();
+    v["submittedAt"] = chrono::Utc::now().to_rfc3339().into();
+    v["attemptNumber"] = 1.into();
+    (tenant, serde_json::to_vec(&v).unwrap())
+}
+
+struct Proc(std::process::Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `sluice <cmd> --config <cfg>` and returns it with its address.
+fn start(cmd: &str, cfg: &str) -> (Proc, String) {
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args([cmd, "--config", cfg])
+        .env("SLUICE_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let addr = loop {
+        let line = lines.next().expect("sluice listens").unwrap();
+        if let Some(a) = line.strip_prefix("LISTENING ") {
+            break a.trim().to_string();
+        }
+    };
+    std::thread::spawn(move || lines.for_each(drop));
+    (Proc(child), addr)
+}
+
+async fn wait_ready(client: &reqwest::Client, addr: &str) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while Instant::now() < deadline {
+        if let Ok(r) = client.get(format!("http://{addr}/readyz")).send().await {
+            if r.status() == 200 {
+                return;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    panic!("{addr} never became ready");
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i]
+}
+
+/// POSTs for `secs` from `CONCURRENCY` connections: accepted per second and
+/// each 202's time, ms.
+async fn accept_round(
+    client: &reqwest::Client,
+    addr: &str,
+    secs: u64,
+    next: &Arc<AtomicU64>,
+) -> (f64, Vec<f64>) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let start = Instant::now();
+    let mut workers = Vec::new();
+    for _ in 0..CONCURRENCY {
+        let (client, url, stop, next) = (
+            client.clone(),
+            format!("http://{addr}/v1/tasks"),
+            stop.clone(),
+            next.clone(),
+        );
+        workers.push(tokio::spawn(async move {
+            let mut times = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let body = serde_json::to_vec(&task(i)).unwrap();
+                let t = Instant::now();
+                let r = client
+                    .post(&url)
+                    .bearer_auth(token(i as usize % TENANTS))
+                    .header("content-type", "application/json")
+                    .body(body)
+                    .send()
+                    .await
+                    .expect("POST");
+                assert_eq!(r.status(), 202, "{}", r.text().await.unwrap_or_default());
+                let _ = r.bytes().await;
+                times.push(t.elapsed().as_secs_f64() * 1000.0);
+            }
+            times
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(secs)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut times = Vec::new();
+    for w in workers {
+        times.extend(w.await.unwrap());
+    }
+    let rate = times.len() as f64 / start.elapsed().as_secs_f64();
+    (rate, times)
+}
+
+/// The produce loop: `CONCURRENCY` records in flight, each awaited, for
+/// `secs`: acknowledged per second.
+async fn produce_round(
+    producer: &FutureProducer,
+    topic: &str,
+    secs: u64,
+    next: &Arc<AtomicU64>,
+) -> f64 {
+    let stop = Arc::new(AtomicBool::new(false));
+    let start = Instant::now();
+    let mut workers = Vec::new();
+    for _ in 0..CONCURRENCY {
+        let (producer, topic, stop, next) = (
+            producer.clone(),
+            topic.to_string(),
+            stop.clone(),
+            next.clone(),
+        );
+        workers.push(tokio::spawn(async move {
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let (key, value) = record(i);
+                producer
+                    .send(
+                        FutureRecord::to(&topic).key(&key).payload(&value),
+                        Duration::from_secs(10),
+                    )
+                    .await
+                    .expect("acknowledged");
+                n += 1;
+            }
+            n
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(secs)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut n = 0;
+    for w in workers {
+        n += w.await.unwrap();
+    }
+    n as f64 / start.elapsed().as_secs_f64()
+}
+
+/// Submits `n` tasks at `rate` per second, each followed by its event
+/// stream: the time from each 202 to its event, ms.
+async fn accept_to_event(client: &reqwest::Client, addr: &str, n: u64, rate: u64) -> Vec<f64> {
+    let start = Instant::now();
+    let mut jobs = Vec::new();
+    for i in 0..n {
+        let due = start + Duration::from_micros(i * 1_000_000 / rate);
+        tokio::time::sleep_until(due.into()).await;
+        let (client, addr) = (client.clone(), addr.to_string());
+        jobs.push(tokio::spawn(async move {
+            let t = token(i as usize % TENANTS);
+            let r = client
+                .post(format!("http://{addr}/v1/tasks"))
+                .bearer_auth(&t)
+                .header("content-type", "application/json")
+                .body(serde_json::to_vec(&task(1_000_000_000 + i)).unwrap())
+                .send()
+                .await
+                .expect("POST");
+            let accepted = Instant::now();
+            assert_eq!(r.status(), 202);
+            let v: serde_json::Value = r.json().await.unwrap();
+            let mut stream = client
+                .get(format!("http://{addr}{}", v["eventsUrl"].as_str().unwrap()))
+                .bearer_auth(&t)
+                .send()
+                .await
+                .expect("events");
+            let mut text = String::new();
+            while let Some(chunk) = stream.chunk().await.expect("event stream") {
+                text.push_str(&String::from_utf8_lossy(&chunk));
+                if text.contains("\nevent: completed") || text.contains("event: completed\n") {
+                    return accepted.elapsed().as_secs_f64() * 1000.0;
+                }
+            }
+            panic!("the stream closed without a completed event: {text}");
+        }));
+    }
+    let mut out = Vec::new();
+    for j in jobs {
+        out.push(j.await.unwrap());
+    }
+    out
+}
+
+/// A number from the environment, or `default`.
+fn env(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn main() {
+    let bootstrap =
+        std::env::var("SLUICE_BENCH_BOOTSTRAP").expect("run through `make bench-gateway`");
+    let secs = env("SLUICE_BENCH_SECS", 8);
+    let rounds = env("SLUICE_BENCH_ROUNDS", 2);
+    let event_tasks = env("SLUICE_BENCH_EVENT_TASKS", 500);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let sim = rt
+        .block_on(sluice::sim::start(
+            SimConfig::default(),
+            "127.0.0.1:0".parse().unwrap(),
+        ))
+        .unwrap();
+    let prefix = format!(
+        "bench-gw-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens");
+    let lines: String = (0..TENANTS)
+        .map(|t| format!("{} tenant:tenant-{t}\n", token(t)))
+        .collect();
+    std::fs::write(&tokens, lines).unwrap();
+    let config = dir.path().join("sluice.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+[app]
+id = "{prefix}-app"
+state_dir = "{state}"
+
+[kafka]
+bootstrap_servers = "{bootstrap}"
+
+[topics]
+task_types = ["classify"]
+tasks_prefix = "{prefix}.tasks."
+results_completed = "{prefix}.results.completed"
+results_failed = "{prefix}.results.failed"
+partitions = {partitions}
+
+[[llm.providers]]
+name = "sim"
+base_url = "{url}"
+
+[[llm.models]]
+name = "m"
+provider = "sim"
+limiter = {{ initial_rps = 1000000, max_rps = 1000000, max_concurrency = 512 }}
+
+[prices.m]
+input = 150000
+output = 600000
+
+[batching]
+enabled = true
+window_ms = 100
+
+[http]
+listen = "127.0.0.1:0"
+tokens_file = "{tokens}"
+
+[gateway]
+listen = "127.0.0.1:0"
+max_backlog_per_tenant = 0
+"#,
+            state = dir.path().join("state").display(),
+            url = sim.base_url(),
+            tokens = tokens.display(),
+            partitions = PARTITIONS,
+        ),
+    )
+    .unwrap();
+    let cfg = config.display().to_string();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["topics", "create", "--config", &cfg])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The produce loop's own topic (the pipeline does not take its records).
+    let topic = format!("{prefix}.loop");
+    sluice::kafka::create_topics(bootstrap.as_str(), &[(&topic, PARTITIONS, &[])]).unwrap();
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(CONCURRENCY * 2)
+        .build()
+        .unwrap();
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", &bootstrap)
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "1")
+        .create()
+        .unwrap();
+
+    // Accept rounds: the gateway alone (no pipeline takes the tasks), beside
+    // the produce loop, alternating.
+    let (_gateway, addr) = start("gateway", &cfg);
+    rt.block_on(wait_ready(&client, &addr));
+    let next = Arc::new(AtomicU64::new(0));
+    let (mut gw_rates, mut loop_rates, mut times) = (Vec::new(), Vec::new(), Vec::new());
+    rt.block_on(async {
+        // Warm-up: connections open, metadata known.
+        accept_round(&client, &addr, 1, &next).await;
+        produce_round(&producer, &topic, 1, &next).await;
+        for _ in 0..rounds {
+            let r = produce_round(&producer, &topic, secs, &next).await;
+            loop_rates.push(r);
+            let (g, t) = accept_round(&client, &addr, secs, &next).await;
+            gw_rates.push(g);
+            times.extend(t);
+        }
+    });
+    times.sort_by(f64::total_cmp);
+    let gw: f64 = gw_rates.iter().sum::<f64>() / gw_rates.len() as f64;
+    let plain: f64 = loop_rates.iter().sum::<f64>() / loop_rates.len() as f64;
+    eprintln!(
+        "accept: gateway {gw:.0}/s (rounds {gw_rates:.0?}) against the produce loop {plain:.0}/s ({loop_rates:.0?}), {CONCURRENCY} in flight; time to 202 p50 {:.1} ms p99 {:.1} ms over {} POSTs",
+        percentile(&times, 0.5),
+        percentile(&times, 0.99),
+        times.len()
+    );
+
+    // Accept to event: the pipeline answers (zero-latency provider), once
+    // it worked off the accept rounds' tasks.
+    let (_run, run_addr) = start("run", &cfg);
+    rt.block_on(wait_ready(&client, &run_addr));
+    // Until the pipeline has caught up: a task answered within a second.
+    rt.block_on(async {
+        loop {
+            let t = accept_to_event(&client, &addr, 5, 50).await;
+            if t.iter().all(|ms| *ms < 1000.0) {
+                break;
+            }
+        }
+    });
+    let mut events = rt.block_on(accept_to_event(&client, &addr, event_tasks, 50));
+    events.sort_by(f64::total_cmp);
+    eprintln!(
+        "accept to event: p50 {:.0} ms p99 {:.0} ms over {} tasks at 50/s (zero-latency provider, 100 ms batching window)",
+        percentile(&events, 0.5),
+        percentile(&events, 0.99),
+        events.len()
+    );
+    println!(
+        "RESULT accept_ratio={:.2} p99_accept_ms={:.1} p99_accept_to_event_ms={:.0} gateway_rps={gw:.0} produce_rps={plain:.0} p50_accept_ms={:.1} p50_accept_to_event_ms={:.0}",
+        gw / plain,
+        percentile(&times, 0.99),
+        percentile(&events, 0.99),
+        percentile(&times, 0.5),
+        percentile(&events, 0.5),
+    );
+}
