@@ -188,6 +188,13 @@ impl Watchers {
             .cloned()
     }
 
+    /// When a gateway accepted `key`, if it said so and its record was not
+    /// read yet.
+    pub fn accepted_ms(&self, key: &StatusKey) -> Option<i64> {
+        let inner = self.inner.lock();
+        inner.expected.get(key).and_then(|(s, _)| s.accepted_ms)
+    }
+
     /// A gateway accepted the task `key` (the broker acknowledged its
     /// record): it is pending until the table reads the record, so a read
     /// right after the 202, or an idempotent retry, finds it.
@@ -400,7 +407,8 @@ impl StatusTable {
                 return Ok(());
             }
             Some(s) => s.accepted_ms,
-            None => None,
+            // Read before its task record: a gateway that accepted it said when.
+            None => self.watchers.accepted_ms(&key),
         };
         let now = ctx.wall_clock_ms();
         let status = StoredStatus {
@@ -421,9 +429,9 @@ impl StatusTable {
         }
         if before.is_some() {
             self.backlog(ctx, &tenant, -1)?;
-            if let Some(at) = accepted_ms {
-                self.metrics.accept_to_result(now - at);
-            }
+        }
+        if let Some(at) = accepted_ms {
+            self.metrics.accept_to_result(now - at);
         }
         self.watchers.publish(&key, &status);
         Ok(())
