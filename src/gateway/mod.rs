@@ -241,15 +241,18 @@ impl Gateway {
         }
     }
 
+    /// A request to another instance, marked forwarded, carrying the
+    /// caller's token.
     fn forward_request(
         &self,
+        method: reqwest::Method,
         url: String,
         headers: &HeaderMap,
         timeout: Duration,
     ) -> reqwest::RequestBuilder {
         let mut req = self
             .client
-            .get(url)
+            .request(method, url)
             .timeout(timeout)
             .header(FORWARDED_HEADER, "1");
         if let Some(auth) = headers.get(axum::http::header::AUTHORIZATION) {
@@ -273,7 +276,8 @@ impl Gateway {
             urlencode(tenant),
             wait.as_millis()
         );
-        let mut req = self.forward_request(url, headers, wait + FORWARD_MARGIN);
+        let mut req =
+            self.forward_request(reqwest::Method::GET, url, headers, wait + FORWARD_MARGIN);
         if grace.is_zero() {
             req = req.header(NO_GRACE_HEADER, "1");
         }
@@ -325,7 +329,7 @@ impl Gateway {
             Holder::Remote(host) => {
                 let url = format!("{host}/v1/tenants/{}/backlog", urlencode(tenant));
                 let resp = self
-                    .forward_request(url, headers, FORWARD_MARGIN)
+                    .forward_request(reqwest::Method::GET, url, headers, FORWARD_MARGIN)
                     .send()
                     .await
                     .map_err(|e| Refusal::unavailable(format!("forwarding to {host}: {e}")))?;
@@ -494,17 +498,11 @@ impl Gateway {
             Ok(Holder::Local(_)) => self.expect(tenant, tasks),
             Ok(Holder::Remote(host)) => {
                 let url = format!("{host}/v1/tasks:accepted?tenant={}", urlencode(tenant));
-                let mut req = self
-                    .client
-                    .post(url)
-                    .timeout(FORWARD_MARGIN)
-                    .header(FORWARDED_HEADER, "1")
+                let req = self
+                    .forward_request(reqwest::Method::POST, url, headers, FORWARD_MARGIN)
                     .json(&ExpectedBody {
                         tasks: tasks.to_vec(),
                     });
-                if let Some(auth) = headers.get(axum::http::header::AUTHORIZATION) {
-                    req = req.header(axum::http::header::AUTHORIZATION, auth.as_bytes());
-                }
                 match req.send().await {
                     Ok(r) if r.status().is_success() => {}
                     Ok(r) => {
