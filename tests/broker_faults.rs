@@ -24,7 +24,7 @@ struct OwnBroker {
 }
 
 fn broker_script() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/broker.sh")
+    common::repo_root().join("scripts/broker.sh")
 }
 
 impl OwnBroker {
@@ -45,7 +45,7 @@ impl OwnBroker {
 
     /// SIGKILL: the broker dies without closing anything.
     fn kill(&self) {
-        let pid_file = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        let pid_file = common::repo_root()
             .join(".tools/run")
             .join(&self.name)
             .join("pid");

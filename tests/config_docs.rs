@@ -346,8 +346,13 @@ fn undocumented(keys: &[Vec<Seg>], doc: &str) -> Vec<String> {
 }
 
 fn doc() -> String {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/configuration.md");
-    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"))
+    // Where cargo runs the tests from (the compile-time path may be another
+    // checkout's that built into the same target directory).
+    let root = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into());
+    let path = root.join("docs/configuration.md");
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 #[test]

@@ -59,8 +59,8 @@ const SCHEMATHESIS_DEADLINE: Duration = Duration::from_secs(80);
 /// most (so a fuzzed `?wait=` holds no request for long).
 const GATEWAY_TOML: &str = "[gateway]\nkeepalive_ms = 1000\nmax_wait_ms = 2000\n";
 
-fn repo() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+fn repo() -> PathBuf {
+    common::repo_root()
 }
 
 /// The schemathesis CLI of `.tools/schemathesis-venv`, checked to run and to

@@ -5,7 +5,6 @@
 //! families into a fresh registry and reads their names back. No broker.
 
 use std::collections::BTreeSet;
-use std::path::Path;
 
 use prometheus::Registry;
 
@@ -23,7 +22,12 @@ fn exported() -> BTreeSet<String> {
 }
 
 fn read(relative: &str) -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(relative);
+    // Where cargo runs the tests from (the compile-time path may be another
+    // checkout's that built into the same target directory).
+    let root = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into());
+    let path = root.join(relative);
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
@@ -141,6 +145,22 @@ fn the_dashboard_names_only_exported_metrics() {
         problems.is_empty(),
         "helm/sluice/files/dashboard.json:\n  {}",
         problems.join("\n  ")
+    );
+}
+
+#[test]
+fn the_alert_rules_name_only_exported_metrics() {
+    let exported = exported();
+    let rules = read("helm/sluice/templates/prometheusrule.yaml");
+    let named = names_in(&rules);
+    assert!(
+        named.len() >= 7,
+        "the alert rules name too few metrics: {named:?}"
+    );
+    let problems = unknown(&rules, &exported);
+    assert!(
+        problems.is_empty(),
+        "helm/sluice/templates/prometheusrule.yaml names metrics Sluice does not export: {problems:?}"
     );
 }
 

@@ -32,6 +32,15 @@ pub fn temp_dir() -> tempfile::TempDir {
     tempfile::tempdir().expect("temp dir")
 }
 
+/// The repository: where cargo runs the tests from (its environment names it
+/// at run time; the compile-time path may be that of another checkout that
+/// built into the same target directory).
+pub fn repo_root() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+}
+
 /// The `sluice` binary built for these tests.
 pub fn sluice_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_sluice"))
