@@ -3,6 +3,7 @@
 //! behind bearer tokens (see [`auth`]).
 
 pub mod auth;
+pub mod forward;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -16,7 +17,7 @@ use prometheus::{Encoder, Registry, TextEncoder};
 use sluice_topology::runtime::{AppState, AppStatus};
 
 use crate::operator::Health;
-use crate::usage::{ErrorBody, Lookup, UsageError, UsageQueries, FORWARDED_HEADER};
+use crate::usage::{ErrorBody, Lookup, UsageError, UsageQueries};
 
 /// What the endpoints read.
 #[derive(Clone)]
@@ -138,16 +139,9 @@ async fn tenant_usage(
     };
     let window = params.window.as_deref();
     let now = chrono::Utc::now().timestamp_millis();
-    match usage.lookup(&tenant, window, now) {
+    match usage.lookup(&tenant, window, now, forward::is_forwarded(&headers)) {
         Ok(Lookup::Local(report)) => (StatusCode::OK, Json(report)).into_response(),
-        Ok(Lookup::Remote(host)) if headers.contains_key(FORWARDED_HEADER) => refuse(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("forwarded here, but this instance does not hold the tenant ({host} does, as far as it knows)"),
-        ),
-        Ok(Lookup::Remote(host)) => match usage
-            .forward(&host, &tenant, window, headers.get(axum::http::header::AUTHORIZATION))
-            .await
-        {
+        Ok(Lookup::Remote(host)) => match usage.forward(&host, &tenant, window, &headers).await {
             Ok((status, body)) => (
                 StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY),
                 [("content-type", "application/json")],

@@ -4,21 +4,18 @@
 //! topics (tasks are keyed by tenant), so exactly one instance holds them.
 //! Any instance answers: from its own state when it holds the tenant,
 //! otherwise by forwarding the request to the instance that does (found
-//! through the engine's instance metadata). A forwarded request carries
-//! [`FORWARDED_HEADER`] and is never forwarded again, so two instances that
-//! disagree for a moment (during a rebalance) answer 503 instead of
-//! bouncing a request between them.
+//! through the engine's instance metadata), once (see
+//! [`crate::http::forward`]).
 
 use std::time::Duration;
 
+use axum::http::HeaderMap;
 use serde::{Deserialize, Serialize};
 use sluice_topology::runtime::{Queries, QueryError, WindowRange};
 
 pub use crate::accounting::WindowUsage;
 use crate::accounting::{Accounting, TenantUsage, WindowSpec};
-
-/// Marks a request one instance forwarded to another.
-pub const FORWARDED_HEADER: &str = "x-sluice-forwarded";
+use crate::http::forward::{self, Forwarder, Holder};
 
 /// How long a forwarded request may take.
 const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
@@ -50,7 +47,8 @@ pub enum Lookup {
     Local(TenantUsageReport),
     /// Held by the instance at this URL.
     Remote(String),
-    /// Not answerable now (restoring, or the holder is not known yet).
+    /// Not answerable now (restoring, the holder not known yet, or a
+    /// forwarded query that reached an instance not holding the tenant).
     Unavailable(String),
     /// Held here, and no window of the tenant is kept: not a tenant this
     /// partition has seen (a billing page must not show it $0). The reason
@@ -75,7 +73,7 @@ pub struct UsageQueries {
     queries: Queries,
     accounting: Accounting,
     served_by: String,
-    client: reqwest::Client,
+    forwarder: Forwarder,
 }
 
 impl UsageQueries {
@@ -86,23 +84,18 @@ impl UsageQueries {
             queries,
             accounting,
             served_by,
-            // Never redirected (a holder's answer is relayed, not another
-            // server's), never through a proxy from the environment.
-            client: reqwest::Client::builder()
-                .redirect(reqwest::redirect::Policy::none())
-                .no_proxy()
-                .build()
-                .unwrap_or_default(),
+            forwarder: Forwarder::default(),
         }
     }
 
     /// Finds `tenant`'s windows containing `now_ms` (only the one named
-    /// `window`, when given).
+    /// `window`, when given); a `forwarded` query is never sent on.
     pub fn lookup(
         &self,
         tenant: &str,
         window: Option<&str>,
         now_ms: i64,
+        forwarded: bool,
     ) -> Result<Lookup, UsageError> {
         let windows: Vec<&WindowSpec> = self
             .accounting
@@ -118,23 +111,12 @@ impl UsageQueries {
             .map(|w| self.accounting.store_name(w))
             .collect();
         // Tasks are keyed by tenant id: its bytes chose the partition.
-        let md = self
-            .queries
-            .metadata_for_key(&names[0], tenant.as_bytes())?;
-        if !md.local {
-            let own = self.queries.application_server();
-            return Ok(match md.host {
-                _ if md.restoring => Lookup::Unavailable(format!(
-                    "partition {} is restoring on this instance",
-                    md.partition
-                )),
-                Some(host) if Some(host.as_str()) != own => Lookup::Remote(host),
-                _ => Lookup::Unavailable(format!(
-                    "no instance is known to hold partition {} yet",
-                    md.partition
-                )),
-            });
-        }
+        let partition =
+            match forward::holder(&self.queries, &names[0], tenant.as_bytes(), forwarded)? {
+                Holder::Local(p) => p,
+                Holder::Remote(host) => return Ok(Lookup::Remote(host)),
+                Holder::Unavailable(reason) => return Ok(Lookup::Unavailable(reason)),
+            };
         let starts: Vec<i64> = windows.iter().map(|w| w.start_of(now_ms)).collect();
         let ranges: Vec<WindowRange<'_>> = names
             .iter()
@@ -146,7 +128,7 @@ impl UsageQueries {
             })
             .collect();
         let found = match self.queries.fetch_windows::<String, TenantUsage>(
-            md.partition,
+            partition,
             &tenant.to_string(),
             &ranges,
         ) {
@@ -154,11 +136,11 @@ impl UsageQueries {
             Err(e) if e.unavailable() => return Ok(Lookup::Unavailable(e.to_string())),
             Err(e) => return Err(e.into()),
         };
-        if found.iter().all(Vec::is_empty) && !self.seen(md.partition, tenant, &names, now_ms)? {
+        if found.iter().all(Vec::is_empty) && !self.seen(partition, tenant, &names, now_ms)? {
             return Ok(Lookup::Unknown(format!(
                 "unknown_tenant: partition {} holds no usage of {tenant} in any kept window \
                  (is [tasks] partitioner the one the producers use?)",
-                md.partition
+                partition
             )));
         }
         let windows = windows
@@ -206,47 +188,37 @@ impl UsageQueries {
         }
     }
 
-    /// Asks the instance at `host`, marking the request as forwarded and
-    /// passing the caller's `authorization` on (the holder checks it too):
-    /// its status and body, or why it could not be asked. Redirects are
-    /// not followed.
+    /// Asks the instance at `host`, passing the `caller`'s token on (the
+    /// holder checks it too): its status and body, or why it could not be
+    /// asked.
     pub async fn forward(
         &self,
         host: &str,
         tenant: &str,
         window: Option<&str>,
-        authorization: Option<&axum::http::HeaderValue>,
+        caller: &HeaderMap,
     ) -> Result<(u16, bytes::Bytes), String> {
         let url = usage_url(host, tenant, window)?;
-        let unreachable = |e: reqwest::Error| format!("{host} did not answer: {e}");
-        let mut request = self
-            .client
-            .get(url)
-            .header(FORWARDED_HEADER, "1")
-            .timeout(FORWARD_TIMEOUT);
-        if let Some(a) = authorization {
-            request = request.header(reqwest::header::AUTHORIZATION, a.as_bytes());
-        }
-        let resp = request.send().await.map_err(unreachable)?;
-        if resp.status().is_redirection() {
-            return Err(format!("{host} answered with a redirect; not followed"));
-        }
+        let req = self
+            .forwarder
+            .request(reqwest::Method::GET, url, caller, FORWARD_TIMEOUT);
+        let resp = self.forwarder.send(host, req).await?;
         let status = resp.status().as_u16();
-        Ok((status, resp.bytes().await.map_err(unreachable)?))
+        let body = resp
+            .bytes()
+            .await
+            .map_err(|e| format!("{host} did not answer: {e}"))?;
+        Ok((status, body))
     }
 }
 
 /// The usage URL of `tenant` on the instance at `base`.
 pub fn usage_url(base: &str, tenant: &str, window: Option<&str>) -> Result<reqwest::Url, String> {
-    let mut url = reqwest::Url::parse(base).map_err(|e| format!("{base}: {e}"))?;
-    url.path_segments_mut()
-        .map_err(|()| format!("{base}: not a base URL"))?
-        .pop_if_empty()
-        .extend(["v1", "tenants", tenant, "usage"]);
-    if let Some(w) = window {
-        url.query_pairs_mut().append_pair("window", w);
-    }
-    Ok(url)
+    let query: &[(&str, &str)] = match window {
+        Some(w) => &[("window", w)],
+        None => &[],
+    };
+    forward::url(base, &["v1", "tenants", tenant, "usage"], query)
 }
 
 /// `sluice usage TENANT --url URL`.

@@ -25,6 +25,20 @@ use crate::http::auth::{Denied, Scope};
 
 /// The page that submits a task and shows its result as it arrives.
 const UI: &str = include_str!("ui.html");
+/// What a path segment percent-encodes (as the URL standard's path
+/// segment set does, and `?` and `#`).
+const PATH_SEGMENT: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS
+    .add(b' ')
+    .add(b'"')
+    .add(b'#')
+    .add(b'<')
+    .add(b'>')
+    .add(b'?')
+    .add(b'`')
+    .add(b'{')
+    .add(b'}')
+    .add(b'/')
+    .add(b'%');
 
 /// The router of one gateway instance.
 pub(super) fn router(gw: Arc<Gateway>) -> Router {
@@ -170,7 +184,7 @@ pub struct Accepted {
 
 impl Accepted {
     fn of(task_id: &str) -> Accepted {
-        let id = super::urlencode(task_id);
+        let id = percent_encoding::utf8_percent_encode(task_id, PATH_SEGMENT);
         Accepted {
             task_id: task_id.to_string(),
             status_url: format!("/v1/tasks/{id}"),
@@ -351,7 +365,7 @@ async fn tasks_accepted(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, Refusal> {
-    if !headers.contains_key(crate::usage::FORWARDED_HEADER) {
+    if !crate::http::forward::is_forwarded(&headers) {
         return Err(Refusal::new(StatusCode::NOT_FOUND, "not found"));
     }
     let params = params(raw)?;
@@ -557,6 +571,13 @@ async fn submit_batch(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn accepted_urls_encode_the_task_id_as_one_segment() {
+        let a = Accepted::of("a b/c?d#e%f:g~h.ü");
+        assert_eq!(a.status_url, "/v1/tasks/a%20b%2Fc%3Fd%23e%25f:g~h.%C3%BC");
+        assert_eq!(a.events_url, format!("{}/events", a.status_url));
+    }
 
     #[test]
     fn a_parameter_given_twice_is_refused() {

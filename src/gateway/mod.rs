@@ -40,7 +40,7 @@ use crate::app::RunError;
 use crate::config::{Config, ConfigError};
 use crate::envelope::{EnvelopeLimits, TenantRules};
 use crate::http::auth::ApiTokens;
-use crate::usage::FORWARDED_HEADER;
+use crate::http::forward::{self, Forwarder, Holder};
 use metrics::GatewayMetrics;
 use status::{
     StatusKey, StatusSettings, StatusView, StoredStatus, Watchers, BACKLOG_STORE, QUOTA_STORE,
@@ -108,7 +108,7 @@ pub struct Gateway {
     topics: HashMap<String, (String, i32)>,
     partitioner: KeyPartitioner,
     metrics: GatewayMetrics,
-    client: reqwest::Client,
+    forwarder: Forwarder,
     served_by: String,
     status: Arc<AppStatus>,
     registry: Registry,
@@ -127,42 +127,12 @@ pub struct Admission {
     pub quota_until_ms: Option<i64>,
 }
 
-/// Where a tenant's statuses are.
-enum Holder {
-    /// Here, in this partition.
-    Local(i32),
-    /// At this URL.
-    Remote(String),
-}
-
 impl Gateway {
-    /// Where `tenant`'s statuses are held; `forwarded` requests are never
-    /// forwarded again.
+    /// Where `tenant`'s entries in `store` are held; `forwarded` requests
+    /// are never forwarded again.
     fn holder(&self, store: &str, tenant: &str, forwarded: bool) -> Result<Holder, Refusal> {
-        let md = self
-            .queries
-            .metadata_for_key(store, tenant.as_bytes())
-            .map_err(|e| Refusal::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
-        if md.local {
-            return Ok(Holder::Local(md.partition));
-        }
-        let own = self.queries.application_server();
-        match md.host {
-            _ if md.restoring => Err(Refusal::unavailable(format!(
-                "partition {} is restoring on this instance",
-                md.partition
-            ))),
-            Some(host) if Some(host.as_str()) != own && !forwarded => Ok(Holder::Remote(host)),
-            Some(host) if Some(host.as_str()) != own => Err(Refusal::unavailable(format!(
-                "forwarded here, but this instance does not hold partition {} ({host} does, as \
-                 far as it knows)",
-                md.partition
-            ))),
-            _ => Err(Refusal::unavailable(format!(
-                "no instance is known to hold partition {} yet",
-                md.partition
-            ))),
-        }
+        forward::holder(&self.queries, store, tenant.as_bytes(), forwarded)
+            .map_err(|e| Refusal::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
     }
 
     /// The status of `key` held here: the latest written (perhaps not
@@ -197,14 +167,14 @@ impl Gateway {
         grace: Duration,
         headers: &HeaderMap,
     ) -> Result<Option<StatusView>, Refusal> {
-        let forwarded = headers.contains_key(FORWARDED_HEADER);
-        let partition = match self.holder(STATUS_STORE, tenant, forwarded)? {
+        let partition = match self.holder(STATUS_STORE, tenant, forward::is_forwarded(headers))? {
+            Holder::Local(p) => p,
             Holder::Remote(host) => {
                 return self
                     .forward_status(&host, tenant, task_id, wait, grace, headers)
                     .await
             }
-            Holder::Local(p) => p,
+            Holder::Unavailable(reason) => return Err(Refusal::unavailable(reason)),
         };
         let key: StatusKey = (tenant.to_string(), task_id.to_string());
         let deadline = Instant::now() + wait;
@@ -241,24 +211,23 @@ impl Gateway {
         }
     }
 
-    /// A request to another instance, marked forwarded, carrying the
-    /// caller's token.
-    fn forward_request(
+    /// Sends a request to the instance at `host` (marked forwarded, with
+    /// the caller's token): its answer, or 503 naming why there was none.
+    async fn ask(
         &self,
+        host: &str,
         method: reqwest::Method,
-        url: String,
+        url: Result<reqwest::Url, String>,
         headers: &HeaderMap,
         timeout: Duration,
-    ) -> reqwest::RequestBuilder {
-        let mut req = self
-            .client
-            .request(method, url)
-            .timeout(timeout)
-            .header(FORWARDED_HEADER, "1");
-        if let Some(auth) = headers.get(axum::http::header::AUTHORIZATION) {
-            req = req.header(axum::http::header::AUTHORIZATION, auth.as_bytes());
-        }
-        req
+        build: impl FnOnce(reqwest::RequestBuilder) -> reqwest::RequestBuilder,
+    ) -> Result<reqwest::Response, Refusal> {
+        let url = url.map_err(|e| Refusal::new(StatusCode::INTERNAL_SERVER_ERROR, e))?;
+        let req = build(self.forwarder.request(method, url, headers, timeout));
+        self.forwarder
+            .send(host, req)
+            .await
+            .map_err(Refusal::unavailable)
     }
 
     async fn forward_status(
@@ -270,21 +239,28 @@ impl Gateway {
         grace: Duration,
         headers: &HeaderMap,
     ) -> Result<Option<StatusView>, Refusal> {
-        let url = format!(
-            "{host}/v1/tasks/{}?tenant={}&wait={}ms",
-            urlencode(task_id),
-            urlencode(tenant),
-            wait.as_millis()
+        let wait_ms = format!("{}ms", wait.as_millis());
+        let url = forward::url(
+            host,
+            &["v1", "tasks", task_id],
+            &[("tenant", tenant), ("wait", &wait_ms)],
         );
-        let mut req =
-            self.forward_request(reqwest::Method::GET, url, headers, wait + FORWARD_MARGIN);
-        if grace.is_zero() {
-            req = req.header(NO_GRACE_HEADER, "1");
-        }
-        let resp = req
-            .send()
-            .await
-            .map_err(|e| Refusal::unavailable(format!("forwarding to {host}: {e}")))?;
+        let resp = self
+            .ask(
+                host,
+                reqwest::Method::GET,
+                url,
+                headers,
+                wait + FORWARD_MARGIN,
+                |req| {
+                    if grace.is_zero() {
+                        req.header(NO_GRACE_HEADER, "1")
+                    } else {
+                        req
+                    }
+                },
+            )
+            .await?;
         match resp.status().as_u16() {
             200 => resp
                 .json::<StatusView>()
@@ -294,11 +270,7 @@ impl Gateway {
             404 => Ok(None),
             code => {
                 let status = StatusCode::from_u16(code).unwrap_or(StatusCode::BAD_GATEWAY);
-                let reason = resp
-                    .json::<crate::usage::ErrorBody>()
-                    .await
-                    .map(|b| b.reason)
-                    .unwrap_or_else(|_| format!("{host} answered {code}"));
+                let reason = forward::reason_of(host, resp).await;
                 Err(Refusal {
                     retry_after: (code == 503).then_some(1),
                     ..Refusal::new(status, reason)
@@ -313,8 +285,7 @@ impl Gateway {
         tenant: &str,
         headers: &HeaderMap,
     ) -> Result<Admission, Refusal> {
-        let forwarded = headers.contains_key(FORWARDED_HEADER);
-        match self.holder(BACKLOG_STORE, tenant, forwarded)? {
+        match self.holder(BACKLOG_STORE, tenant, forward::is_forwarded(headers))? {
             Holder::Local(p) => {
                 let read = |store: &str| {
                     self.queries
@@ -327,17 +298,19 @@ impl Gateway {
                 })
             }
             Holder::Remote(host) => {
-                let url = format!("{host}/v1/tenants/{}/backlog", urlencode(tenant));
+                let url = forward::url(&host, &["v1", "tenants", tenant, "backlog"], &[]);
                 let resp = self
-                    .forward_request(reqwest::Method::GET, url, headers, FORWARD_MARGIN)
-                    .send()
-                    .await
-                    .map_err(|e| Refusal::unavailable(format!("forwarding to {host}: {e}")))?;
+                    .ask(
+                        &host,
+                        reqwest::Method::GET,
+                        url,
+                        headers,
+                        FORWARD_MARGIN,
+                        |r| r,
+                    )
+                    .await?;
                 if !resp.status().is_success() {
-                    return Err(Refusal::unavailable(format!(
-                        "{host} answered {}",
-                        resp.status()
-                    )));
+                    return Err(Refusal::unavailable(forward::reason_of(&host, resp).await));
                 }
                 let body: api::BacklogBody = resp.json().await.map_err(|e| {
                     Refusal::unavailable(format!("forwarded answer of {host}: {e}"))
@@ -350,6 +323,7 @@ impl Gateway {
                         .map(|t| t.timestamp_millis()),
                 })
             }
+            Holder::Unavailable(reason) => Err(Refusal::unavailable(reason)),
         }
     }
 
@@ -497,19 +471,30 @@ impl Gateway {
         match self.holder(STATUS_STORE, tenant, false) {
             Ok(Holder::Local(_)) => self.expect(tenant, tasks),
             Ok(Holder::Remote(host)) => {
-                let url = format!("{host}/v1/tasks:accepted?tenant={}", urlencode(tenant));
-                let req = self
-                    .forward_request(reqwest::Method::POST, url, headers, FORWARD_MARGIN)
-                    .json(&ExpectedBody {
-                        tasks: tasks.to_vec(),
-                    });
-                match req.send().await {
+                let url = forward::url(&host, &["v1", "tasks:accepted"], &[("tenant", tenant)]);
+                let body = ExpectedBody {
+                    tasks: tasks.to_vec(),
+                };
+                let sent = self.ask(
+                    &host,
+                    reqwest::Method::POST,
+                    url,
+                    headers,
+                    FORWARD_MARGIN,
+                    |r| r.json(&body),
+                );
+                match sent.await {
                     Ok(r) if r.status().is_success() => {}
                     Ok(r) => {
                         tracing::debug!(%host, status = %r.status(), "accepted tasks not noted")
                     }
-                    Err(e) => tracing::debug!(%host, error = %e, "accepted tasks not noted"),
+                    Err(e) => {
+                        tracing::debug!(%host, reason = %e.reason, "accepted tasks not noted")
+                    }
                 }
+            }
+            Ok(Holder::Unavailable(reason)) => {
+                tracing::debug!(%reason, "accepted tasks not noted")
             }
             Err(e) => tracing::debug!(reason = %e.reason, "accepted tasks not noted"),
         }
@@ -548,19 +533,6 @@ pub struct Expected {
 pub struct ExpectedBody {
     /// The tasks.
     pub tasks: Vec<Expected>,
-}
-
-/// Percent-encodes a path or query component.
-fn urlencode(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
 }
 
 /// Loads the config and runs the gateway until SIGTERM/SIGINT.
@@ -689,11 +661,7 @@ pub async fn run_until(
         topics,
         partitioner: config.tasks.partitioner,
         metrics,
-        client: reqwest::Client::builder()
-            .redirect(reqwest::redirect::Policy::none())
-            .no_proxy()
-            .build()
-            .unwrap_or_default(),
+        forwarder: Forwarder::default(),
         served_by,
         status: app.status(),
         registry,
