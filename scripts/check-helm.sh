@@ -5,6 +5,7 @@
 # the tools come from PyPI into a project-local venv (.tools/helm-venv):
 #   helm-python-sdk      Helm's Go SDK (lint, values schema, template engine)
 #   kubernetes-validate  the Kubernetes API's JSON schemas, per version
+# and promtool (scripts/install-promtool.sh) for the alert rules.
 # Dependencies are pinned too, so a release upstream cannot change the verdict.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -41,4 +42,7 @@ if ! "$venv/bin/python" -c 'import helm_python, kubernetes_validate' 2>/dev/null
   echo "${pins[*]}" > "$venv/.pins"
 fi
 
+# promtool checks and unit-tests the chart's alert rules.
+SLUICE_PROMTOOL="$("$root/scripts/install-promtool.sh")" || die "promtool is missing (see above)"
+export SLUICE_PROMTOOL
 exec "$venv/bin/python" "$root/scripts/check_helm.py" "$root/helm/sluice"

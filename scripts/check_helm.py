@@ -23,7 +23,9 @@ For the chart's default values and for every file in its ci/ directory:
      and sluice.toml's [gateway] is gateway.config. Disabled: none of it.
 The same for configToml (the default config given as a string), for
 dashboard.enabled (the dashboard ConfigMap must hold files/dashboard.json as
-valid JSON), and for a few variants of the values (persistence off,
+valid JSON), for metrics.prometheusRule.enabled (the alert rules pass
+`promtool check rules` and their unit tests, tests/alerts/rules_test.yaml,
+under `promtool test rules`; SLUICE_PROMTOOL names the binary), and for a few variants of the values (persistence off,
 chart-made Secret, KEDA without a topic list, ...). Then it checks that the
 chart refuses values it must refuse, with a message naming the culprit.
 
@@ -34,8 +36,11 @@ refusals); any problem exits non-zero with the reasons.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -52,6 +57,7 @@ NAMESPACE = "ai"
 # come with their operators, not with Kubernetes.
 CUSTOM_KINDS = {
     "ServiceMonitor": "monitoring.coreos.com/v1",
+    "PrometheusRule": "monitoring.coreos.com/v1",
     "ScaledObject": "keda.sh/v1alpha1",
     "TriggerAuthentication": "keda.sh/v1alpha1",
 }
@@ -689,6 +695,49 @@ def check_dashboard(chart_dir: Path, enabled: dict[str, list[dict]], default: di
         raise CheckError("dashboard has no Prometheus datasource variable")
 
 
+ALERTS = [
+    "SluiceRebalancesFrequent",
+    "SluiceRateLimited",
+    "SluicePartitionLagSkewed",
+    "SluiceDeadLettersGrowing",
+    "SluiceBreakerOpen",
+    "SluiceQuotaRefusals",
+    "SluiceTaskSloMissed",
+]
+
+
+def check_alerts(chart_dir: Path, enabled: dict[str, list[dict]], default: dict[str, list[dict]], promtool: str) -> None:
+    """metrics.prometheusRule.enabled renders one PrometheusRule holding the
+    documented alerts; the default values render none. promtool checks the
+    rules (PromQL, templates) and runs their unit tests
+    (tests/alerts/rules_test.yaml: each alert fires on series that must fire
+    it and stays silent on series that must not)."""
+    if by_kind(default, "PrometheusRule"):
+        raise CheckError("the default values (prometheusRule.enabled false) render a PrometheusRule")
+    rules = one(enabled, "PrometheusRule")
+    if rules["metadata"].get("namespace") != NAMESPACE:
+        raise CheckError(f"PrometheusRule namespace {rules['metadata'].get('namespace')!r}, expected {NAMESPACE!r}")
+    groups = rules["spec"]["groups"]
+    names = [r.get("alert") for g in groups for r in g["rules"]]
+    if names != ALERTS:
+        raise CheckError(f"PrometheusRule alerts {names}, expected {ALERTS}")
+    test_file = chart_dir.parent.parent / "tests/alerts/rules_test.yaml"
+    with tempfile.TemporaryDirectory() as tmp:
+        full = Path(tmp, "full.yaml")
+        full.write_text(yaml.safe_dump({"groups": groups}))
+        # The unit tests compare labels; annotations are checked by `check rules`.
+        bare = [
+            {**g, "rules": [{k: v for k, v in r.items() if k != "annotations"} for r in g["rules"]]}
+            for g in groups
+        ]
+        Path(tmp, "rules.yaml").write_text(yaml.safe_dump({"groups": bare}))
+        Path(tmp, "rules_test.yaml").write_text(test_file.read_text())
+        for args in (["check", "rules", str(full)], ["test", "rules", "rules_test.yaml"]):
+            run = subprocess.run([promtool, *args], cwd=tmp, capture_output=True, text=True)
+            if run.returncode != 0:
+                raise CheckError(f"promtool {' '.join(args[:2])}:\n{run.stdout}{run.stderr}")
+
+
 def check_refusals(chart: helm.Chart) -> list[str]:
     problems = []
     for what, values, reason in MUST_REFUSE:
@@ -719,6 +768,12 @@ def main() -> int:
         sets.append(("configToml (the default config as a string)", default_config_as_string))
         # The Grafana dashboard: enabled, files/dashboard.json renders as a ConfigMap.
         sets.append(("dashboard.enabled", {"dashboard": {"enabled": True}}))
+        # The alerts: metrics.prometheusRule.enabled, checked and unit-tested by promtool.
+        promtool = os.environ.get("SLUICE_PROMTOOL", "")
+        if not promtool:
+            print("check-helm: SLUICE_PROMTOOL (the promtool binary) is not set", file=sys.stderr)
+            return 1
+        sets.append(("metrics.prometheusRule.enabled", {"metrics": {"prometheusRule": {"enabled": True}}}))
         for label, values in sets:
             try:
                 if callable(values):
@@ -730,6 +785,8 @@ def main() -> int:
                         raise CheckError("configToml is not passed through unchanged")
                 if label.startswith("dashboard"):
                     check_dashboard(chart_dir, render(chart, values), render(chart, None))
+                if label.startswith("metrics.prometheusRule"):
+                    check_alerts(chart_dir, render(chart, values), render(chart, None), promtool)
                 print(f"check-helm: {line}")
             except CheckError as e:
                 failed = True

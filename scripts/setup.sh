@@ -5,6 +5,7 @@
 #     OpenSSL headers and a C/C++ toolchain for librdkafka)
 #   - a Java 17+ runtime and Maven, for the local Apache Kafka broker
 #   - openssl, for the TLS test's certificates
+#   - Go, to build promtool for the chart's alert rules (scripts/install-promtool.sh)
 #   - the local broker (Apache Kafka, resolved with Maven), see scripts/install-kafka.sh
 #   - for the gateway's tests (tests/gateway_api.rs): Debian's chromium (headless,
 #     drives the page at /) and schemathesis (checks the gateway against
@@ -46,6 +47,8 @@ if ! command -v java >/dev/null || [ "$(java_major)" -lt 17 ] 2>/dev/null; then
 fi
 command -v mvn >/dev/null || missing+=(maven)
 command -v openssl >/dev/null || missing+=(openssl)
+# promtool (the chart's alert rules) is built with Go: scripts/install-promtool.sh.
+command -v go >/dev/null || missing+=(golang-go)
 # The venv of schemathesis needs venv and ensurepip (Debian's python3-venv).
 python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
 # Installed without their Recommends: chromium's (printing, audio, a desktop's

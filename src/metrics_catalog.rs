@@ -88,6 +88,7 @@ fn named_families() -> Vec<&'static str> {
         llm::PRIORITY_SERVED_TOTAL,
         // invoke_llm.
         operator::RESULTS,
+        operator::TASK_LATENCY,
         operator::DUPLICATES,
         operator::REPUBLISHED,
         operator::PARKED,

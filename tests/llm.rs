@@ -103,8 +103,57 @@ fn at_least_once_gives_every_task_a_result() {
     let mut app = p.start("alos");
     let tasks = mixed_tasks(600);
     p.produce(&tasks);
-    let counts = count_by_task(&p.results(tasks.len(), Duration::from_secs(120)));
+    let results = p.results(tasks.len(), Duration::from_secs(120));
+    let counts = count_by_task(&results);
     assert!(tasks.iter().all(|t| counts.contains_key(&t.id)));
+
+    // The latency callers see: one observation per result, from its task's
+    // submittedAt, so never less than the result's own processing time.
+    let observed = p.metric(&app, "sluice_task_latency_seconds_count");
+    assert_eq!(
+        observed as usize,
+        results.len(),
+        "one observation per result"
+    );
+    let processing: f64 = results
+        .iter()
+        .map(|(r, _)| r.processing_ms as f64 / 1000.0)
+        .sum();
+    let latency = p.metric(&app, "sluice_task_latency_seconds_sum");
+    assert!(
+        latency + 0.002 * observed >= processing,
+        "latency sum {latency} s below the results' processing time {processing} s"
+    );
+
+    // Lag per assigned partition (librdkafka statistics, every 5 s): every
+    // series names its partition (each topic here has two), and the task
+    // topics' partitions are among them.
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    let lag_series = loop {
+        let (_, text) = p.http(&app, "/metrics");
+        let series: Vec<String> = text
+            .lines()
+            .filter(|l| l.starts_with("sluice_consumer_lag{"))
+            .map(str::to_string)
+            .collect();
+        if !series.is_empty() || std::time::Instant::now() > deadline {
+            break series;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert!(!lag_series.is_empty(), "no lag series after 15 s");
+    for line in &lag_series {
+        assert!(
+            line.contains("partition=\"0\"") || line.contains("partition=\"1\""),
+            "a lag series without an assigned partition: {line}"
+        );
+    }
+    let summarize = format!("topic=\"{}\"", p.topic("summarize"));
+    assert_eq!(
+        lag_series.iter().filter(|l| l.contains(&summarize)).count(),
+        2,
+        "one series per partition of the summarize topic: {lag_series:?}"
+    );
     app.proc.stop();
 }
 

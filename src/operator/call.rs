@@ -722,7 +722,10 @@ impl LlmProcessor {
         }
         r.batch_id = answer.batch_id;
         let held = item.held.clone();
-        ctx.with_record(&held, |ctx| self.emit_result(ctx, &item.headers, r))
+        let submitted_at = item.routed.task.envelope.submitted_at;
+        ctx.with_record(&held, |ctx| {
+            self.emit_result(ctx, &item.headers, r, submitted_at)
+        })
     }
 
     /// `model` answered again: clear its faults and restart the jobs held

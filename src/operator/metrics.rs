@@ -1,12 +1,16 @@
 //! Metrics of the LLM task operator (prefix `sluice_`, bounded labels: model,
 //! status, token kind).
 
-use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{
+    HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+};
 
 /// Metric names.
 pub mod names {
     /// Results emitted, by status (`completed`, `failed`).
     pub const RESULTS: &str = "sluice_results_total";
+    /// Time from a task's `submittedAt` to its result, by task type.
+    pub const TASK_LATENCY: &str = "sluice_task_latency_seconds";
     /// Redelivered tasks answered from the idempotency store.
     pub const DUPLICATES: &str = "sluice_duplicates_skipped_total";
     /// Tasks re-published for another attempt after transient failures.
@@ -44,6 +48,7 @@ pub mod names {
 pub struct OperatorMetrics {
     /// `sluice_results_total{status="completed"}` and `{status="failed"}`.
     pub(crate) results: [IntCounter; 2],
+    pub(crate) task_latency: HistogramVec,
     pub(crate) duplicates: IntCounter,
     pub(crate) republished: IntCounter,
     pub(crate) parked: IntGauge,
@@ -69,6 +74,17 @@ impl OperatorMetrics {
         registry.register(Box::new(results.clone()))?;
         let m = OperatorMetrics {
             results: ["completed", "failed"].map(|s| results.with_label_values(&[s])),
+            task_latency: HistogramVec::new(
+                HistogramOpts::new(
+                    names::TASK_LATENCY,
+                    "Time from a task's submittedAt to its result, by task type",
+                )
+                .buckets(vec![
+                    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+                    1800.0, 3600.0,
+                ]),
+                &["task_type"],
+            )?,
             duplicates: IntCounter::new(
                 names::DUPLICATES,
                 "Redelivered tasks answered from the idempotency store (replayed dead letters of tasks done: nothing emitted)",
@@ -119,6 +135,7 @@ impl OperatorMetrics {
                 "Tasks waiting for their tenant's hard-quota reservations to settle",
             )?,
         };
+        registry.register(Box::new(m.task_latency.clone()))?;
         registry.register(Box::new(m.duplicates.clone()))?;
         registry.register(Box::new(m.republished.clone()))?;
         registry.register(Box::new(m.parked.clone()))?;

@@ -39,7 +39,7 @@ mod trap;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
-use chrono::Utc;
+use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use sluice_topology::{
     Data, Headers, InFlight, ProcessError, Processor, ProcessorContext, Punctuation, Record,
@@ -640,7 +640,7 @@ impl LlmProcessor {
         self.bill(&mut r, usage, cost_micros);
         r.error_code = Some(QUOTA_EXCEEDED.to_string());
         r.error_message = Some(message);
-        self.emit_result(ctx, headers, r)
+        self.emit_result(ctx, headers, r, routed.task.envelope.submitted_at)
     }
 
     /// A task's call is over: its reservation is released (the accountant
@@ -693,6 +693,7 @@ impl LlmProcessor {
         ctx: &mut Ctx<'_>,
         headers: &Headers,
         result: TaskResult,
+        submitted_at: DateTime<Utc>,
     ) -> Result<(), ProcessError> {
         let json = serde_json::to_vec(&result)
             .map_err(|e| ProcessError::Fatal(format!("result encoding: {e}")))?;
@@ -708,6 +709,15 @@ impl LlmProcessor {
                 },
             );
         self.metrics().result(success).inc();
+        // The user-visible latency: from the producer's submittedAt (a clock
+        // behind ours counts as no time, not as negative).
+        let latency = (result.completed_at - submitted_at)
+            .num_milliseconds()
+            .max(0);
+        self.metrics()
+            .task_latency
+            .with_label_values(&[result.task_type.as_str()])
+            .observe(latency as f64 / 1000.0);
         // Redeliveries that arrived while the call was under way get the same
         // result, without a call of their own.
         let flight = in_flight_key(&result.tenant_id, &key);
@@ -742,7 +752,7 @@ impl LlmProcessor {
         self.bill(&mut r, usage, cost);
         r.error_code = Some(code.to_string());
         r.error_message = Some(why.message);
-        self.emit_result(ctx, headers, r)
+        self.emit_result(ctx, headers, r, routed.task.envelope.submitted_at)
     }
 
     /// Puts what the provider billed for a task on its result (completed or

@@ -1,5 +1,6 @@
 //! Engine metrics (prefix `sluice_`), registered into a caller's registry.
-//! Labels are bounded: topics, task states and dead-letter categories only.
+//! Labels are bounded: topics, the partitions assigned to this instance, task
+//! states and dead-letter categories only.
 
 use prometheus::{
     Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
@@ -32,7 +33,7 @@ pub mod names {
     pub const COMMIT_SECONDS: &str = "sluice_commit_seconds";
     /// Transactions aborted.
     pub const ABORTED: &str = "sluice_aborted_transactions_total";
-    /// Consumer lag per topic, from client statistics.
+    /// Consumer lag per assigned input partition, from client statistics.
     pub const LAG: &str = "sluice_consumer_lag";
     /// Records sent to dead-letter topics by the engine, by category.
     pub const DLQ: &str = "sluice_dlq_records_total";
@@ -60,6 +61,8 @@ pub struct EngineMetrics {
     pub(crate) commit_seconds: Histogram,
     pub(crate) aborted: IntCounter,
     pub(crate) lag: IntGaugeVec,
+    /// The partitions `lag` has a series of.
+    lag_series: std::sync::Arc<parking_lot::Mutex<std::collections::BTreeSet<(String, i32)>>>,
     pub(crate) dlq: IntCounterVec,
     pub(crate) late: IntCounter,
     pub(crate) replay_skipped: IntCounter,
@@ -106,9 +109,13 @@ impl EngineMetrics {
             )?,
             aborted: IntCounter::new(names::ABORTED, "Transactions aborted")?,
             lag: IntGaugeVec::new(
-                Opts::new(names::LAG, "Consumer lag per input topic"),
-                &["topic"],
+                Opts::new(
+                    names::LAG,
+                    "Records behind the end of each assigned input partition",
+                ),
+                &["topic", "partition"],
             )?,
+            lag_series: Default::default(),
             dlq: IntCounterVec::new(
                 Opts::new(names::DLQ, "Records dead-lettered by the engine"),
                 &["category"],
@@ -207,8 +214,76 @@ impl EngineMetrics {
         self.records_in.get()
     }
 
+    /// Sets the lag of every partition assigned now, `(topic, partition,
+    /// lag)` (a negative lag is not known yet: the series keeps its last
+    /// value), and removes the series of partitions no longer assigned, so
+    /// the series stay bounded by the assignment and a revoked partition's
+    /// last lag does not linger.
+    pub(crate) fn set_lag<'a>(&self, assigned: impl IntoIterator<Item = (&'a str, i32, i64)>) {
+        let mut series = self.lag_series.lock();
+        let mut now = std::collections::BTreeSet::new();
+        for (topic, partition, lag) in assigned {
+            let key = (topic.to_string(), partition);
+            let label = partition.to_string();
+            if lag >= 0 {
+                self.lag.with_label_values(&[topic, &label]).set(lag);
+            } else if !series.contains(&key) {
+                continue;
+            }
+            now.insert(key);
+        }
+        for (topic, partition) in series.difference(&now) {
+            let _ = self
+                .lag
+                .remove_label_values(&[topic.as_str(), &partition.to_string()]);
+        }
+        *series = now;
+    }
+
     /// Records produced to output topics so far.
     pub fn records_out(&self) -> u64 {
         self.records_out.get()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn series(m: &EngineMetrics) -> Vec<(String, String, i64)> {
+        use prometheus::core::Collector;
+        let mut out: Vec<_> = m.lag.collect()[0]
+            .get_metric()
+            .iter()
+            .map(|s| {
+                let label = |n: &str| {
+                    s.get_label()
+                        .iter()
+                        .find(|l| l.name() == n)
+                        .map(|l| l.value().to_string())
+                        .unwrap()
+                };
+                (
+                    label("topic"),
+                    label("partition"),
+                    s.get_gauge().value() as i64,
+                )
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
+    #[test]
+    fn lag_series_follow_the_assignment() {
+        let m = EngineMetrics::unregistered();
+        m.set_lag([("a", 0, 5), ("a", 1, 7), ("b", 0, -1)]);
+        let s = |t: &str, p: &str, v| (t.to_string(), p.to_string(), v);
+        assert_eq!(series(&m), vec![s("a", "0", 5), s("a", "1", 7)]);
+        // Unknown lag keeps the last value; a partition gone loses its series.
+        m.set_lag([("a", 1, -1), ("b", 0, 3)]);
+        assert_eq!(series(&m), vec![s("a", "1", 7), s("b", "0", 3)]);
+        m.set_lag([]);
+        assert!(series(&m).is_empty());
     }
 }

@@ -352,15 +352,16 @@ pub(crate) struct DriverContext {
 
 impl ClientContext for DriverContext {
     fn stats(&self, stats: Statistics) {
-        for (name, topic) in &stats.topics {
-            let lag: i64 = topic
-                .partitions
-                .values()
-                .filter(|p| p.partition >= 0)
-                .map(|p| p.consumer_lag.max(0))
-                .sum();
-            self.metrics.lag.with_label_values(&[name]).set(lag);
-        }
+        // The partitions this consumer was assigned (librdkafka's "desired");
+        // -1 is the internal unassigned partition.
+        self.metrics
+            .set_lag(stats.topics.iter().flat_map(|(name, topic)| {
+                topic
+                    .partitions
+                    .values()
+                    .filter(|p| p.partition >= 0 && p.desired)
+                    .map(move |p| (name.as_str(), p.partition, p.consumer_lag))
+            }));
     }
 }
 
