@@ -142,7 +142,7 @@ pub struct KafkaSection {
     /// "/run/secrets/kafka-password"` sets `sasl.password`; the file is read
     /// at start-up.
     #[serde(default)]
-    pub client: BTreeMap<String, String>,
+    pub client: sluice_topology::redact::Properties,
 }
 
 /// Suffix of a `[kafka.client]` key whose value is read from a file.
@@ -1472,6 +1472,65 @@ type_complexity = { classify = 0.1 }
         assert_eq!(c.app.guarantee, Guarantee::AtLeastOnce);
         let err = load(MINIMAL, &[("SLUICE_APP__NOPE", "1")]).unwrap_err();
         assert!(err.to_string().contains("nope"), "{err}");
+    }
+
+    /// Credentials in the configuration never show in its `Debug` output
+    /// (which a log line or a panic message may carry): Kafka client
+    /// passwords (inline, from files, from the environment), provider
+    /// headers and query keys, a proxy's password, a collector's headers.
+    #[test]
+    fn debug_output_shows_no_credential() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("password");
+        std::fs::write(&file, "pw-file\n").unwrap();
+        let text = MINIMAL
+            .replace(
+                "bootstrap_servers = \"localhost:9092\"\n",
+                &format!(
+                    "bootstrap_servers = \"localhost:9092\"\nclient = {{ \"sasl.username\" = \"svc\", \
+                     \"sasl.password_file\" = \"{}\", \"ssl.key.pem\" = \"pw-pem\" }}\n",
+                    file.display()
+                ),
+            )
+            .replace(
+                "base_url = \"http://127.0.0.1:8089/v1\"\n",
+                "base_url = \"http://127.0.0.1:8089/v1\"\nproxy = \"http://me:pw-proxy@proxy:3128\"\n\
+                 headers = { \"x-api-key\" = \"pw-header\", \"OpenAI-Project\" = \"proj-1\" }\n\
+                 query = { \"api-version\" = \"2024-06-01\", \"key\" = \"pw-query\" }\n",
+            )
+            + "\n[tracing]\notlp_headers = { authorization = \"Bearer pw-otlp\" }\n";
+        let c = load(
+            &text,
+            &[(
+                "SLUICE_KAFKA__CLIENT__SASL.OAUTHBEARER.CLIENT.SECRET",
+                "pw-env",
+            )],
+        )
+        .unwrap();
+        assert_eq!(c.kafka.client["sasl.password"], "pw-file");
+        for shown in [
+            format!("{c:?}"),
+            format!("{c:#?}"),
+            format!("{:?}", c.kafka.cluster()),
+        ] {
+            for secret in [
+                "pw-file",
+                "pw-pem",
+                "pw-proxy",
+                "pw-header",
+                "pw-query",
+                "pw-otlp",
+                "pw-env",
+            ] {
+                assert!(!shown.contains(secret), "{secret} in {shown}");
+            }
+            // What helps a reader stays.
+            assert!(shown.contains("localhost:9092"), "{shown}");
+        }
+        let shown = format!("{c:?}");
+        for harmless in ["\"svc\"", "proj-1", "2024-06-01", "proxy:3128"] {
+            assert!(shown.contains(harmless), "{harmless} in {shown}");
+        }
     }
 
     #[test]

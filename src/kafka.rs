@@ -80,14 +80,14 @@ pub struct Cluster {
     /// Bootstrap servers, comma-separated.
     pub bootstrap: String,
     /// Client properties (`security.protocol`, `sasl.*`, `ssl.*`, …).
-    pub client: BTreeMap<String, String>,
+    pub client: sluice_topology::redact::Properties,
 }
 
 impl From<&str> for Cluster {
     fn from(bootstrap: &str) -> Self {
         Cluster {
             bootstrap: bootstrap.to_string(),
-            client: BTreeMap::new(),
+            client: Default::default(),
         }
     }
 }

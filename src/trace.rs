@@ -14,7 +14,6 @@
 //! collector never slows processing; spans that do not fit are dropped and
 //! counted.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use prometheus::{IntCounter, Registry};
@@ -38,7 +37,7 @@ pub struct TracingSection {
     /// carry their span ids).
     pub otlp_endpoint: Option<String>,
     /// Headers sent with each export (e.g. an API key of a hosted collector).
-    pub otlp_headers: BTreeMap<String, String>,
+    pub otlp_headers: sluice_topology::redact::Properties,
     /// `service.name` of the exported spans.
     pub service_name: String,
     /// Spans waiting for export at most; more are dropped (and counted).
@@ -55,7 +54,7 @@ impl Default for TracingSection {
     fn default() -> Self {
         TracingSection {
             otlp_endpoint: None,
-            otlp_headers: BTreeMap::new(),
+            otlp_headers: Default::default(),
             service_name: "sluice".into(),
             max_queue: 8192,
             max_batch: 512,

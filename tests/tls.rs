@@ -7,7 +7,6 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -50,7 +49,7 @@ fn cluster(bootstrap: &str, props: &[(&str, &str)]) -> Cluster {
         client: props
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect::<BTreeMap<_, _>>(),
+            .collect(),
     }
 }
 
@@ -149,4 +148,200 @@ fn tasks_flow_over_sasl_scram_and_a_wrong_password_stops_start_up_losing_nothing
     let wrong = config_with(&p, "wrong-password.toml", &l.password, "not-the-password");
     stops_at_start(&wrong, &l.sasl_ssl, "Authentication failed");
     every_task_answered_once(&p, &tasks, "sasl");
+}
+
+/// Where `needle` shows up in what a run left behind: its log, its stdout,
+/// its metrics, and every record (key, value, headers) of every topic it
+/// wrote, aborted transactions included.
+struct Leaks {
+    places: Vec<String>,
+}
+
+impl Leaks {
+    fn scan(haystacks: &[(String, Vec<u8>)], needles: &[&str]) -> Leaks {
+        let mut places = Vec::new();
+        for (place, bytes) in haystacks {
+            for needle in needles {
+                if bytes.windows(needle.len()).any(|w| w == needle.as_bytes()) {
+                    places.push(format!("{needle:?} in {place}"));
+                }
+            }
+        }
+        Leaks { places }
+    }
+}
+
+/// Every record of every topic whose name contains `prefix`.
+fn records_of(cluster: &Cluster, prefix: &str) -> Vec<(String, Vec<u8>)> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::message::{Headers, Message};
+    let consumer: BaseConsumer = sluice::kafka::base(cluster.clone())
+        .set("group.id", format!("hygiene-{}", uuid::Uuid::new_v4()))
+        .create()
+        .unwrap();
+    let md = consumer
+        .fetch_metadata(None, Duration::from_secs(10))
+        .unwrap();
+    let topics: Vec<String> = md
+        .topics()
+        .iter()
+        .map(|t| t.name().to_string())
+        .filter(|t| t.contains(prefix))
+        .collect();
+    assert!(topics.len() >= 4, "the run's topics: {topics:?}");
+    let mut out = Vec::new();
+    sluice::kafka::read_existing(
+        cluster.clone(),
+        &topics,
+        sluice::kafka::Start::Beginning,
+        false,
+        |m| {
+            let place = format!("{}[{}]@{}", m.topic(), m.partition(), m.offset());
+            let mut bytes = m.key().unwrap_or_default().to_vec();
+            bytes.extend_from_slice(m.payload().unwrap_or_default());
+            if let Some(h) = m.headers() {
+                for header in h.iter() {
+                    bytes.extend_from_slice(header.key.as_bytes());
+                    bytes.extend_from_slice(header.value.unwrap_or_default());
+                }
+            }
+            out.push((place, bytes));
+            sluice::kafka::Flow::Next
+        },
+    )
+    .unwrap();
+    out
+}
+
+/// The level of a log line of the default format (`<time> <LEVEL> <target>:
+/// …`), colour codes removed.
+fn level_of(line: &str) -> String {
+    let plain = regex::Regex::new("\x1b\\[[0-9;]*m")
+        .unwrap()
+        .replace_all(line, "");
+    plain.split_whitespace().nth(1).unwrap_or("").to_string()
+}
+
+/// The provider key (from the environment) and the Kafka password (from a
+/// file) reach the provider and the broker, and nowhere else: not the log
+/// at trace level, not stdout, metrics, results, dead letters (their
+/// headers included), usage, alerts, changelogs or any other record the run
+/// wrote. Prompt text appears in the log only at debug and trace.
+#[test]
+fn secrets_reach_only_their_servers_and_prompts_stay_below_info() {
+    let l = listeners();
+    let provider_key = format!("sk-hygiene-{}", uuid::Uuid::new_v4().simple());
+    let sasl = cluster(
+        &l.sasl_ssl,
+        &[
+            ("security.protocol", "sasl_ssl"),
+            ("ssl.ca.location", &l.ca),
+            ("sasl.mechanism", "SCRAM-SHA-512"),
+            ("sasl.username", &l.user),
+            ("sasl.password", &l.password),
+        ],
+    );
+    // The provider takes only this key, refuses some contents (failed
+    // results, dead letters) and fails some calls (retries).
+    let sim = SimConfig::from_json_value(serde_json::json!({
+        "api_keys": [provider_key],
+        "error_rate": 0.2,
+        "content_policy_marker": "FORBIDDEN",
+    }))
+    .unwrap();
+    let p = Pipeline::over(sasl.clone(), sim, UNBATCHED);
+    let password_file = p.config.with_file_name("kafka-password");
+    std::fs::write(&password_file, format!("{}\n", l.password)).unwrap();
+    p.edit_config(&[
+        (
+            &format!("\"sasl.password\" = {:?}", l.password),
+            &format!(
+                "\"sasl.password_file\" = {:?}",
+                password_file.display().to_string()
+            ),
+        ),
+        (
+            "name = \"sim\"\n",
+            "name = \"sim\"\napi_key_env = \"SLUICE_TEST_PROVIDER_KEY\"\n",
+        ),
+    ]);
+
+    let marker = format!("PROMPT-{}", uuid::Uuid::new_v4().simple());
+    let mut tasks = classify_tasks(30);
+    for (i, t) in tasks.iter_mut().enumerate() {
+        t.content = format!(
+            "{marker} {i} {}",
+            if i % 10 == 0 { "FORBIDDEN" } else { "" }
+        );
+    }
+    p.produce(&tasks);
+    let poison = sluice::kafka::OutRecord {
+        key: Some(b"acme".to_vec()),
+        value: Some(
+            format!(
+                "{{\"taskId\": \"poison-1\", \"payload\": {{\"content\": \"{marker}\"}}, not json"
+            )
+            .into_bytes(),
+        ),
+        ..Default::default()
+    };
+    sluice::kafka::produce(sasl.clone(), &p.topic("classify"), vec![poison]).unwrap();
+
+    let mut app = p.start_logged(
+        "hygiene",
+        &p.config,
+        &[
+            ("SLUICE_TEST_PROVIDER_KEY", &provider_key),
+            ("SLUICE_LOG", "trace"),
+        ],
+        false,
+        true,
+    );
+    let results = p.results(tasks.len(), Duration::from_secs(120));
+    assert_each_answered_once(&tasks, &results);
+    assert!(
+        results.iter().any(|(r, _)| !r.success),
+        "some tasks were refused"
+    );
+    assert!(results.iter().any(|(r, _)| r.success), "some answered");
+    let (_, metrics) = p.http(&app, "/metrics");
+    let (_, usage) = p.http(&app, "/v1/tenants/acme/usage");
+    app.proc.stop();
+
+    let log = app.proc.log();
+    assert!(
+        log.len() > 100 && log.iter().any(|l| level_of(l) == "TRACE"),
+        "a trace-level log was written ({} lines)",
+        log.len()
+    );
+    let mut haystacks: Vec<(String, Vec<u8>)> = log
+        .iter()
+        .enumerate()
+        .map(|(i, l)| (format!("log line {i}: {l}"), l.clone().into_bytes()))
+        .collect();
+    haystacks.push(("stdout".into(), app.proc.lines().join("\n").into_bytes()));
+    haystacks.push(("/metrics".into(), metrics.into_bytes()));
+    haystacks.push(("usage".into(), usage.into_bytes()));
+    let records = records_of(&sasl, &p.prefix);
+    assert!(
+        records.len() > tasks.len(),
+        "the run's records: {}",
+        records.len()
+    );
+    haystacks.extend(records);
+    let leaks = Leaks::scan(&haystacks, &[&provider_key, &l.password]);
+    assert!(
+        leaks.places.is_empty(),
+        "secrets written: {:#?}",
+        leaks.places
+    );
+
+    // Prompts: in the log only at debug or trace (and the test's marker
+    // shows it looked where prompts would be).
+    let prompt_lines: Vec<&String> = log.iter().filter(|l| l.contains(&marker)).collect();
+    let loud: Vec<&&String> = prompt_lines
+        .iter()
+        .filter(|l| !matches!(level_of(l).as_str(), "DEBUG" | "TRACE"))
+        .collect();
+    assert!(loud.is_empty(), "prompt text logged above debug: {loud:#?}");
 }

@@ -1,7 +1,6 @@
 //! Configuration of providers and models (the `[[llm.providers]]` / `[[llm.models]]` tables).
 //! Each field's doc comment is user documentation.
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -37,16 +36,16 @@ pub struct ProviderConfig {
     pub api_key_header: Option<String>,
     /// Extra headers sent with every request (e.g. `OpenAI-Organization`, `OpenAI-Project`).
     #[serde(default)]
-    pub headers: BTreeMap<String, String>,
+    pub headers: sluice_topology::redact::Properties,
     /// Query parameters added to the URL (e.g. Azure's `api-version`).
     #[serde(default)]
-    pub query: BTreeMap<String, String>,
+    pub query: sluice_topology::redact::Properties,
     /// HTTP proxy the requests go through (`http://host:port`, optionally with
     /// `user:password@`), tunnelled with `CONNECT`. Unset: the `HTTPS_PROXY` / `HTTP_PROXY` /
     /// `ALL_PROXY` environment variables (and `NO_PROXY`) decide, as curl does. `"none"`:
     /// never a proxy.
     #[serde(default)]
-    pub proxy: Option<String>,
+    pub proxy: Option<sluice_topology::redact::SecretUrl>,
     /// Environment variable holding the API key.
     #[serde(default)]
     pub api_key_env: Option<String>,
@@ -69,8 +68,8 @@ impl ProviderConfig {
             name: name.into(),
             base_url: base_url.into(),
             api_key_header: None,
-            headers: BTreeMap::new(),
-            query: BTreeMap::new(),
+            headers: Default::default(),
+            query: Default::default(),
             proxy: None,
             api_key_env: None,
             api_key_file: None,

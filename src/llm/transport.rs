@@ -59,13 +59,38 @@ where
     let response = client.request(req).await.map_err(map_client_error)?;
     let status = response.status().as_u16();
     let rate_limit = RateLimitInfo::from_headers(response.headers());
-    let body = response
-        .into_body()
+    // Read at most MAX_RESPONSE_BYTES: a server sending more (or saying it
+    // will) is answering off-contract, not something to hold in memory.
+    let announced = response
+        .headers()
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if announced.is_some_and(|n| n > MAX_RESPONSE_BYTES as u64) {
+        return Err(too_large_response());
+    }
+    let body = http_body_util::Limited::new(response.into_body(), MAX_RESPONSE_BYTES)
         .collect()
         .await
-        .map_err(|e| LlmError::Transport(format!("reading the response: {e}")))?
+        .map_err(|e| {
+            if e.is::<http_body_util::LengthLimitError>() {
+                too_large_response()
+            } else {
+                LlmError::Transport(format!("reading the response: {e}"))
+            }
+        })?
         .to_bytes();
     Ok((status, rate_limit, body))
+}
+
+/// The most of a response body read (a batch of the largest answers is a
+/// few megabytes).
+pub const MAX_RESPONSE_BYTES: usize = 32 << 20;
+
+fn too_large_response() -> LlmError {
+    LlmError::Malformed(format!(
+        "the response body is over {} MiB",
+        MAX_RESPONSE_BYTES >> 20
+    ))
 }
 
 /// The HTTP client for one OpenAI-compatible provider.
@@ -225,7 +250,7 @@ fn proxy_for(
     uri: &http::Uri,
 ) -> Result<Option<(http::Uri, Option<http::HeaderValue>)>, LlmError> {
     use hyper_util::client::proxy::matcher::Matcher;
-    let matcher = match config.proxy.as_deref() {
+    let matcher = match config.proxy.as_ref().map(|p| p.expose()) {
         Some("none") => return Ok(None),
         Some(p) => {
             let ok = p

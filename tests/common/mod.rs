@@ -46,10 +46,12 @@ pub fn sluice_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_sluice"))
 }
 
-/// A running `sluice` process whose stdout lines are collected.
+/// A running `sluice` process whose stdout lines (and, when asked,
+/// stderr lines: its log) are collected.
 pub struct Proc {
     pub child: Child,
     lines: Arc<Mutex<Vec<String>>>,
+    log: Option<Arc<Mutex<Vec<String>>>>,
     pub name: String,
 }
 
@@ -61,13 +63,20 @@ impl Proc {
 
     /// Starts `sluice <args>` with extra environment variables.
     pub fn spawn_env(name: &str, args: &[String], env: &[(&str, &str)]) -> Proc {
+        Self::spawn_logged(name, args, env, false)
+    }
+
+    /// Starts `sluice <args>` with extra environment variables, keeping its
+    /// log lines when `keep_log` (see [`Proc::log`]).
+    pub fn spawn_logged(name: &str, args: &[String], env: &[(&str, &str)], keep_log: bool) -> Proc {
         let mut child = Command::new(sluice_bin())
             .args(args)
-            .envs(env.iter().copied())
             .env(
                 "SLUICE_LOG",
                 std::env::var("SLUICE_LOG").unwrap_or_else(|_| "warn,sluice_topology=info".into()),
             )
+            // The caller's own (a log level too) win.
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -75,9 +84,14 @@ impl Proc {
         // Its log, tagged, in the test's own output (shown when it fails).
         let err = child.stderr.take().expect("stderr piped");
         let tag = name.to_string();
+        let log = keep_log.then(|| Arc::new(Mutex::new(Vec::new())));
+        let log_sink = log.clone();
         std::thread::spawn(move || {
             for line in BufReader::new(err).lines().map_while(Result::ok) {
-                eprintln!("[{tag}] {line}");
+                match &log_sink {
+                    Some(sink) => sink.lock().unwrap().push(line),
+                    None => eprintln!("[{tag}] {line}"),
+                }
             }
         });
         let lines = Arc::new(Mutex::new(Vec::new()));
@@ -93,8 +107,18 @@ impl Proc {
         Proc {
             child,
             lines,
+            log,
             name: name.to_string(),
         }
+    }
+
+    /// Its log lines so far (stderr; kept only when started with
+    /// `keep_log`, which does not echo them).
+    pub fn log(&self) -> Vec<String> {
+        self.log
+            .as_ref()
+            .map(|l| l.lock().unwrap().clone())
+            .unwrap_or_default()
     }
 
     /// Lines printed so far.

@@ -314,12 +314,25 @@ claims_key_file = "{claims_key}"
         env: &[(&str, &str)],
         wait_ready: bool,
     ) -> App {
+        self.start_logged(name, config, env, wait_ready, false)
+    }
+
+    /// As [`Pipeline::start_with`], keeping the instance's log lines when
+    /// `keep_log` (see [`Proc::log`]).
+    pub fn start_logged(
+        &self,
+        name: &str,
+        config: &std::path::Path,
+        env: &[(&str, &str)],
+        wait_ready: bool,
+        keep_log: bool,
+    ) -> App {
         let args = [
             "run".into(),
             "--config".into(),
             config.display().to_string(),
         ];
-        let proc = Proc::spawn_env(name, &args, env);
+        let proc = Proc::spawn_logged(name, &args, env, keep_log);
         let line = proc
             .wait_line(Duration::from_secs(60), |l| l.starts_with("LISTENING "))
             .expect("sluice run listens");

@@ -16,6 +16,7 @@ mod node;
 mod offsets;
 mod processor;
 mod record;
+pub mod redact;
 pub mod runtime;
 mod task;
 mod test_driver;

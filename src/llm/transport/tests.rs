@@ -109,6 +109,14 @@ fn canned(model: &str) -> Response {
             "usage": {"prompt_tokens": 5, "completion_tokens": 0}
         }))
         .into_response(),
+        // Over the response limit: announced, and streamed without a length.
+        "huge-announced" => (StatusCode::OK, vec![b' '; MAX_RESPONSE_BYTES + 1]).into_response(),
+        "huge-streamed" => {
+            let chunk = bytes::Bytes::from(vec![b' '; 1 << 20]);
+            let chunks = (0..(MAX_RESPONSE_BYTES >> 20) + 2)
+                .map(move |_| Ok::<_, std::convert::Infallible>(chunk.clone()));
+            axum::body::Body::from_stream(futures::stream::iter(chunks)).into_response()
+        }
         _ => (StatusCode::IM_A_TEAPOT, "?").into_response(),
     }
 }
@@ -264,6 +272,21 @@ async fn error_answers_are_classified() {
     }
     // No key configured: no Authorization header.
     assert!(seen.lock().auth.iter().all(Option::is_none));
+}
+
+/// A body over the limit is a classified failure, read no further than
+/// the limit (or not at all, when its length says so).
+#[tokio::test]
+async fn a_response_over_the_size_limit_is_malformed_not_read_whole() {
+    let (base, _) = serve().await;
+    let p = provider(&base, None);
+    for model in ["huge-announced", "huge-streamed"] {
+        let err = p.chat(&request(model)).await.unwrap_err();
+        assert!(
+            matches!(&err, LlmError::Malformed(m) if m.contains("MiB")),
+            "{model}: {err:?}"
+        );
+    }
 }
 
 #[tokio::test]

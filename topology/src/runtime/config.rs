@@ -1,6 +1,5 @@
 //! Runtime configuration of a stream application.
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -131,11 +130,11 @@ pub struct StreamsConfig {
     /// claim on the instances topic is believed (protect it with ACLs).
     pub instance_claim_key: Option<super::instances::ClaimKey>,
     /// Extra librdkafka properties for every client.
-    pub client_overrides: BTreeMap<String, String>,
+    pub client_overrides: crate::redact::Properties,
     /// Extra librdkafka properties for the main consumer.
-    pub consumer_overrides: BTreeMap<String, String>,
+    pub consumer_overrides: crate::redact::Properties,
     /// Extra librdkafka properties for producers.
-    pub producer_overrides: BTreeMap<String, String>,
+    pub producer_overrides: crate::redact::Properties,
     /// RocksDB memory bounds.
     pub rocksdb: RocksSettings,
 }
@@ -171,9 +170,9 @@ impl StreamsConfig {
             key_partitioner: KeyPartitioner::Murmur2,
             instance_claim_interval: Duration::from_secs(5),
             instance_claim_key: None,
-            client_overrides: BTreeMap::new(),
-            consumer_overrides: BTreeMap::new(),
-            producer_overrides: BTreeMap::new(),
+            client_overrides: Default::default(),
+            consumer_overrides: Default::default(),
+            producer_overrides: Default::default(),
             rocksdb: RocksSettings::default(),
         }
     }
