@@ -82,12 +82,14 @@ async fn healthz(State(s): State<HttpState>) -> Response {
 
 async fn readyz(State(s): State<HttpState>) -> Response {
     let state = s.status.state();
-    // Ready while some model serves: a held model's tasks wait, the
-    // others flow; the body names the held models and their faults.
-    let ready = state == AppState::Running && s.health.serving();
+    // Ready while the cluster answers and some model serves: a held
+    // model's tasks wait, the others flow; the body names the held models
+    // and their faults.
+    let ready = s.status.is_ready() && s.health.serving();
     let body = Json(serde_json::json!({
         "ready": ready,
         "state": format!("{state:?}"),
+        "broker": s.status.broker_fault().unwrap_or_else(|| "answers".into()),
         "tasks": s.status.tasks().iter().map(|t| t.to_string()).collect::<Vec<_>>(),
         "held_models": s.health.held_models(),
         "faults": s.health.faults(),

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::pipeline::*;
-use common::{bootstrap, eventually};
+use common::{bootstrap, eventually, OwnBroker};
 use rdkafka::message::OwnedMessage;
 use rdkafka::Message;
 use sluice::accounting::{
@@ -22,8 +22,9 @@ use sluice::usage::TenantUsageReport;
 
 type WindowKey = (String, String, i64);
 
-fn read_all(topic: &str) -> Vec<OwnedMessage> {
-    read_topics(&bootstrap(), &[topic], true, Duration::from_secs(5), |_| {
+/// Every record of `topic` of `p`'s cluster, read committed.
+fn read_all(p: &Pipeline, topic: &str) -> Vec<OwnedMessage> {
+    read_topics(&p.cluster, &[topic], true, Duration::from_secs(5), |_| {
         false
     })
     .unwrap()
@@ -36,7 +37,7 @@ type WindowRecords = Vec<WindowUsage>;
 /// partition, in order: the last holds its window's totals.
 fn usage_records(p: &Pipeline) -> BTreeMap<WindowKey, WindowRecords> {
     let mut windows: BTreeMap<WindowKey, WindowRecords> = BTreeMap::new();
-    for m in read_all(&format!("{}.usage", p.prefix)) {
+    for m in read_all(p, &format!("{}.usage", p.prefix)) {
         let u: UsageRecord = serde_json::from_slice(m.payload().unwrap()).unwrap();
         assert_eq!(m.key(), Some(u.tenant_id.as_bytes()));
         let key = (u.tenant_id, u.usage.window.clone(), u.usage.window_start);
@@ -207,6 +208,68 @@ fn each_tenants_usage_windows_equal_the_sum_of_its_results_updated_on_commit() {
 #[test]
 fn each_tenants_usage_windows_equal_the_sum_of_its_results_updated_on_every_result() {
     usage_windows_equal_the_sum_of_their_results(UsageUpdates::OnUpdate);
+}
+
+/// The broker itself fails under a stream of tasks (exactly-once, results
+/// read committed): SIGKILL and a restart on the same log directory, then
+/// SIGSTOP for 30 s and SIGCONT, each while tasks are in flight. The
+/// instance reports itself not ready while the broker does not answer, is
+/// ready again by itself (no restart), and every task ends with exactly one
+/// result; each tenant's usage windows equal the sums of its results.
+#[test]
+fn a_broker_killed_then_stalled_under_load_loses_no_task_and_bills_none_twice() {
+    let broker = OwnBroker::start();
+    let sim = SimConfig::from_json_value(serde_json::json!({
+        "latency": { "kind": "uniform", "min_ms": 5, "max_ms": 30 },
+    }))
+    .unwrap();
+    let p = Pipeline::over(broker.bootstrap.as_str().into(), sim, "");
+    // A few seconds of work per batch at the limiter's 400 calls a second.
+    let mut app = p.start("broker-faults");
+    let batch = |from: usize| tenant_tasks(1_200, 8, from);
+    let readyz = |p: &Pipeline, app: &App| p.http(app, "/readyz");
+    let becomes = |p: &Pipeline, app: &App, ready: bool, what: &str, within: u64| {
+        let started = std::time::Instant::now();
+        let body = eventually(Duration::from_secs(within), what, || {
+            let (code, body) = readyz(p, app);
+            ((code == 200) == ready).then_some(body)
+        });
+        eprintln!("{what} after {:?}: {body}", started.elapsed());
+        body
+    };
+    let mut tasks = batch(0);
+    p.produce(&tasks);
+    std::thread::sleep(Duration::from_secs(1));
+    broker.kill();
+    let body = becomes(&p, &app, false, "unready with the broker down", 30);
+    assert!(body.contains("did not answer"), "{body}");
+    std::thread::sleep(Duration::from_secs(5));
+    broker.restart();
+    becomes(&p, &app, true, "ready after the restart", 120);
+
+    let more = batch(1_200);
+    p.produce(&more);
+    tasks.extend(more);
+    std::thread::sleep(Duration::from_secs(1));
+    broker.stall();
+    let stalled = std::time::Instant::now();
+    let body = becomes(&p, &app, false, "unready with the broker stalled", 30);
+    assert!(body.contains("did not answer"), "{body}");
+    std::thread::sleep(Duration::from_secs(30).saturating_sub(stalled.elapsed()));
+    broker.resume();
+    becomes(&p, &app, true, "ready after the stall", 120);
+    let last = batch(2_400);
+    p.produce(&last);
+    tasks.extend(last);
+
+    let results = p.results(tasks.len(), Duration::from_secs(300));
+    assert_each_answered_once(&tasks, &results);
+    assert!(
+        app.proc.child.try_wait().unwrap().is_none(),
+        "the instance kept running through both faults"
+    );
+    assert_usage_equals_results(&p, &results, &default_windows(), UsageUpdates::OnCommit);
+    app.proc.stop();
 }
 
 /// `n` classify tasks over `tenants` tenants.
@@ -488,7 +551,7 @@ tokens = {quota}
 /// per tenant when its accounts have one owner).
 fn usage_partitions(p: &Pipeline) -> BTreeMap<String, std::collections::BTreeSet<i32>> {
     let mut partitions: BTreeMap<String, std::collections::BTreeSet<i32>> = BTreeMap::new();
-    for m in read_all(&format!("{}.usage", p.prefix)) {
+    for m in read_all(p, &format!("{}.usage", p.prefix)) {
         let u: UsageRecord = serde_json::from_slice(m.payload().unwrap()).unwrap();
         partitions
             .entry(u.tenant_id)
@@ -688,7 +751,7 @@ fn a_tenants_tasks_meet_in_one_task_when_task_topics_differ_in_partitions() {
     let classify_dlq = p.dead_letters("classify");
     assert_eq!(classify_dlq.len(), 1);
     assert_eq!(summarize_dlq.len(), 1 + forbidden.len());
-    let originals = read_all(&p.topic("summarize"));
+    let originals = read_all(&p, &p.topic("summarize"));
     for m in summarize_dlq.iter().chain(&classify_dlq) {
         let topic = header(m, "dlq.original.topic").unwrap();
         assert!(
@@ -950,7 +1013,7 @@ fn with_repartition_never_a_misplaced_task_is_dead_lettered_wrong_key() {
 
 /// Alerts on the alerts topic, read committed.
 fn alerts(p: &Pipeline) -> Vec<AlertRecord> {
-    read_all(&format!("{}.alerts", p.prefix))
+    read_all(p, &format!("{}.alerts", p.prefix))
         .iter()
         .map(|m| serde_json::from_slice(m.payload().unwrap()).unwrap())
         .collect()

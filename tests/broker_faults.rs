@@ -9,75 +9,10 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-use std::process::Command;
 use std::time::Duration;
 
-use common::{temp_dir, unique, Proc};
+use common::{temp_dir, unique, OwnBroker, Proc};
 use sluice::kafka::{create_topics, produce, read_topics, OutRecord};
-
-/// A broker of this test's own, stopped (and its log directory removed)
-/// when dropped.
-struct OwnBroker {
-    name: String,
-    bootstrap: String,
-}
-
-fn broker_script() -> PathBuf {
-    common::repo_root().join("scripts/broker.sh")
-}
-
-impl OwnBroker {
-    fn start() -> OwnBroker {
-        let name = unique("faults");
-        let out = Command::new(broker_script())
-            .args(["start", &name])
-            .output()
-            .expect("scripts/broker.sh runs");
-        assert!(
-            out.status.success(),
-            "broker start: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let bootstrap = String::from_utf8(out.stdout).unwrap().trim().to_string();
-        OwnBroker { name, bootstrap }
-    }
-
-    /// SIGKILL: the broker dies without closing anything.
-    fn kill(&self) {
-        let pid_file = common::repo_root()
-            .join(".tools/run")
-            .join(&self.name)
-            .join("pid");
-        let pid = std::fs::read_to_string(pid_file).unwrap();
-        assert!(Command::new("kill")
-            .args(["-9", pid.trim()])
-            .status()
-            .unwrap()
-            .success());
-    }
-
-    /// Starts it again on the same ports and log directory.
-    fn restart(&self) {
-        let out = Command::new(broker_script())
-            .args(["restart", &self.name])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "broker restart: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-}
-
-impl Drop for OwnBroker {
-    fn drop(&mut self) {
-        let _ = Command::new(broker_script())
-            .args(["stop", &self.name])
-            .status();
-    }
-}
 
 /// Every count per key of an `async-count` output, in the order written.
 fn count_sequences(msgs: &[rdkafka::message::OwnedMessage]) -> BTreeMap<String, Vec<u64>> {

@@ -156,10 +156,12 @@ async fn healthz(State(gw): State<Arc<Gateway>>) -> Response {
 
 async fn readyz(State(gw): State<Arc<Gateway>>) -> Response {
     let state = gw.status.state();
-    let ready = state == AppState::Running;
+    // Running, and the cluster answers (a submission needs the broker).
+    let ready = gw.status.is_ready();
     let body = Json(serde_json::json!({
         "ready": ready,
         "state": format!("{state:?}"),
+        "broker": gw.status.broker_fault().unwrap_or_else(|| "answers".into()),
         "tasks": gw.status.tasks().iter().map(|t| t.to_string()).collect::<Vec<_>>(),
     }));
     let code = if ready {

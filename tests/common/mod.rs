@@ -223,3 +223,89 @@ pub fn eventually<T>(timeout: Duration, what: &str, mut f: impl FnMut() -> Optio
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+/// A broker of this test's own, stopped (and its log directory removed)
+/// when dropped.
+pub struct OwnBroker {
+    pub name: String,
+    pub bootstrap: String,
+}
+
+fn broker_script() -> PathBuf {
+    repo_root().join("scripts/broker.sh")
+}
+
+impl OwnBroker {
+    pub fn start() -> OwnBroker {
+        let name = unique("faults");
+        let out = Command::new(broker_script())
+            .args(["start", &name])
+            .output()
+            .expect("scripts/broker.sh runs");
+        assert!(
+            out.status.success(),
+            "broker start: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let bootstrap = String::from_utf8(out.stdout).unwrap().trim().to_string();
+        OwnBroker { name, bootstrap }
+    }
+
+    /// Sends `signal` to the broker's process: whether it was delivered.
+    fn try_signal(&self, signal: &str) -> bool {
+        let pid_file = repo_root().join(".tools/run").join(&self.name).join("pid");
+        let Ok(pid) = std::fs::read_to_string(pid_file) else {
+            return false;
+        };
+        Command::new("kill")
+            .args([signal, pid.trim()])
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
+    fn signal(&self, signal: &str) {
+        assert!(
+            self.try_signal(signal),
+            "kill {signal} of broker {}",
+            self.name
+        );
+    }
+
+    /// SIGKILL: the broker dies without closing anything.
+    pub fn kill(&self) {
+        self.signal("-KILL");
+    }
+
+    /// SIGSTOP: the broker stalls, its connections open, answering nothing.
+    pub fn stall(&self) {
+        self.signal("-STOP");
+    }
+
+    /// SIGCONT: a stalled broker goes on.
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    /// Starts it again on the same ports and log directory.
+    pub fn restart(&self) {
+        let out = Command::new(broker_script())
+            .args(["restart", &self.name])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "broker restart: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+impl Drop for OwnBroker {
+    fn drop(&mut self) {
+        // A stalled broker would not stop.
+        self.try_signal("-CONT");
+        let _ = Command::new(broker_script())
+            .args(["stop", &self.name])
+            .status();
+    }
+}

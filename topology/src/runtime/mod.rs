@@ -36,6 +36,7 @@ mod driver;
 mod instances;
 mod kafka;
 mod partitions;
+pub mod probe;
 mod queries;
 mod restore;
 
@@ -214,6 +215,9 @@ pub enum AppState {
 pub struct AppStatus {
     state: Mutex<AppState>,
     tasks: Mutex<BTreeSet<TaskId>>,
+    /// Why the cluster counts as unreachable (see [`probe`]); `None` while
+    /// it answers.
+    broker_fault: Mutex<Option<String>>,
 }
 
 impl AppStatus {
@@ -221,6 +225,7 @@ impl AppStatus {
         AppStatus {
             state: Mutex::new(AppState::Starting),
             tasks: Mutex::new(BTreeSet::new()),
+            broker_fault: Mutex::new(None),
         }
     }
 
@@ -229,9 +234,19 @@ impl AppStatus {
         self.state.lock().clone()
     }
 
-    /// True once every assigned task has restored and is processing.
+    /// True once every assigned task has restored and is processing, while
+    /// the cluster answers.
     pub fn is_ready(&self) -> bool {
-        *self.state.lock() == AppState::Running
+        *self.state.lock() == AppState::Running && self.broker_fault.lock().is_none()
+    }
+
+    /// Why the cluster counts as unreachable now (its last probe failed).
+    pub fn broker_fault(&self) -> Option<String> {
+        self.broker_fault.lock().clone()
+    }
+
+    pub(crate) fn set_broker_fault(&self, fault: Option<String>) {
+        *self.broker_fault.lock() = fault;
     }
 
     /// Tasks this instance runs.
@@ -365,6 +380,16 @@ impl StreamsApp {
             )?),
             _ => None,
         };
+        let first_source = self
+            .topology
+            .subtopologies()
+            .iter()
+            .flat_map(|s| s.source_topics(&self.cfg.application_id))
+            .next();
+        let probe = match first_source {
+            Some(topic) => Some(probe::ProbeThread::start(&self.cfg, topic, status.clone())?),
+            None => None,
+        };
         let driver = driver::Driver::new(
             self.topology,
             self.cfg,
@@ -385,6 +410,7 @@ impl StreamsApp {
                 if let Some(c) = claims {
                     c.stop();
                 }
+                drop(probe);
                 match &result {
                     Ok(()) => st.set(AppState::Stopped),
                     Err(e) => {
