@@ -33,7 +33,7 @@ export RUST_BACKTRACE=1
 # simulated calls, restarts, a broker of their own, forwarded queries) beside
 # those that mostly compute; each lane runs its suites one after another, and
 # every line of output is tagged with its lane.
-waiting=(rolling llm broker_faults gateway gateway_api dlq queries tls java_interop)
+waiting=(rolling llm broker_faults dlq queries tls java_interop)
 busy=()
 for f in tests/*.rs topology/tests/*.rs state/tests/*.rs; do
   [ -e "$f" ] || continue

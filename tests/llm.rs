@@ -1836,3 +1836,149 @@ fn a_group_rate_limit_is_divided_among_the_instances_by_their_partitions() {
     );
     a.proc.stop();
 }
+
+/// Calls the provider answered 200 per second over `window`, from the
+/// simulator's counters.
+fn ok_rate(p: &Pipeline, window: Duration) -> f64 {
+    let before = p.sim.stats().served_ok;
+    std::thread::sleep(window);
+    (p.sim.stats().served_ok - before) as f64 / window.as_secs_f64()
+}
+
+/// The provider misbehaves in every way a real one does while tasks keep
+/// coming (ten a second, exactly-once): hangs past the timeout, 200s that
+/// are not completions, connections reset mid-body, 5xx, latency spikes to
+/// 30 s and beyond, ten seconds of 529 "overloaded", a slowdown to 1.5 s a
+/// call, then two minutes of 503 for everything. No task is lost or
+/// answered twice, none fails or is dead-lettered (nothing was permanent),
+/// the group never rebalances, and within 30 s of the provider's recovery
+/// the calls run at its rate limit again (the backlog of the outage
+/// drains at full rate).
+#[test]
+fn provider_chaos_loses_no_task_and_full_rate_returns_within_30s() {
+    const LIMIT_RPS: f64 = 50.0;
+    let base = serde_json::json!({
+        "rps": LIMIT_RPS,
+        "rate_limit_headers": true,
+        "latency": { "kind": "uniform", "min_ms": 10, "max_ms": 40 },
+    });
+    let with = |extra: serde_json::Value| {
+        let mut c = base.clone();
+        c.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        SimConfig::from_json_value(c).unwrap()
+    };
+    let p = Pipeline::new(with(serde_json::json!({})), UNBATCHED);
+    let mut app = p.start("chaos");
+    let rebalances = p.metric(&app, "sluice_rebalances_total");
+
+    // Ten tasks a second until the provider has recovered.
+    let publishing = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let published = Arc::new(std::sync::Mutex::new(Vec::<Task>::new()));
+    let publisher = {
+        let (cluster, topic) = (p.cluster.clone(), p.topic("classify"));
+        let (publishing, published) = (publishing.clone(), published.clone());
+        std::thread::spawn(move || {
+            let mut i = 0;
+            while publishing.load(Ordering::Relaxed) {
+                let tasks: Vec<Task> = (i..i + 10)
+                    .map(|n| Task::new(n, "classify", &format!("tenant-{}", n % 4), "normal"))
+                    .collect();
+                produce(
+                    &cluster,
+                    &topic,
+                    tasks.iter().map(Task::record).collect::<Vec<_>>(),
+                )
+                .unwrap();
+                published.lock().unwrap().extend(tasks);
+                i += 10;
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        })
+    };
+    let phase = |what: &str, extra: serde_json::Value, how_long: Duration| {
+        eprintln!("chaos: {what} for {how_long:?}");
+        p.sim.set_config(with(extra)).unwrap();
+        std::thread::sleep(how_long);
+    };
+    phase(
+        "a healthy provider",
+        serde_json::json!({}),
+        Duration::from_secs(10),
+    );
+    phase(
+        "hangs, malformed 200s, resets mid-body, 5xx, 30 s spikes",
+        serde_json::json!({
+            "hang_rate": 0.02,
+            "hang_ms": 0,
+            "malformed_rate": 0.05,
+            "reset_rate": 0.05,
+            "error_rate": 0.05,
+            "latency": { "kind": "lognormal", "median_ms": 25, "p99_ms": 30000 },
+        }),
+        Duration::from_secs(30),
+    );
+    phase(
+        "529 overloaded",
+        serde_json::json!({ "status_override": 529 }),
+        Duration::from_secs(10),
+    );
+    phase(
+        "a slowdown to 1.5 s a call",
+        serde_json::json!({ "latency": { "kind": "fixed", "ms": 1500 } }),
+        Duration::from_secs(15),
+    );
+    phase(
+        "an outage (503 for everything)",
+        serde_json::json!({ "status_override": 503 }),
+        Duration::from_secs(120),
+    );
+    eprintln!("chaos: recovered");
+    p.sim.set_config(with(serde_json::json!({}))).unwrap();
+    let recovered = Instant::now();
+    let mut rates = Vec::new();
+    let full = loop {
+        let rate = ok_rate(&p, Duration::from_secs(5));
+        rates.push(rate);
+        if rate >= 0.8 * LIMIT_RPS || recovered.elapsed() > Duration::from_secs(30) {
+            break rate;
+        }
+    };
+    eprintln!("chaos: 200s a second every 5 s after the recovery: {rates:?}");
+    assert!(
+        full >= 0.8 * LIMIT_RPS,
+        "within 30 s of the recovery the calls run at the provider's rate again: {rates:?}"
+    );
+    publishing.store(false, Ordering::Relaxed);
+    publisher.join().unwrap();
+
+    let tasks = published.lock().unwrap().clone();
+    let results = p.results(tasks.len(), Duration::from_secs(240));
+    assert_each_answered_once(&tasks, &results);
+    let failed: Vec<_> = results
+        .iter()
+        .filter(|(r, _)| !r.success)
+        .map(|(r, _)| (r.task_id.clone(), r.error_code.clone(), r.attempts))
+        .collect();
+    assert!(failed.is_empty(), "tasks failed: {failed:?}");
+    assert!(
+        p.dead_letters("classify").is_empty(),
+        "nothing dead-lettered"
+    );
+    let injected = p.sim.stats().injected;
+    assert!(
+        injected.hangs > 0
+            && injected.malformed > 0
+            && injected.resets > 0
+            && injected.server_errors > 0
+            && injected.status_override > 0,
+        "every fault happened: {injected:?}"
+    );
+    assert_eq!(
+        p.metric(&app, "sluice_rebalances_total"),
+        rebalances,
+        "no rebalance"
+    );
+    app.proc.stop();
+}

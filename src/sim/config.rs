@@ -96,6 +96,10 @@ pub struct SimConfig {
     /// completion (invalid JSON, or JSON without `choices`).
     pub malformed_rate: f64,
 
+    /// Fraction (0..=1) of requests whose 200 answer is cut: its headers and the start of
+    /// its body are sent, then the connection is dropped mid-body.
+    pub reset_rate: f64,
+
     /// Fraction (0..=1) of user contents rejected with 400 `content_policy_violation`. The
     /// choice hashes the user content, so the same content is always rejected or never.
     pub content_policy_rate: f64,
@@ -186,6 +190,7 @@ impl Default for SimConfig {
             hang_rate: 0.0,
             hang_ms: 0,
             malformed_rate: 0.0,
+            reset_rate: 0.0,
             content_policy_rate: 0.0,
             content_policy_marker: None,
             batch_malformed_rate: 0.0,
@@ -366,6 +371,7 @@ impl SimConfig {
         fraction("error_rate", self.error_rate)?;
         fraction("hang_rate", self.hang_rate)?;
         fraction("malformed_rate", self.malformed_rate)?;
+        fraction("reset_rate", self.reset_rate)?;
         fraction("content_policy_rate", self.content_policy_rate)?;
         fraction("batch_malformed_rate", self.batch_malformed_rate)?;
         fraction("batch_reorder_rate", self.batch_reorder_rate)?;

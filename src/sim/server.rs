@@ -3,7 +3,7 @@
 //!
 //! Pipeline order for `POST /v1/chat/completions`: `status_override` → API key → request
 //! validation → model → context length → content policy → `burst_429` → rate limits → slot
-//! (queueing mode) → hang → latency → `error_rate` → `malformed_rate` → answer.
+//! (queueing mode) → hang → latency → `error_rate` → `reset_rate` → `malformed_rate` → answer.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -78,6 +78,7 @@ struct FaultClock {
     error: f64,
     hang: f64,
     malformed: f64,
+    reset: f64,
     errors_sent: u64,
     malformed_sent: u64,
 }
@@ -975,6 +976,31 @@ async fn chat_pipeline(state: &SimState, headers: &HeaderMap, body: &[u8]) -> Re
         );
         response.headers_mut().extend(response_headers);
         return response;
+    }
+
+    if fire(&mut state.faults.lock().reset, config.reset_rate) {
+        state.stats.lock().injected.resets += 1;
+        response_headers.insert(
+            axum::http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        // The start of a completion, then an error instead of the rest: the
+        // server drops the connection mid-body.
+        let start = format!("{{\"id\":\"chatcmpl-sim-{seq}\",\"object\":\"chat.completion\",");
+        let cut = async {
+            // After the headers and the first bytes went out.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            Err(std::io::Error::new(
+                std::io::ErrorKind::ConnectionReset,
+                "simulated reset",
+            ))
+        };
+        let parts = futures::StreamExt::chain(
+            futures::stream::once(async { Ok(bytes::Bytes::from(start)) }),
+            futures::stream::once(cut),
+        );
+        let body = axum::body::Body::from_stream(parts);
+        return (StatusCode::OK, response_headers, body).into_response();
     }
 
     let malformed = {

@@ -75,6 +75,8 @@ pub struct InjectedCounts {
     pub hangs: u64,
     /// 200 answers with a malformed body from `malformed_rate`.
     pub malformed: u64,
+    /// 200 answers cut mid-body by `reset_rate`.
+    pub resets: u64,
     /// Micro-batch answers made unsplittable by `batch_malformed_rate`.
     pub batch_malformed: u64,
     /// 400 `content_policy_violation` answers.

@@ -1223,6 +1223,28 @@ async fn malformed_rate_gives_200s_that_are_not_completions() {
 }
 
 #[tokio::test]
+async fn resets_cut_the_answer_mid_body() {
+    let sim = start_sim(SimConfig {
+        reset_rate: 1.0,
+        ..SimConfig::default()
+    })
+    .await;
+    for i in 0..3 {
+        let response = sim
+            .http
+            .post(format!("{}/chat/completions", sim.base_url()))
+            .bearer_auth(KEY)
+            .json(&request("Task: summarize", &format!("r{i}")))
+            .send()
+            .await
+            .expect("the headers arrive");
+        assert_eq!(response.status(), StatusCode::OK);
+        assert!(response.text().await.is_err(), "the body is cut");
+    }
+    assert_eq!(sim.stats().injected.resets, 3);
+}
+
+#[tokio::test]
 async fn hangs_hold_requests_for_hang_ms_or_until_the_client_gives_up() {
     let sim = start_sim(SimConfig {
         hang_rate: 1.0,
