@@ -272,6 +272,75 @@ fn a_broker_killed_then_stalled_under_load_loses_no_task_and_bills_none_twice() 
     app.proc.stop();
 }
 
+/// Rolling restart and scaling under load (exactly-once, tasks streaming in
+/// all along): three instances of one group, each restarted in turn
+/// (SIGTERM, then started again on its own state and ready), a fourth
+/// added, then one killed with SIGKILL. Every task has exactly one result
+/// and each tenant's usage windows equal the sums of its results.
+#[test]
+fn rolling_restarts_a_new_instance_and_a_sigkill_keep_every_task_once_and_accounts_exact() {
+    let sim = SimConfig::from_json_value(serde_json::json!({
+        "latency": { "kind": "uniform", "min_ms": 20, "max_ms": 300 },
+    }))
+    .unwrap();
+    let p = Pipeline::with_partitions(sim, "exactly_once", "", 6, &[]);
+    let ready = |app: &App| {
+        eventually(Duration::from_secs(120), "ready", || {
+            (p.http(app, "/readyz").0 == 200).then_some(())
+        })
+    };
+    // Three members, each with a state directory (and config) of its own.
+    let mut members: Vec<(App, tempfile::TempDir)> = ["roll-a", "roll-b", "roll-c"]
+        .iter()
+        .map(|name| p.start_other(name, ""))
+        .collect();
+    members.iter().for_each(|(app, _)| ready(app));
+
+    let publishing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let published = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Task>::new()));
+    let publisher = {
+        let (cluster, topic) = (p.cluster.clone(), p.topic("classify"));
+        let (publishing, published) = (publishing.clone(), published.clone());
+        std::thread::spawn(move || {
+            let mut i = 0;
+            while publishing.load(std::sync::atomic::Ordering::Relaxed) {
+                let tasks = tenant_tasks(20, 12, i);
+                produce(
+                    &cluster,
+                    &topic,
+                    tasks.iter().map(Task::record).collect::<Vec<_>>(),
+                )
+                .unwrap();
+                published.lock().unwrap().extend(tasks);
+                i += 20;
+                std::thread::sleep(Duration::from_millis(500));
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_secs(5));
+    for (i, (app, state)) in members.iter_mut().enumerate() {
+        app.proc.stop();
+        let config = state.path().join("sluice.toml");
+        *app = p.start_with(&format!("roll-{i}-again"), &config, &[], true);
+        std::thread::sleep(Duration::from_secs(5));
+    }
+    let fourth = p.start_other("roll-d", "");
+    ready(&fourth.0);
+    std::thread::sleep(Duration::from_secs(5));
+    members[1].0.proc.kill9();
+    std::thread::sleep(Duration::from_secs(10));
+    publishing.store(false, std::sync::atomic::Ordering::Relaxed);
+    publisher.join().unwrap();
+
+    let tasks = published.lock().unwrap().clone();
+    let results = p.results(tasks.len(), Duration::from_secs(180));
+    assert_each_answered_once(&tasks, &results);
+    assert_usage_equals_results(&p, &results, &default_windows(), UsageUpdates::OnCommit);
+    for (mut app, _) in members.into_iter().chain([fourth]) {
+        app.proc.stop();
+    }
+}
+
 /// `n` classify tasks over `tenants` tenants.
 fn tenant_tasks(n: usize, tenants: usize, from: usize) -> Vec<Task> {
     (from..from + n)
