@@ -12,6 +12,8 @@ pub mod dlq;
 pub mod envelope;
 pub mod error;
 pub mod examples;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod gateway;
 pub mod http;
 pub mod kafka;

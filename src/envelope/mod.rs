@@ -109,7 +109,15 @@ mod submitted_at {
         }
 
         fn visit_i64<E: de::Error>(self, ms: i64) -> Result<Self::Value, E> {
-            DateTime::from_timestamp_millis(ms)
+            // Only the years RFC 3339 can write (0000 to 9999): the task is
+            // written back in it when re-published, and must decode again
+            // (tests/fuzz/regressions/task/epoch-ms-past-year-9999.json).
+            const RFC3339_MS: std::ops::RangeInclusive<i64> =
+                -62_167_219_200_000..=253_402_300_799_999;
+            RFC3339_MS
+                .contains(&ms)
+                .then(|| DateTime::from_timestamp_millis(ms))
+                .flatten()
                 .ok_or_else(|| E::custom("epoch milliseconds out of range"))
         }
 

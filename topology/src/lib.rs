@@ -12,6 +12,8 @@ mod context;
 mod derived;
 mod dsl;
 mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 mod node;
 mod offsets;
 mod processor;

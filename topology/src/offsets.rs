@@ -427,6 +427,11 @@ pub(crate) struct TaskProgress {
 /// The first byte of an encoded progress record (format version).
 const PROGRESS_FORMAT: u8 = 0xF2;
 
+/// The most unfinished offsets a progress record may name, over all its
+/// slots: each slot names at most a partition's records in flight (and those
+/// its restored record still named), so more is corruption.
+const MAX_UNFINISHED: u64 = 100 * crate::runtime::MAX_IN_FLIGHT_PER_PARTITION as u64;
+
 /// The progress record as stored: unfinished offsets as runs relative to the
 /// committed offset, so a record stays a few bytes per run of unfinished
 /// records however far apart they lie (bincode's variable-length integers).
@@ -523,6 +528,7 @@ impl TaskProgress {
         };
         let wire: TaskProgressWire = crate::codec::from_bincode(rest).map_err(|e| corrupt(&e))?;
         let mut slots = Vec::with_capacity(wire.slots.len());
+        let mut total = 0;
         for s in wire.slots {
             let end = s
                 .committed
@@ -531,11 +537,26 @@ impl TaskProgress {
             let mut unfinished = Vec::new();
             let mut cursor = s.committed;
             for (gap, len) in s.runs {
-                let start = cursor.saturating_add(gap as i64);
-                let stop = start.saturating_add(len as i64);
+                let outside = || corrupt(&"unfinished offsets outside the record");
+                let start = i64::try_from(gap)
+                    .ok()
+                    .and_then(|gap| cursor.checked_add(gap))
+                    .ok_or_else(outside)?;
+                let stop = i64::try_from(len)
+                    .ok()
+                    .and_then(|len| start.checked_add(len))
+                    .ok_or_else(outside)?;
                 if stop > end || len == 0 {
-                    return Err(corrupt(&"unfinished offsets outside the record"));
+                    return Err(outside());
                 }
+                // Checked before allocating: a corrupt run would otherwise
+                // ask for up to 2^63 offsets (tests/fuzz/regressions/progress).
+                if total + len > MAX_UNFINISHED {
+                    return Err(corrupt(
+                        &"more unfinished offsets than a task holds in flight",
+                    ));
+                }
+                total += len;
                 unfinished.extend(start..stop);
                 cursor = stop;
             }
