@@ -64,8 +64,16 @@ pub fn is_forwarded(headers: &HeaderMap) -> bool {
 }
 
 /// The URL of `segments` (each one percent-encoded as a path segment) below
-/// `base`, with the `query` pairs.
+/// `base`, with the `query` pairs. A segment the URL standard would not
+/// keep as written (`.` and `..` are dot segments; tabs and line breaks are
+/// dropped) is refused: the URL would name something else.
 pub fn url(base: &str, segments: &[&str], query: &[(&str, &str)]) -> Result<reqwest::Url, String> {
+    if let Some(bad) = segments
+        .iter()
+        .find(|s| matches!(**s, "." | "..") || s.contains(['\t', '\n', '\r']))
+    {
+        return Err(format!("{bad:?} cannot be a path segment"));
+    }
     let mut url = reqwest::Url::parse(base).map_err(|e| format!("{base}: {e}"))?;
     url.path_segments_mut()
         .map_err(|()| format!("{base}: not a base URL"))?
@@ -164,5 +172,10 @@ mod tests {
         let u = url("http://h/base", &["v1", "tasks:accepted"], &[]).unwrap();
         assert_eq!(u.as_str(), "http://h/base/v1/tasks:accepted");
         assert!(url("not a url", &["v1"], &[]).is_err());
+        // Segments the URL would drop or change are refused.
+        for bad in [".", "..", "ac\nme", "a\tb", "x\r"] {
+            assert!(url("http://h/", &["v1", bad], &[]).is_err(), "{bad:?}");
+        }
+        assert!(url("http://h/", &["v1", "...", ".a", "a."], &[]).is_ok());
     }
 }
