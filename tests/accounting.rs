@@ -296,27 +296,9 @@ fn rolling_restarts_a_new_instance_and_a_sigkill_keep_every_task_once_and_accoun
         .collect();
     members.iter().for_each(|(app, _)| ready(app));
 
-    let publishing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let published = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Task>::new()));
-    let publisher = {
-        let (cluster, topic) = (p.cluster.clone(), p.topic("classify"));
-        let (publishing, published) = (publishing.clone(), published.clone());
-        std::thread::spawn(move || {
-            let mut i = 0;
-            while publishing.load(std::sync::atomic::Ordering::Relaxed) {
-                let tasks = tenant_tasks(20, 12, i);
-                produce(
-                    &cluster,
-                    &topic,
-                    tasks.iter().map(Task::record).collect::<Vec<_>>(),
-                )
-                .unwrap();
-                published.lock().unwrap().extend(tasks);
-                i += 20;
-                std::thread::sleep(Duration::from_millis(500));
-            }
-        })
-    };
+    let publisher = Publisher::start(&p, "classify", Duration::from_millis(500), |i| {
+        tenant_tasks(20, 12, i)
+    });
     std::thread::sleep(Duration::from_secs(5));
     for (i, (app, state)) in members.iter_mut().enumerate() {
         app.proc.stop();
@@ -329,10 +311,7 @@ fn rolling_restarts_a_new_instance_and_a_sigkill_keep_every_task_once_and_accoun
     std::thread::sleep(Duration::from_secs(5));
     members[1].0.proc.kill9();
     std::thread::sleep(Duration::from_secs(10));
-    publishing.store(false, std::sync::atomic::Ordering::Relaxed);
-    publisher.join().unwrap();
-
-    let tasks = published.lock().unwrap().clone();
+    let tasks = publisher.stop();
     let results = p.results(tasks.len(), Duration::from_secs(180));
     assert_each_answered_once(&tasks, &results);
     assert_usage_equals_results(&p, &results, &default_windows(), UsageUpdates::OnCommit);

@@ -912,16 +912,7 @@ fn an_outage_shorter_than_the_backoff_exhausts_no_task() {
     p.sim.update(|c| c.model_overrides.clear()).unwrap();
     let results = p.results(tasks.len(), Duration::from_secs(120));
     assert_each_answered_once(&tasks, &results);
-    let failed: Vec<_> = results
-        .iter()
-        .filter(|(r, _)| !r.success)
-        .map(|(r, _)| (r.task_id.clone(), r.error_code.clone(), r.attempts))
-        .collect();
-    assert!(failed.is_empty(), "tasks failed by the outage: {failed:?}");
-    assert!(
-        p.dead_letters("classify").is_empty(),
-        "nothing dead-lettered"
-    );
+    assert_none_failed_or_dead_lettered(&p, &results, "classify");
     assert!(
         results.iter().all(|(r, _)| r.attempts >= 2),
         "every task's first attempt met the outage"
@@ -1874,29 +1865,11 @@ fn provider_chaos_loses_no_task_and_full_rate_returns_within_30s() {
     let rebalances = p.metric(&app, "sluice_rebalances_total");
 
     // Ten tasks a second until the provider has recovered.
-    let publishing = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let published = Arc::new(std::sync::Mutex::new(Vec::<Task>::new()));
-    let publisher = {
-        let (cluster, topic) = (p.cluster.clone(), p.topic("classify"));
-        let (publishing, published) = (publishing.clone(), published.clone());
-        std::thread::spawn(move || {
-            let mut i = 0;
-            while publishing.load(Ordering::Relaxed) {
-                let tasks: Vec<Task> = (i..i + 10)
-                    .map(|n| Task::new(n, "classify", &format!("tenant-{}", n % 4), "normal"))
-                    .collect();
-                produce(
-                    &cluster,
-                    &topic,
-                    tasks.iter().map(Task::record).collect::<Vec<_>>(),
-                )
-                .unwrap();
-                published.lock().unwrap().extend(tasks);
-                i += 10;
-                std::thread::sleep(Duration::from_secs(1));
-            }
-        })
-    };
+    let publisher = Publisher::start(&p, "classify", Duration::from_secs(1), |i| {
+        (i..i + 10)
+            .map(|n| Task::new(n, "classify", &format!("tenant-{}", n % 4), "normal"))
+            .collect()
+    });
     let phase = |what: &str, extra: serde_json::Value, how_long: Duration| {
         eprintln!("chaos: {what} for {how_long:?}");
         p.sim.set_config(with(extra)).unwrap();
@@ -1950,22 +1923,10 @@ fn provider_chaos_loses_no_task_and_full_rate_returns_within_30s() {
         full >= 0.8 * LIMIT_RPS,
         "within 30 s of the recovery the calls run at the provider's rate again: {rates:?}"
     );
-    publishing.store(false, Ordering::Relaxed);
-    publisher.join().unwrap();
-
-    let tasks = published.lock().unwrap().clone();
+    let tasks = publisher.stop();
     let results = p.results(tasks.len(), Duration::from_secs(240));
     assert_each_answered_once(&tasks, &results);
-    let failed: Vec<_> = results
-        .iter()
-        .filter(|(r, _)| !r.success)
-        .map(|(r, _)| (r.task_id.clone(), r.error_code.clone(), r.attempts))
-        .collect();
-    assert!(failed.is_empty(), "tasks failed: {failed:?}");
-    assert!(
-        p.dead_letters("classify").is_empty(),
-        "nothing dead-lettered"
-    );
+    assert_none_failed_or_dead_lettered(&p, &results, "classify");
     let injected = p.sim.stats().injected;
     assert!(
         injected.hangs > 0

@@ -53,6 +53,20 @@ fn cluster(bootstrap: &str, props: &[(&str, &str)]) -> Cluster {
     }
 }
 
+/// The SASL_SSL listener with SCRAM-SHA-512 and the right password.
+fn sasl_cluster(l: &Listeners) -> Cluster {
+    cluster(
+        &l.sasl_ssl,
+        &[
+            ("security.protocol", "sasl_ssl"),
+            ("ssl.ca.location", &l.ca),
+            ("sasl.mechanism", "SCRAM-SHA-512"),
+            ("sasl.username", &l.user),
+            ("sasl.password", &l.password),
+        ],
+    )
+}
+
 fn sim() -> SimConfig {
     SimConfig::from_json_value(serde_json::json!({
         "latency": { "kind": "uniform", "min_ms": 5, "max_ms": 20 },
@@ -131,16 +145,7 @@ fn tasks_flow_over_tls_and_a_wrong_ca_stops_start_up_losing_nothing() {
 #[test]
 fn tasks_flow_over_sasl_scram_and_a_wrong_password_stops_start_up_losing_nothing() {
     let l = listeners();
-    let sasl = cluster(
-        &l.sasl_ssl,
-        &[
-            ("security.protocol", "sasl_ssl"),
-            ("ssl.ca.location", &l.ca),
-            ("sasl.mechanism", "SCRAM-SHA-512"),
-            ("sasl.username", &l.user),
-            ("sasl.password", &l.password),
-        ],
-    );
+    let sasl = sasl_cluster(&l);
     let p = Pipeline::over(sasl, sim(), UNBATCHED);
     let tasks = classify_tasks(40);
     p.produce(&tasks);
@@ -231,16 +236,7 @@ fn level_of(line: &str) -> String {
 fn secrets_reach_only_their_servers_and_prompts_stay_below_info() {
     let l = listeners();
     let provider_key = format!("sk-hygiene-{}", uuid::Uuid::new_v4().simple());
-    let sasl = cluster(
-        &l.sasl_ssl,
-        &[
-            ("security.protocol", "sasl_ssl"),
-            ("ssl.ca.location", &l.ca),
-            ("sasl.mechanism", "SCRAM-SHA-512"),
-            ("sasl.username", &l.user),
-            ("sasl.password", &l.password),
-        ],
-    );
+    let sasl = sasl_cluster(&l);
     // The provider takes only this key, refuses some contents (failed
     // results, dead letters) and fails some calls (retries).
     let sim = SimConfig::from_json_value(serde_json::json!({

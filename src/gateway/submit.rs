@@ -174,10 +174,16 @@ pub fn check(
     let tenant = tenant(obj, scope, rules)?;
     let id = match string(obj, "taskId")? {
         Some(id) => {
-            if id.is_empty() || id.len() > MAX_TASK_ID || !id.chars().all(is_id_char) {
+            // `.` and `..` would be dot segments of its status URL.
+            if id.is_empty()
+                || id.len() > MAX_TASK_ID
+                || !id.chars().all(is_id_char)
+                || id == "."
+                || id == ".."
+            {
                 return Err(Invalid::field(
                     "taskId",
-                    format!("must be 1 to {MAX_TASK_ID} of A-Z a-z 0-9 . _ : -"),
+                    format!("must be 1 to {MAX_TASK_ID} of A-Z a-z 0-9 . _ : -, not . or .."),
                 ));
             }
             IdSource::Caller(id)
@@ -431,10 +437,12 @@ mod tests {
             f(json!({"taskType": "summarize", "priority": "urgent", "payload": {"content": "x"}})),
             "priority"
         );
-        assert_eq!(
-            f(json!({"taskType": "summarize", "taskId": "a b", "payload": {"content": "x"}})),
-            "taskId"
-        );
+        for bad in ["a b", ".", ".."] {
+            assert_eq!(
+                f(json!({"taskType": "summarize", "taskId": bad, "payload": {"content": "x"}})),
+                "taskId"
+            );
+        }
         assert_eq!(
             f(json!({"taskType": "summarize", "attemptNumber": 3, "payload": {"content": "x"}})),
             "attemptNumber"

@@ -606,3 +606,62 @@ pub fn expected_label(task_id: &str, tasks: &[Task]) -> String {
     let i = sluice::sim::fnv1a64(t.content.trim().as_bytes()) % labels.len() as u64;
     labels[i as usize].to_string()
 }
+
+/// Every result a success and no dead letter of `task_type`: nothing the
+/// run met was permanent.
+pub fn assert_none_failed_or_dead_lettered(
+    p: &Pipeline,
+    results: &[(TaskResult, OwnedMessage)],
+    task_type: &str,
+) {
+    let failed: Vec<_> = results
+        .iter()
+        .filter(|(r, _)| !r.success)
+        .map(|(r, _)| (r.task_id.clone(), r.error_code.clone(), r.attempts))
+        .collect();
+    assert!(failed.is_empty(), "tasks failed: {failed:?}");
+    assert!(
+        p.dead_letters(task_type).is_empty(),
+        "nothing dead-lettered"
+    );
+}
+
+/// Publishes tasks to a task topic on a thread of its own, a batch every
+/// interval, until stopped.
+pub struct Publisher {
+    running: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<Task>>,
+}
+
+impl Publisher {
+    /// Publishes `batch(n)` to `p`'s topic of `task_type` every `every`,
+    /// `n` counting the tasks published before (for fresh ids).
+    pub fn start(
+        p: &Pipeline,
+        task_type: &str,
+        every: Duration,
+        batch: impl Fn(usize) -> Vec<Task> + Send + 'static,
+    ) -> Publisher {
+        let running = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let (cluster, topic, go_on) = (p.cluster.clone(), p.topic(task_type), running.clone());
+        let thread = std::thread::spawn(move || {
+            let mut published = Vec::new();
+            while go_on.load(std::sync::atomic::Ordering::Relaxed) {
+                let tasks = batch(published.len());
+                let records: Vec<OutRecord> = tasks.iter().map(Task::record).collect();
+                produce(&cluster, &topic, records).unwrap();
+                published.extend(tasks);
+                std::thread::sleep(every);
+            }
+            published
+        });
+        Publisher { running, thread }
+    }
+
+    /// Stops publishing: every task published.
+    pub fn stop(self) -> Vec<Task> {
+        self.running
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().expect("the publisher ran")
+    }
+}
