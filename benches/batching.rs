@@ -20,9 +20,13 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+#[path = "common/config.rs"]
+mod config;
+
 use std::io::BufRead;
 use std::time::{Duration, Instant};
 
+use config::BenchPipeline;
 use rdkafka::Message as _;
 use sluice::envelope::TaskResult;
 use sluice::kafka::{produce, read_topics, OutRecord};
@@ -61,29 +65,18 @@ fn run(
         &uuid::Uuid::new_v4().simple().to_string()[..8]
     );
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("sluice.toml");
-    std::fs::write(
-        &config,
-        format!(
+    let config = BenchPipeline {
+        prefix: &prefix,
+        bootstrap,
+        sim_url: &sim.base_url(),
+        partitions: 2,
+        app: "",
+        kafka: "",
+    }
+    .write(
+        dir.path(),
+        &format!(
             r#"
-[app]
-id = "{prefix}-app"
-state_dir = "{state}"
-
-[kafka]
-bootstrap_servers = "{bootstrap}"
-
-[topics]
-task_types = ["classify"]
-tasks_prefix = "{prefix}.tasks."
-results_completed = "{prefix}.results.completed"
-results_failed = "{prefix}.results.failed"
-partitions = 2
-
-[[llm.providers]]
-name = "sim"
-base_url = "{url}"
-
 [[llm.models]]
 name = "m"
 provider = "sim"
@@ -100,22 +93,11 @@ across_tenants = {across}
 [http]
 listen = "127.0.0.1:0"
 "#,
-            state = dir.path().join("state").display(),
-            url = sim.base_url(),
             across = senders.across,
         ),
-    )
-    .unwrap();
-    let cfg = config.display().to_string();
-    let out = std::process::Command::new(bin)
-        .args(["topics", "create", "--config", &cfg])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
     );
+    config::create_topics(bin, &config);
+    let cfg = config.display().to_string();
     let mut child = std::process::Command::new(bin)
         .args(["run", "--config", &cfg])
         .env("SLUICE_LOG", "warn")

@@ -19,11 +19,15 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+#[path = "common/config.rs"]
+mod config;
+
 use std::io::BufRead;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use config::BenchPipeline;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
 use sluice::sim::SimConfig;
@@ -314,29 +318,18 @@ fn main() {
         .map(|t| format!("{} tenant:tenant-{t}\n", token(t)))
         .collect();
     std::fs::write(&tokens, lines).unwrap();
-    let config = dir.path().join("sluice.toml");
-    std::fs::write(
-        &config,
-        format!(
+    let config = BenchPipeline {
+        prefix: &prefix,
+        bootstrap: &bootstrap,
+        sim_url: &sim.base_url(),
+        partitions: PARTITIONS,
+        app: "",
+        kafka: "",
+    }
+    .write(
+        dir.path(),
+        &format!(
             r#"
-[app]
-id = "{prefix}-app"
-state_dir = "{state}"
-
-[kafka]
-bootstrap_servers = "{bootstrap}"
-
-[topics]
-task_types = ["classify"]
-tasks_prefix = "{prefix}.tasks."
-results_completed = "{prefix}.results.completed"
-results_failed = "{prefix}.results.failed"
-partitions = {partitions}
-
-[[llm.providers]]
-name = "sim"
-base_url = "{url}"
-
 [[llm.models]]
 name = "m"
 provider = "sim"
@@ -358,23 +351,11 @@ tokens_file = "{tokens}"
 listen = "127.0.0.1:0"
 max_backlog_per_tenant = 0
 "#,
-            state = dir.path().join("state").display(),
-            url = sim.base_url(),
             tokens = tokens.display(),
-            partitions = PARTITIONS,
         ),
-    )
-    .unwrap();
-    let cfg = config.display().to_string();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(["topics", "create", "--config", &cfg])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
     );
+    config::create_topics(env!("CARGO_BIN_EXE_sluice"), &config);
+    let cfg = config.display().to_string();
     // The produce loop's own topic (the pipeline does not take its records).
     let topic = format!("{prefix}.loop");
     sluice::kafka::create_topics(bootstrap.as_str(), &[(&topic, PARTITIONS, &[])]).unwrap();

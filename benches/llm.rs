@@ -33,10 +33,14 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+#[path = "common/config.rs"]
+mod config;
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use config::BenchPipeline;
 use rdkafka::Message as _;
 use sluice::envelope::{Priority, TaskResult};
 use sluice::kafka::{produce, read_topics, OutRecord};
@@ -239,32 +243,24 @@ fn operator_rate(bin: &str, bootstrap: &str, sim: &SimHandle, n: usize, concurre
         &uuid::Uuid::new_v4().simple().to_string()[..8]
     );
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("sluice.toml");
-    std::fs::write(
-        &config,
-        format!(
+    // SLUICE_BENCH_APP=<toml lines>: extra `[app]` settings to compare.
+    let app = std::env::var("SLUICE_BENCH_APP").unwrap_or_default();
+    let kafka = format!(
+        "session_timeout_ms = 6000\n{}",
+        std::env::var("SLUICE_BENCH_KAFKA").unwrap_or_default()
+    );
+    let config = BenchPipeline {
+        prefix: &prefix,
+        bootstrap,
+        sim_url: &sim.base_url(),
+        partitions: 2,
+        app: &app,
+        kafka: &kafka,
+    }
+    .write(
+        dir.path(),
+        &format!(
             r#"
-[app]
-id = "{prefix}-app"
-state_dir = "{state}"
-{extra}
-
-[kafka]
-bootstrap_servers = "{bootstrap}"
-session_timeout_ms = 6000
-{kafka_extra}
-
-[topics]
-task_types = ["classify"]
-tasks_prefix = "{prefix}.tasks."
-results_completed = "{prefix}.results.completed"
-results_failed = "{prefix}.results.failed"
-partitions = 2
-
-[[llm.providers]]
-name = "sim"
-base_url = "{url}"
-
 [[llm.models]]
 name = "m"
 provider = "sim"
@@ -281,14 +277,8 @@ enabled = false
 [http]
 listen = "127.0.0.1:0"
 "#,
-            state = dir.path().join("state").display(),
-            // SLUICE_BENCH_APP=<toml lines>: extra `[app]` settings to compare.
-            extra = std::env::var("SLUICE_BENCH_APP").unwrap_or_default(),
-            kafka_extra = std::env::var("SLUICE_BENCH_KAFKA").unwrap_or_default(),
-            url = sim.base_url(),
         ),
-    )
-    .unwrap();
+    );
     let topic = create_and_fill(bin, bootstrap, &config, &prefix, "t", n);
     // SLUICE_BENCH_PERF=<file> profiles the operator with `perf record`.
     let mut cmd = match std::env::var("SLUICE_BENCH_PERF") {
@@ -374,16 +364,7 @@ fn create_and_fill(
     id_prefix: &str,
     n: usize,
 ) -> String {
-    let created = std::process::Command::new(bin)
-        .args([
-            "topics",
-            "create",
-            "--config",
-            &config.display().to_string(),
-        ])
-        .output()
-        .unwrap();
-    assert!(created.status.success());
+    config::create_topics(bin, config);
     let topic = format!("{prefix}.tasks.classify");
     let tasks = (0..n).map(|i| OutRecord {
         key: Some(format!("tenant-{}", i % 8).into_bytes()),
@@ -459,30 +440,17 @@ fn queue_round(bin: &str, bootstrap: &str, rt: &tokio::runtime::Runtime) -> (f64
         &uuid::Uuid::new_v4().simple().to_string()[..8]
     );
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("sluice.toml");
-    std::fs::write(
-        &config,
-        format!(
-            r#"
-[app]
-id = "{prefix}-app"
-state_dir = "{state}"
-
-[kafka]
-bootstrap_servers = "{bootstrap}"
-session_timeout_ms = 6000
-
-[topics]
-task_types = ["classify"]
-tasks_prefix = "{prefix}.tasks."
-results_completed = "{prefix}.results.completed"
-results_failed = "{prefix}.results.failed"
-partitions = 2
-
-[[llm.providers]]
-name = "sim"
-base_url = "{url}"
-
+    let config = BenchPipeline {
+        prefix: &prefix,
+        bootstrap,
+        sim_url: &sim.base_url(),
+        partitions: 2,
+        app: "",
+        kafka: "session_timeout_ms = 6000",
+    }
+    .write(
+        dir.path(),
+        r#"
 # The default limiter: its adaptive concurrency limit is what is measured.
 [[llm.models]]
 name = "m"
@@ -499,11 +467,7 @@ enabled = false
 [http]
 listen = "127.0.0.1:0"
 "#,
-            state = dir.path().join("state").display(),
-            url = sim.base_url(),
-        ),
-    )
-    .unwrap();
+    );
     let topic = create_and_fill(bin, bootstrap, &config, &prefix, "q", QUEUE_TASKS);
     let mut child = std::process::Command::new(bin)
         .args(["run", "--config", &config.display().to_string()])
