@@ -1,7 +1,7 @@
 # The two commands a newcomer needs: `make demo` and `make test`.
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/sluice/target
 
-.PHONY: demo test setup lint fmt bench-engine bench-llm bench-batching bench-usage bench-peer bench-gateway test-helm
+.PHONY: demo test setup lint fmt bench-engine bench-llm bench-batching bench-usage bench-peer bench-gateway bench-overload test-helm
 
 demo:
 	scripts/demo.sh
@@ -37,6 +37,9 @@ bench-usage:
 
 bench-gateway:
 	scripts/bench.sh gateway
+
+bench-overload:
+	scripts/bench.sh overload
 
 # Sluice against Kafka Streams (benches/peers/kafka-streams, built with Maven).
 bench-peer:

@@ -4,7 +4,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-area="${1:?usage: bench.sh engine|llm|batching|usage|peer|gateway}"
+area="${1:?usage: bench.sh engine|llm|batching|usage|peer|gateway|overload}"
 "$root/scripts/setup.sh"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/sluice/target}"
 if [ "$area" = peer ]; then

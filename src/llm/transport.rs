@@ -82,6 +82,9 @@ where
     Ok((status, rate_limit, body))
 }
 
+/// Bytes hyper reads from a provider's connection at a time.
+const READ_BUF_BYTES: usize = 2048;
+
 /// The most of a response body read (a batch of the largest answers is a
 /// few megabytes).
 pub const MAX_RESPONSE_BYTES: usize = 32 << 20;
@@ -167,6 +170,12 @@ impl HttpProvider {
         let mut builder =
             hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new());
         builder.pool_max_idle_per_host(config.max_idle_connections);
+        // Each call in flight holds a connection, and hyper's adaptive read
+        // buffer starts at 8 KiB, reserved while the call waits for its
+        // answer. Reads of 2 KiB take a typical answer (headers and a short
+        // completion) in one or two reads and keep a waiting call's buffer
+        // small; longer answers are read in more of them.
+        builder.http1_read_buf_exact_size(READ_BUF_BYTES);
         let http = match proxy_for(config, &uri)? {
             None => HyperClient::Direct(
                 builder.build(hyper_tls::HttpsConnector::from((connector, tls.into()))),

@@ -161,7 +161,16 @@ impl SimState {
     /// Zeroes the counters, the call index, the prompt cache and the fault counters. Rate
     /// limit buckets and the configuration are kept.
     pub(crate) fn reset(&self) {
-        *self.stats.lock() = SimStats::default();
+        {
+            // Requests under way stay counted (they will be answered or abandoned).
+            let mut stats = self.stats.lock();
+            let in_flight = stats.in_flight;
+            *stats = SimStats {
+                in_flight,
+                peak_in_flight: in_flight,
+                ..SimStats::default()
+            };
+        }
         *self.calls.lock() = CallIndex::default();
         *self.prompt_cache.lock() = PromptCache::default();
         *self.faults.lock() = FaultClock::default();
@@ -721,8 +730,10 @@ struct Answering<'a> {
 
 impl Drop for Answering<'_> {
     fn drop(&mut self) {
+        let mut stats = self.state.stats.lock();
+        stats.in_flight = stats.in_flight.saturating_sub(1);
         if !self.answered {
-            self.state.stats.lock().abandoned += 1;
+            stats.abandoned += 1;
         }
     }
 }
@@ -733,7 +744,12 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    state.stats.lock().requests_total += 1;
+    {
+        let mut stats = state.stats.lock();
+        stats.requests_total += 1;
+        stats.in_flight += 1;
+        stats.peak_in_flight = stats.peak_in_flight.max(stats.in_flight);
+    }
     let mut answering = Answering {
         state: &state,
         answered: false,

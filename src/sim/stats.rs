@@ -46,6 +46,10 @@ pub struct SimStats {
     pub queued: u64,
     /// Requests whose client went away (e.g. timed out) before they were answered.
     pub abandoned: u64,
+    /// Chat completion requests received and not yet answered nor abandoned.
+    pub in_flight: u64,
+    /// The most requests in flight at once since the counters were last zeroed.
+    pub peak_in_flight: u64,
     /// Faults the simulator injected or limits it enforced.
     pub injected: InjectedCounts,
     /// Distinct user contents currently counted by the call index.

@@ -1332,6 +1332,8 @@ async fn slots_queue_requests_in_arrival_order_without_429s() {
     assert_eq!(stats.status(200), 6);
     assert_eq!(stats.queued, 4, "two served at once, four waited");
     assert_eq!(stats.abandoned, 0);
+    assert_eq!(stats.in_flight, 0, "every request answered");
+    assert_eq!(stats.peak_in_flight, 6, "six were under way at once");
 
     // A client that gives up while its request waits leaves the queue: counted as
     // abandoned, and the slot goes on to the next request.
@@ -1372,6 +1374,10 @@ async fn slots_queue_requests_in_arrival_order_without_429s() {
     let stats = sim.stats();
     assert_eq!(stats.abandoned, 1, "{stats:?}");
     assert_eq!(stats.status(200), 8);
+    assert_eq!(
+        stats.in_flight, 0,
+        "an abandoned request is no longer in flight"
+    );
 }
 
 #[tokio::test]
