@@ -22,8 +22,9 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[path = "common/config.rs"]
 mod config;
+#[path = "common/process.rs"]
+mod process;
 
-use std::io::BufRead;
 use std::time::{Duration, Instant};
 
 use config::BenchPipeline;
@@ -98,20 +99,9 @@ listen = "127.0.0.1:0"
     );
     config::create_topics(bin, &config);
     let cfg = config.display().to_string();
-    let mut child = std::process::Command::new(bin)
-        .args(["run", "--config", &cfg])
-        .env("SLUICE_LOG", "warn")
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    let addr = loop {
-        let line = lines.next().expect("sluice run listens").unwrap();
-        if let Some(a) = line.strip_prefix("LISTENING ") {
-            break a.trim().to_string();
-        }
-    };
-    std::thread::spawn(move || lines.for_each(drop));
+    let mut command = std::process::Command::new(bin);
+    command.args(["run", "--config", &cfg]);
+    let (mut child, addr) = process::spawn_listening(command);
     wait_ready(&addr);
     sim.reset_stats();
     let n = (rate * secs) as usize;

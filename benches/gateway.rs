@@ -21,8 +21,9 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[path = "common/config.rs"]
 mod config;
+#[path = "common/process.rs"]
+mod process;
 
-use std::io::BufRead;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -77,20 +78,9 @@ impl Drop for Proc {
 
 /// Starts `sluice <cmd> --config <cfg>` and returns it with its address.
 fn start(cmd: &str, cfg: &str) -> (Proc, String) {
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args([cmd, "--config", cfg])
-        .env("SLUICE_LOG", "warn")
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    let addr = loop {
-        let line = lines.next().expect("sluice listens").unwrap();
-        if let Some(a) = line.strip_prefix("LISTENING ") {
-            break a.trim().to_string();
-        }
-    };
-    std::thread::spawn(move || lines.for_each(drop));
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
+    command.args([cmd, "--config", cfg]);
+    let (child, addr) = process::spawn_listening(command);
     (Proc(child), addr)
 }
 

@@ -35,6 +35,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[path = "common/config.rs"]
 mod config;
+#[path = "common/process.rs"]
+mod process;
 
 use std::io::BufRead;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -82,20 +84,8 @@ impl Instance {
             }
             None => std::process::Command::new(env!("CARGO_BIN_EXE_sluice")),
         };
-        let mut child = command
-            .args(["run", "--config", cfg])
-            .env("SLUICE_LOG", "warn")
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
-        let addr = loop {
-            let line = lines.next().expect("sluice run listens").unwrap();
-            if let Some(a) = line.strip_prefix("LISTENING ") {
-                break a.trim().to_string();
-            }
-        };
-        std::thread::spawn(move || lines.for_each(drop));
+        command.args(["run", "--config", cfg]);
+        let (child, addr) = process::spawn_listening(command);
         let instance = Instance { child, addr };
         let deadline = Instant::now() + Duration::from_secs(120);
         while instance.get("/readyz").0 != 200 {
