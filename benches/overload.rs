@@ -7,9 +7,12 @@
 //!   batching, the adaptive concurrency limit off (nothing to learn: the
 //!   provider does not queue); `SLUICE_BENCH_INFLIGHT_TASKS` tasks (default
 //!   10,400) of 100 tenants published at once to 4 partitions of 4,000 in
-//!   flight each. The
-//!   peak of calls in flight is counted by the provider, the instance's peak
-//!   resident memory over the part is `inflight_rss_mib`;
+//!   flight each; once with the provider spoken to over HTTP/2 (`http2 =
+//!   true`: calls share connections of 100 each; `inflight_peak`,
+//!   `inflight_rss_mib`), once over HTTP/1.1, the default (a connection per
+//!   call; `*_http1`). The peak of calls in flight is counted by the
+//!   provider, the instance's peak resident memory over the part is
+//!   `inflight_rss_mib`;
 //! - **a backlog**: `SLUICE_BENCH_BACKLOG_TASKS` tasks (default 1,000,000)
 //!   published before the instance starts, a provider taking 2 s per call for
 //!   `SLUICE_BENCH_SLOW_SECS` (default 60), then answering at once: the
@@ -19,11 +22,12 @@
 //!   (`drained_s`), and the rebalances the instance saw after its first
 //!   assignment (none expected).
 //!
-//! Beside the first part, the floor it stands on: the same HTTP client
-//! (`HttpProvider`, as `sluice run` builds it) alone in a process of its own
-//! (this bench run again with `--transport-floor`), holding as many calls in
-//! flight to the same provider: its memory per call is what the connections
-//! cost before Sluice holds anything (`transport_kib_per_call`).
+//! Beside each run of the first part, the floor it stands on: the same HTTP
+//! client (`HttpProvider`, as `sluice run` builds it) alone in a process of
+//! its own (this bench run again with `--transport-floor`), holding as many
+//! calls in flight to the same provider: its memory per call is what the
+//! connections cost before Sluice holds anything (`transport_kib_per_call`,
+//! `transport_kib_per_call_http1`).
 //!
 //! Both parts run the default pipeline otherwise (exactly-once, routing,
 //! accounting), on fresh topics of their own. `SLUICE_BENCH_PARTS`
@@ -226,15 +230,16 @@ fn task(part: &str, i: usize) -> OutRecord {
     }
 }
 
-/// A pipeline on fresh topics (`prefix`), configured with `app` lines and
-/// `batching`, its topics created: the directory (kept while it runs), the
-/// config path and the task topic.
+/// A pipeline on fresh topics (`prefix`), configured with `app` lines,
+/// `batching` and `http2` to the provider, its topics created: the directory
+/// (kept while it runs), the config path and the task topic.
 fn pipeline(
     bootstrap: &str,
     sim: &SimHandle,
     prefix: &str,
     app: &str,
     batching: bool,
+    http2: bool,
 ) -> (tempfile::TempDir, String, String) {
     let dir = tempfile::tempdir().unwrap();
     let config = BenchPipeline {
@@ -248,7 +253,8 @@ fn pipeline(
     .write(
         dir.path(),
         &format!(
-            r#"
+            r#"http2 = {http2}
+
 [[llm.models]]
 name = "m"
 provider = "sim"
@@ -316,8 +322,9 @@ struct InFlight {
     idle_mib: f64,
 }
 
-fn calls_in_flight(bootstrap: &str, sim: &SimHandle) -> InFlight {
+fn calls_in_flight(bootstrap: &str, sim: &SimHandle, http2: bool) -> InFlight {
     let n = env("SLUICE_BENCH_INFLIGHT_TASKS", 10_400) as usize;
+    let how = if http2 { "HTTP/2" } else { "HTTP/1.1" };
     sim.update(|c| c.latency = Latency::Fixed { ms: 10_000 })
         .unwrap();
     let part = prefix("inflight");
@@ -327,6 +334,7 @@ fn calls_in_flight(bootstrap: &str, sim: &SimHandle) -> InFlight {
         &part,
         "max_in_flight_per_partition = 4000",
         false,
+        http2,
     );
     let instance = Instance::start(&cfg);
     let idle_mib = instance.mem_mib("VmRSS");
@@ -357,10 +365,16 @@ fn calls_in_flight(bootstrap: &str, sim: &SimHandle) -> InFlight {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    let peak = sim.stats().peak_in_flight;
+    let stats = sim.stats();
+    assert_eq!(
+        stats.http2_requests,
+        if http2 { stats.requests_total } else { 0 },
+        "every call over {how}: {stats:?}"
+    );
+    let peak = stats.peak_in_flight;
     let rss_mib = instance.mem_mib("VmHWM").max(sampler.peak_mib());
     eprintln!(
-        "calls in flight: {n} tasks, peak {peak} calls in flight, rss idle {idle_mib:.0} MiB, peak {rss_mib:.0} MiB ({:.1} KiB a call above idle), all answered after {:.1}s",
+        "calls in flight over {how}: {n} tasks, peak {peak} calls in flight, rss idle {idle_mib:.0} MiB, peak {rss_mib:.0} MiB ({:.1} KiB a call above idle), all answered after {:.1}s",
         (rss_mib - idle_mib) * 1024.0 / peak.max(1) as f64,
         started.elapsed().as_secs_f64()
     );
@@ -383,7 +397,7 @@ fn backlog(bootstrap: &str, sim: &SimHandle) -> Backlog {
     sim.update(|c| c.latency = Latency::Fixed { ms: 2_000 })
         .unwrap();
     let part = prefix("backlog");
-    let (_dir, cfg, topic) = pipeline(bootstrap, sim, &part, "", true);
+    let (_dir, cfg, topic) = pipeline(bootstrap, sim, &part, "", true, false);
     let t = Instant::now();
     publish(bootstrap, &topic, &part, n);
     eprintln!(
@@ -445,10 +459,10 @@ fn backlog(bootstrap: &str, sim: &SimHandle) -> Backlog {
     }
 }
 
-/// `--transport-floor <url> <n>`: a process holding `n` calls in flight
-/// through the provider client alone. Prints `IDLE` once built, starts the
-/// calls on a line from stdin, and runs until killed.
-fn transport_floor(url: &str, n: usize) {
+/// `--transport-floor <url> <n> <http2>`: a process holding `n` calls in
+/// flight through the provider client alone. Prints `IDLE` once built,
+/// starts the calls on a line from stdin, and runs until killed.
+fn transport_floor(url: &str, n: usize, http2: bool) {
     use sluice::llm::transport::HttpProvider;
     use sluice::llm::wire::{ChatRequest, Message};
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -456,8 +470,9 @@ fn transport_floor(url: &str, n: usize) {
         .enable_all()
         .build()
         .unwrap();
-    let provider =
-        Arc::new(HttpProvider::new(&sluice::llm::ProviderConfig::new("sim", url)).unwrap());
+    let mut config = sluice::llm::ProviderConfig::new("sim", url);
+    config.http2 = http2;
+    let provider = Arc::new(HttpProvider::new(&config).unwrap());
     println!("IDLE");
     let mut line = String::new();
     std::io::stdin().read_line(&mut line).unwrap();
@@ -485,9 +500,16 @@ fn transport_floor(url: &str, n: usize) {
 
 /// The transport floor beside `sluice run`: resident MiB per call of the
 /// provider client alone holding `n` calls in flight.
-fn transport_kib_per_call(sim: &SimHandle, n: usize) -> f64 {
+fn transport_kib_per_call(sim: &SimHandle, n: usize, http2: bool) -> f64 {
+    sim.update(|c| c.latency = Latency::Fixed { ms: 10_000 })
+        .unwrap();
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--transport-floor", &sim.base_url(), &n.to_string()])
+        .args([
+            "--transport-floor",
+            &sim.base_url(),
+            &n.to_string(),
+            &http2.to_string(),
+        ])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .spawn()
@@ -511,8 +533,9 @@ fn transport_kib_per_call(sim: &SimHandle, n: usize) -> f64 {
     let _ = child.kill();
     let _ = child.wait();
     let kib = (rss - idle) * 1024.0 / in_flight.max(1) as f64;
+    let how = if http2 { "HTTP/2" } else { "HTTP/1.1" };
     eprintln!(
-        "transport floor: the provider client alone, {in_flight} calls in flight: rss idle {idle:.0} MiB, {rss:.0} MiB ({kib:.1} KiB a call)"
+        "transport floor over {how}: the provider client alone, {in_flight} calls in flight: rss idle {idle:.0} MiB, {rss:.0} MiB ({kib:.1} KiB a call)"
     );
     // Let the simulator's held requests end before the next part.
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -525,7 +548,11 @@ fn transport_kib_per_call(sim: &SimHandle, n: usize) -> f64 {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if let Some(i) = args.iter().position(|a| a == "--transport-floor") {
-        transport_floor(&args[i + 1], args[i + 2].parse().unwrap());
+        transport_floor(
+            &args[i + 1],
+            args[i + 2].parse().unwrap(),
+            args[i + 3] == "true",
+        );
         return;
     }
     let bootstrap =
@@ -542,27 +569,32 @@ fn main() {
         ))
         .unwrap();
     let parts = std::env::var("SLUICE_BENCH_PARTS").unwrap_or("inflight,backlog".into());
-    let inflight = parts
-        .contains("inflight")
-        .then(|| calls_in_flight(&bootstrap, &sim));
-    let floor = parts.contains("inflight").then(|| {
-        sim.update(|c| c.latency = Latency::Fixed { ms: 10_000 })
-            .unwrap();
-        transport_kib_per_call(&sim, env("SLUICE_BENCH_INFLIGHT_TASKS", 10_400) as usize)
+    let n = env("SLUICE_BENCH_INFLIGHT_TASKS", 10_400) as usize;
+    let inflight = parts.contains("inflight").then(|| {
+        (
+            calls_in_flight(&bootstrap, &sim, false),
+            transport_kib_per_call(&sim, n, false),
+            calls_in_flight(&bootstrap, &sim, true),
+            transport_kib_per_call(&sim, n, true),
+        )
     });
     let backlog = parts.contains("backlog").then(|| backlog(&bootstrap, &sim));
-    let (Some(inflight), Some(backlog), Some(floor)) = (inflight, backlog, floor) else {
+    let (Some((http1, floor1, http2, floor2)), Some(backlog)) = (inflight, backlog) else {
         eprintln!("(part of the bench run: no RESULT)");
         return;
     };
+    let per_call = |r: &InFlight| (r.rss_mib - r.idle_mib) * 1024.0 / r.peak.max(1) as f64;
     println!(
-        "RESULT backlog_peak_rss_mib={:.0} drained_s={:.1} inflight_peak={} inflight_rss_mib={:.0} inflight_idle_rss_mib={:.0} backlog_rebalances={} transport_kib_per_call={floor:.1} inflight_kib_per_call={:.1}",
+        "RESULT backlog_peak_rss_mib={:.0} drained_s={:.1} inflight_peak={} inflight_rss_mib={:.0} inflight_peak_http1={} inflight_rss_mib_http1={:.0} inflight_idle_rss_mib={:.0} backlog_rebalances={} inflight_kib_per_call={:.1} inflight_kib_per_call_http1={:.1} transport_kib_per_call={floor2:.1} transport_kib_per_call_http1={floor1:.1}",
         backlog.peak_rss_mib,
         backlog.drained_s,
-        inflight.peak,
-        inflight.rss_mib,
-        inflight.idle_mib,
+        http2.peak,
+        http2.rss_mib,
+        http1.peak,
+        http1.rss_mib,
+        http1.idle_mib,
         backlog.rebalances,
-        (inflight.rss_mib - inflight.idle_mib) * 1024.0 / inflight.peak.max(1) as f64,
+        per_call(&http2),
+        per_call(&http1),
     );
 }

@@ -86,6 +86,19 @@ MUST_REFUSE = [
     ("[gateway] set in config", {"config": {"gateway": {"max_batch": 10}}}, "gateway"),
     ("a zero gateway.config.max_batch", {"gateway": {"enabled": True, "config": {"max_batch": 0}}}, "max_batch"),
     (
+        "zero streams per HTTP/2 connection",
+        {
+            "config": {
+                "llm": {
+                    "providers": [
+                        {"name": "openai", "base_url": "https://api.openai.com/v1", "http2": True, "http2_max_streams": 0}
+                    ]
+                }
+            }
+        },
+        "http2_max_streams",
+    ),
+    (
         "a drain longer than the rebalance timeout",
         {"config": {"kafka": {"max_poll_interval_ms": 60000}}},
         "max_poll_interval_ms",

@@ -839,6 +839,16 @@ impl Config {
         for (i, p) in self.llm.providers.iter().enumerate() {
             p.resolve_api_key()
                 .map_err(|e| ConfigError::new(format!("llm.providers[{i}]"), e.to_string()))?;
+            if !(1..=crate::llm::config::MAX_HTTP2_STREAMS).contains(&p.http2_max_streams) {
+                return Err(ConfigError::new(
+                    format!("llm.providers[{i}].http2_max_streams"),
+                    format!(
+                        "must be 1 to {}, got {}",
+                        crate::llm::config::MAX_HTTP2_STREAMS,
+                        p.http2_max_streams
+                    ),
+                ));
+            }
         }
         Ok(())
     }
@@ -1657,6 +1667,28 @@ type_complexity = { classify = 0.1 }
             let err = load(MINIMAL, &[("SLUICE_HTTP__ADVERTISED_URL", bad)]).unwrap_err();
             assert_eq!(err.key, "http.advertised_url", "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn http2_streams_out_of_range_name_the_key() {
+        for bad in ["0", "100001"] {
+            let text = MINIMAL.replace(
+                "base_url = \"http://127.0.0.1:8089/v1\"",
+                &format!("base_url = \"http://127.0.0.1:8089/v1\"\nhttp2 = true\nhttp2_max_streams = {bad}"),
+            );
+            let err = load(&text, &[]).unwrap_err();
+            assert_eq!(
+                err.key, "llm.providers[0].http2_max_streams",
+                "{bad}: {err}"
+            );
+        }
+        let text = MINIMAL.replace(
+            "base_url = \"http://127.0.0.1:8089/v1\"",
+            "base_url = \"http://127.0.0.1:8089/v1\"\nhttp2 = true",
+        );
+        let c = load(&text, &[]).unwrap();
+        assert!(c.llm.providers[0].http2);
+        assert_eq!(c.llm.providers[0].http2_max_streams, 100);
     }
 
     #[test]

@@ -59,7 +59,26 @@ pub struct ProviderConfig {
     /// Idle keep-alive connections kept per host.
     #[serde(default = "default_max_idle")]
     pub max_idle_connections: usize,
+    /// Speak HTTP/2 to the provider: calls share connections, each carrying up to
+    /// `http2_max_streams` calls at once (another is opened when all are full), instead of
+    /// a connection per call in flight (about 21 KiB each). `https://`: negotiated with
+    /// ALPN, which the server must accept (hosted APIs do); `http://`: HTTP/2 without TLS
+    /// (prior knowledge), which the server must speak (vLLM, llama.cpp and Ollama do not).
+    #[serde(default)]
+    pub http2: bool,
+    /// Calls in flight on one HTTP/2 connection: at most the server's
+    /// `SETTINGS_MAX_CONCURRENT_STREAMS` (commonly 100–256); calls beyond it would wait
+    /// inside the connection instead of going out on another. 1 to 100,000.
+    #[serde(default = "default_http2_max_streams")]
+    pub http2_max_streams: usize,
 }
+
+fn default_http2_max_streams() -> usize {
+    100
+}
+
+/// The most calls one HTTP/2 connection may be given.
+pub const MAX_HTTP2_STREAMS: usize = 100_000;
 
 impl ProviderConfig {
     /// A provider without an API key (vLLM, llama.cpp, Ollama, the simulator).
@@ -75,6 +94,8 @@ impl ProviderConfig {
             api_key_file: None,
             connect_timeout_ms: default_connect_timeout_ms(),
             max_idle_connections: default_max_idle(),
+            http2: false,
+            http2_max_streams: default_http2_max_streams(),
         }
     }
 

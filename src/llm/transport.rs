@@ -4,6 +4,8 @@
 //! Works with OpenAI, Groq, vLLM, llama.cpp server and Ollama. The API key is held in a
 //! [`Secret`](super::secret::Secret) and never appears in `Debug`, `Display` or error text.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -27,7 +29,87 @@ type Body = http_body_util::Full<bytes::Bytes>;
 type Connector = hyper_util::client::legacy::connect::HttpConnector;
 type Tunnel = hyper_util::client::legacy::connect::proxy::Tunnel<Connector>;
 
-/// The connection-pooling HTTP/1.1 client of a provider (TLS when the URL says `https`),
+/// How a provider's calls reach it: HTTP/1.1, a connection per call in flight, or HTTP/2,
+/// calls sharing connections.
+#[derive(Debug, Clone)]
+enum Http {
+    One(Box<HyperClient>),
+    Shared(Arc<Multiplexed>),
+}
+
+impl Http {
+    async fn exchange(
+        &self,
+        req: http::Request<Body>,
+    ) -> Result<(u16, RateLimitInfo, bytes::Bytes), LlmError> {
+        match self {
+            Http::One(client) => client.exchange(req).await,
+            Http::Shared(lanes) => {
+                let lane = lanes.take();
+                lane.0.client.exchange(req).await
+            }
+        }
+    }
+}
+
+/// HTTP/2 calls spread over connections of at most `streams` calls each. Each connection is
+/// a client of its own (hyper's pool keeps one HTTP/2 connection per client, and connects it
+/// again when it drops or idles out); a call takes the first with room, and a client is added
+/// when every one is full, so a server's limit on concurrent streams never makes calls wait
+/// inside a connection while another could carry them.
+struct Multiplexed {
+    build: Box<dyn Fn() -> HyperClient + Send + Sync>,
+    streams: usize,
+    lanes: parking_lot::Mutex<Vec<Arc<Lane>>>,
+}
+
+struct Lane {
+    client: HyperClient,
+    calls: AtomicUsize,
+}
+
+/// A call's place on a lane, given back when the call ends.
+struct LaneCall(Arc<Lane>);
+
+impl Drop for LaneCall {
+    fn drop(&mut self) {
+        self.0.calls.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Multiplexed {
+    fn take(&self) -> LaneCall {
+        let mut lanes = self.lanes.lock();
+        let lane = match lanes
+            .iter()
+            .find(|l| l.calls.load(Ordering::Relaxed) < self.streams)
+        {
+            Some(lane) => lane.clone(),
+            None => {
+                let lane = Arc::new(Lane {
+                    client: (self.build)(),
+                    calls: AtomicUsize::new(0),
+                });
+                lanes.push(lane.clone());
+                lane
+            }
+        };
+        // Counted under the lock: two calls never both take a lane's last place.
+        lane.calls.fetch_add(1, Ordering::Relaxed);
+        LaneCall(lane)
+    }
+}
+
+impl std::fmt::Debug for Multiplexed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Multiplexed")
+            .field("streams", &self.streams)
+            .field("lanes", &self.lanes.lock().len())
+            .finish()
+    }
+}
+
+/// The connection-pooling HTTP client of a provider (TLS when the URL says `https`),
 /// directly or through a proxy's `CONNECT` tunnel.
 #[derive(Debug, Clone)]
 enum HyperClient {
@@ -112,7 +194,7 @@ pub struct HttpProvider {
     auth: Option<(http::HeaderName, http::HeaderValue)>,
     /// Extra headers of every request.
     headers: http::HeaderMap,
-    http: HyperClient,
+    http: Http,
 }
 
 impl HttpProvider {
@@ -165,30 +247,49 @@ impl HttpProvider {
         connector.enforce_http(false);
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(Duration::from_millis(config.connect_timeout_ms)));
-        let tls = hyper_tls::native_tls::TlsConnector::new()
+        let mut tls = hyper_tls::native_tls::TlsConnector::builder();
+        if config.http2 {
+            // HTTP/2 over TLS is agreed in the handshake (RFC 9113, 3.2).
+            tls.request_alpns(&["h2"]);
+        }
+        let tls = tls
+            .build()
             .map_err(|e| LlmError::Config(format!("http client: tls: {e}")))?;
         let mut builder =
             hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new());
         builder.pool_max_idle_per_host(config.max_idle_connections);
-        // Each call in flight holds a connection, and hyper's adaptive read
-        // buffer starts at 8 KiB, reserved while the call waits for its
-        // answer. Reads of 2 KiB take a typical answer (headers and a short
-        // completion) in one or two reads and keep a waiting call's buffer
-        // small; longer answers are read in more of them.
+        // Each HTTP/1.1 call in flight holds a connection, and hyper's
+        // adaptive read buffer starts at 8 KiB, reserved while the call waits
+        // for its answer. Reads of 2 KiB take a typical answer (headers and a
+        // short completion) in one or two reads and keep a waiting call's
+        // buffer small; longer answers are read in more of them.
         builder.http1_read_buf_exact_size(READ_BUF_BYTES);
-        let http = match proxy_for(config, &uri)? {
-            None => HyperClient::Direct(
-                builder.build(hyper_tls::HttpsConnector::from((connector, tls.into()))),
-            ),
+        builder.http2_only(config.http2);
+        let proxy = proxy_for(config, &uri)?;
+        let build = move || match &proxy {
+            None => HyperClient::Direct(builder.build(hyper_tls::HttpsConnector::from((
+                connector.clone(),
+                tls.clone().into(),
+            )))),
             Some((proxy, auth)) => {
-                let mut tunnel = Tunnel::new(proxy, connector);
+                let mut tunnel = Tunnel::new(proxy.clone(), connector.clone());
                 if let Some(auth) = auth {
-                    tunnel = tunnel.with_auth(auth);
+                    tunnel = tunnel.with_auth(auth.clone());
                 }
-                HyperClient::Proxied(
-                    builder.build(hyper_tls::HttpsConnector::from((tunnel, tls.into()))),
-                )
+                HyperClient::Proxied(builder.build(hyper_tls::HttpsConnector::from((
+                    tunnel,
+                    tls.clone().into(),
+                ))))
             }
+        };
+        let http = if config.http2 {
+            Http::Shared(Arc::new(Multiplexed {
+                build: Box::new(build),
+                streams: config.http2_max_streams.max(1),
+                lanes: Default::default(),
+            }))
+        } else {
+            Http::One(Box::new(build()))
         };
         Ok(Self {
             name: config.name.clone(),
@@ -208,6 +309,15 @@ impl HttpProvider {
     /// The full completions URL.
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// HTTP/2 connections opened so far (each carries up to `http2_max_streams` calls);
+    /// `None` over HTTP/1.1.
+    pub fn http2_connections(&self) -> Option<usize> {
+        match &self.http {
+            Http::One(_) => None,
+            Http::Shared(lanes) => Some(lanes.lanes.lock().len()),
+        }
     }
 
     /// Sends one chat completion request.

@@ -741,12 +741,14 @@ impl Drop for Answering<'_> {
 async fn chat_completions(
     State(state): State<Arc<SimState>>,
     axum::extract::RawQuery(query): axum::extract::RawQuery,
+    version: axum::http::Version,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
     {
         let mut stats = state.stats.lock();
         stats.requests_total += 1;
+        stats.http2_requests += u64::from(version == axum::http::Version::HTTP_2);
         stats.in_flight += 1;
         stats.peak_in_flight = stats.peak_in_flight.max(stats.in_flight);
     }

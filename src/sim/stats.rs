@@ -50,6 +50,8 @@ pub struct SimStats {
     pub in_flight: u64,
     /// The most requests in flight at once since the counters were last zeroed.
     pub peak_in_flight: u64,
+    /// Chat completion requests that came over HTTP/2.
+    pub http2_requests: u64,
     /// Faults the simulator injected or limits it enforced.
     pub injected: InjectedCounts,
     /// Distinct user contents currently counted by the call index.

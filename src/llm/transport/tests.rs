@@ -317,3 +317,60 @@ fn unusable_base_urls_and_keys_are_config_errors_at_start() {
     assert!(err.to_string().contains("API key"), "{err}");
     assert!(!err.to_string().contains("sk-sec"), "{err}");
 }
+
+// --- HTTP/2 -----------------------------------------------------------------------------
+
+/// `calls` requests at once through a provider configured as `cfg` to a simulator answering
+/// after 1.5 s: the simulator's view of them, and the provider.
+async fn at_once(mut cfg: ProviderConfig, calls: usize) -> (crate::sim::SimStats, HttpProvider) {
+    let sim = crate::sim::start(
+        crate::sim::SimConfig {
+            latency: crate::sim::Latency::Fixed { ms: 1_500 },
+            ..Default::default()
+        },
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap();
+    cfg.base_url = sim.base_url();
+    let provider = Arc::new(HttpProvider::new(&cfg).unwrap());
+    let tasks: Vec<_> = (0..calls)
+        .map(|i| {
+            let p = provider.clone();
+            tokio::spawn(async move { p.chat(&request(&format!("m{i}"))).await })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap().expect("answered");
+    }
+    let stats = sim.stats();
+    sim.shutdown().await;
+    (stats, Arc::try_unwrap(provider).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_calls_share_connections_each_within_its_stream_limit() {
+    // The simulator (hyper's server) allows 200 streams per connection: 250
+    // calls at once fit only when they are spread over connections.
+    let mut cfg = ProviderConfig::new("sim", "http://127.0.0.1:1");
+    cfg.http2 = true;
+    cfg.http2_max_streams = 100;
+    let (stats, p) = at_once(cfg, 250).await;
+    assert_eq!(stats.http2_requests, 250, "{stats:?}");
+    assert_eq!(
+        stats.peak_in_flight, 250,
+        "every call went out at once: {stats:?}"
+    );
+    assert_eq!(
+        p.http2_connections(),
+        Some(3),
+        "250 calls of at most 100 a connection"
+    );
+
+    // The default: HTTP/1.1, a connection per call.
+    let cfg = ProviderConfig::new("sim", "http://127.0.0.1:1");
+    let (stats, p) = at_once(cfg, 250).await;
+    assert_eq!(stats.http2_requests, 0, "{stats:?}");
+    assert_eq!(stats.served_ok, 250);
+    assert_eq!(p.http2_connections(), None);
+}
