@@ -678,6 +678,9 @@ fn check_response(bytes: &[u8]) -> Result<(), String> {
         if message.len() > 300 {
             return Err(format!("error message of {} bytes kept", message.len()));
         }
+        if let Some(long) = [&code, &kind].into_iter().flatten().find(|s| s.len() > 64) {
+            return Err(format!("error code or type of {} bytes kept", long.len()));
+        }
         Err(LlmError::Status {
             status,
             code,
@@ -815,6 +818,45 @@ fn provider_response_regressions() {
 #[test]
 fn rate_limit_headers_regressions() {
     replay("rate_limit_headers", check_headers);
+}
+
+// ---------------------------------------------------------------------------
+// Target: the billed header of re-published attempts (`sluice.billed`)
+
+/// What the operator reads from a task's billed header: every figure within
+/// its bound, and what it writes back reads the same.
+fn check_billed(bytes: &[u8]) -> Result<(), String> {
+    let headers = vec![("sluice.billed".to_string(), bytes.to_vec())];
+    let billed = sluice::fuzzing::billed_before(&headers);
+    let (input, output, cached, cache_write, cost) = billed;
+    let bound = 1u64 << 40;
+    if [input, output, cached, cache_write]
+        .iter()
+        .any(|n| *n > bound)
+        || !(0..=bound as i64).contains(&cost)
+    {
+        return Err(format!("{billed:?} read past the bound"));
+    }
+    let again = sluice::fuzzing::billed_before(&sluice::fuzzing::with_billed(&headers, billed));
+    if again != billed {
+        return Err(format!("{billed:?} written back reads {again:?}"));
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(runner_config())]
+
+    #[test]
+    fn billed_header(input in inputs(seeds_of("billed_header"), dictionary(), false)) {
+        let r = check_billed(&input.0);
+        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+    }
+}
+
+#[test]
+fn billed_header_regressions() {
+    replay("billed_header", check_billed);
 }
 
 // ---------------------------------------------------------------------------

@@ -190,6 +190,12 @@ fn submitted_tasks_are_answered_once_over_events_and_status_on_any_instance() {
                 (404, &unknown.body),
                 "another tenant's task is unknown"
             );
+            // An id no submission can have (a tab) is unknown on the
+            // instance holding the tenant and on the one that would forward.
+            for g in [&g1, &g2] {
+                let odd = get(&c, g.url("/v1/tasks/a%09b"), Some(&tenant_token(*tenant))).await;
+                assert_eq!((odd.status, &odd.body), (404, &unknown.body));
+            }
             let named = get(
                 &c,
                 g1.url(&format!("/v1/tasks/{id}?tenant=tenant-{tenant}")),

@@ -167,6 +167,12 @@ impl Gateway {
         grace: Duration,
         headers: &HeaderMap,
     ) -> Result<Option<StatusView>, Refusal> {
+        // No submission has such an id (`.`, `..`, line breaks and tabs are
+        // refused), and it could not be asked of another instance: unknown
+        // on every instance alike.
+        if !forward::is_segment(task_id) {
+            return Ok(None);
+        }
         let partition = match self.holder(STATUS_STORE, tenant, forward::is_forwarded(headers))? {
             Holder::Local(p) => p,
             Holder::Remote(host) => {

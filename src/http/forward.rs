@@ -63,15 +63,17 @@ pub fn is_forwarded(headers: &HeaderMap) -> bool {
     headers.contains_key(FORWARDED_HEADER)
 }
 
+/// Whether `s` survives as a path segment of a URL as written (see [`url`]).
+pub fn is_segment(s: &str) -> bool {
+    !matches!(s, "." | "..") && !s.contains(['\t', '\n', '\r'])
+}
+
 /// The URL of `segments` (each one percent-encoded as a path segment) below
 /// `base`, with the `query` pairs. A segment the URL standard would not
 /// keep as written (`.` and `..` are dot segments; tabs and line breaks are
 /// dropped) is refused: the URL would name something else.
 pub fn url(base: &str, segments: &[&str], query: &[(&str, &str)]) -> Result<reqwest::Url, String> {
-    if let Some(bad) = segments
-        .iter()
-        .find(|s| matches!(**s, "." | "..") || s.contains(['\t', '\n', '\r']))
-    {
+    if let Some(bad) = segments.iter().find(|s| !is_segment(s)) {
         return Err(format!("{bad:?} cannot be a path segment"));
     }
     let mut url = reqwest::Url::parse(base).map_err(|e| format!("{base}: {e}"))?;

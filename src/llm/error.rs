@@ -266,21 +266,33 @@ pub(crate) fn parse_error_body(body: &[u8]) -> (Option<String>, Option<String>, 
         Some(inner @ serde_json::Value::Object(_)) => inner,
         _ => &v,
     };
-    let text = |key: &str| match e.get(key) {
-        Some(serde_json::Value::String(s)) => Some(s.clone()),
-        Some(serde_json::Value::Number(n)) => Some(n.to_string()),
-        _ => None,
-    };
-    let mut message = text("message").unwrap_or_default();
-    if message.len() > MAX_ERROR_MESSAGE {
-        let mut cut = MAX_ERROR_MESSAGE;
-        while !message.is_char_boundary(cut) {
-            cut -= 1;
+    let text = |key: &str, max: usize| {
+        let mut s = match e.get(key) {
+            Some(serde_json::Value::String(s)) => s.clone(),
+            Some(serde_json::Value::Number(n)) => n.to_string(),
+            _ => return None,
+        };
+        if s.len() > max {
+            let mut cut = max;
+            while !s.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            s.truncate(cut);
         }
-        message.truncate(cut);
-    }
-    (text("code"), text("type"), message)
+        Some(s)
+    };
+    // A provider's code and type name a kind of error (a few words): longer
+    // ones are cut like the message, so no answer puts kilobytes into every
+    // failed result and dead letter that quotes them.
+    (
+        text("code", MAX_ERROR_CODE),
+        text("type", MAX_ERROR_CODE),
+        text("message", MAX_ERROR_MESSAGE).unwrap_or_default(),
+    )
 }
+
+/// Longest error code or type kept from a provider's answer, bytes.
+const MAX_ERROR_CODE: usize = 64;
 
 /// Short category of a serde_json error, without the input excerpt.
 pub(super) trait ClassifyStr {

@@ -57,15 +57,23 @@ pub use metrics::OperatorMetrics;
 
 pub use crate::envelope::{HEADER_BILLED, HEADER_DUPLICATE, HEADER_REPLAY_OF, QUOTA_EXCEEDED};
 
+/// The most tokens, or micro-dollars, a [`HEADER_BILLED`] figure may name: a
+/// header naming more (written by no Sluice: a million calls of a million
+/// tokens is 2^40) is not read, so no record can carry sums that wrap around
+/// into a tenant's accounts.
+const MAX_BILLED: u64 = 1 << 40;
+
 /// What a task's earlier attempts were billed ([`HEADER_BILLED`]), if any.
-fn billed_before(headers: &Headers) -> (Usage, i64) {
+pub(crate) fn billed_before(headers: &Headers) -> (Usage, i64) {
     let parsed = headers
         .iter()
         .rev()
         .find(|(k, _)| k == HEADER_BILLED)
         .and_then(|(_, v)| std::str::from_utf8(v).ok())
         .and_then(|v| {
-            let mut n = v.split(',').map(|x| x.trim().parse::<u64>().ok());
+            let mut n = v
+                .split(',')
+                .map(|x| x.trim().parse::<u64>().ok().filter(|n| *n <= MAX_BILLED));
             let mut next = || n.next().flatten();
             let mut usage = Usage {
                 prompt_tokens: next()?,
@@ -81,7 +89,7 @@ fn billed_before(headers: &Headers) -> (Usage, i64) {
 }
 
 /// `headers` with [`HEADER_BILLED`] set to what a task was billed so far.
-fn with_billed(headers: &Headers, usage: Usage, cost_micros: i64) -> Headers {
+pub(crate) fn with_billed(headers: &Headers, usage: Usage, cost_micros: i64) -> Headers {
     let mut out: Headers = headers
         .iter()
         .filter(|(k, _)| k != HEADER_BILLED)

@@ -119,3 +119,25 @@ fn other_servers_context_errors_and_content_dependent_400s() {
     let plain = r#"{"error":{"message":"Unsupported value: 'temperature' does not support 0.0 with this model.","type":"invalid_request_error","param":"temperature","code":"unsupported_value"}}"#;
     assert_eq!(from_body(400, plain), Permanent(BadRequest));
 }
+
+/// A provider's code and type are cut like its message: an answer cannot put kilobytes into
+/// every failed result and dead letter that names them.
+#[test]
+fn long_codes_and_types_are_cut() {
+    let long = "é".repeat(5_000);
+    let body = serde_json::json!({"error": {"code": long, "type": long, "message": long}});
+    let (code, kind, message) = parse_error_body(body.to_string().as_bytes());
+    let (code, kind) = (code.unwrap(), kind.unwrap());
+    assert!(
+        code.len() <= MAX_ERROR_CODE && code.len() >= MAX_ERROR_CODE - 1,
+        "{code}"
+    );
+    assert!(kind.len() <= MAX_ERROR_CODE, "{kind}");
+    assert!(code.chars().all(|c| c == 'é'));
+    assert!(message.len() <= MAX_ERROR_MESSAGE);
+    // Short ones, and numeric codes, are kept whole.
+    let (code, kind, _) =
+        parse_error_body(br#"{"error":{"code":429,"type":"rate_limit_exceeded"}}"#);
+    assert_eq!(code.as_deref(), Some("429"));
+    assert_eq!(kind.as_deref(), Some("rate_limit_exceeded"));
+}
