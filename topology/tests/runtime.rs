@@ -394,6 +394,50 @@ fn run_key_count(app: &str, input: &str, output: &str, dir: &std::path::Path, un
     assert_eq!(metrics.records_in(), until, "records processed by this run");
 }
 
+/// Under exactly-once a task's outputs are readable once its transaction
+/// commits. An instance with no fetched record left to process commits the
+/// outputs it holds after a quarter of the commit interval rather than the
+/// whole one (at light load a caller waits for a result, not for the
+/// interval): with a 40 s interval, a count's updates are readable long
+/// before the first interval ends.
+#[test]
+fn an_instance_with_nothing_left_to_process_commits_held_outputs_early() {
+    let (input, output, app) = (unique("early-in"), unique("early-out"), unique("early-app"));
+    create(&[(&input, 1), (&output, 1)]);
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = StreamsConfig::new(&app, &bootstrap(), dir.path());
+    cfg.guarantee = Guarantee::ExactlyOnce;
+    cfg.session_timeout = Duration::from_secs(6);
+    let interval = Duration::from_secs(40);
+    cfg.commit_interval = Some(interval);
+    let metrics = EngineMetrics::unregistered();
+    let started = Instant::now();
+    let running = StreamsApp::new(key_count(&input, &output), cfg, metrics.clone())
+        .start()
+        .unwrap();
+    let producer = producer();
+    for key in ["k0", "k1", "k2"] {
+        producer
+            .send(BaseRecord::<str, str>::to(&input).key(key).payload("x"))
+            .map_err(|(e, _)| e)
+            .unwrap();
+    }
+    producer.flush(Duration::from_secs(30)).unwrap();
+    let latest = latest_key_counts(&output, |m| m.len() == 3);
+    let readable_after = started.elapsed();
+    running.shutdown();
+    running.join().unwrap();
+    let want: BTreeMap<String, u64> = ["k0", "k1", "k2"]
+        .into_iter()
+        .map(|k| (k.to_string(), 1))
+        .collect();
+    assert_eq!(latest, want);
+    assert!(
+        readable_after < interval * 3 / 4,
+        "the counts became readable {readable_after:?} after the start: held for the {interval:?} commit interval"
+    );
+}
+
 /// Offsets reset on purpose (as `kafka-consumer-groups --reset-offsets`
 /// does, while the application is stopped) are obeyed: the restarted task
 /// processes those records again, although its progress record says it

@@ -120,6 +120,10 @@ pub(crate) fn client_config(cfg: &StreamsConfig) -> ClientConfig {
     c
 }
 
+/// The first retry's backoff of a transactional producer (see
+/// [`create_producer`]).
+pub(crate) const TXN_RETRY_BACKOFF_MS: &str = "20";
+
 /// Creates a producer; `transactional_id` makes it transactional.
 pub(crate) fn create_producer(
     cfg: &StreamsConfig,
@@ -136,10 +140,20 @@ pub(crate) fn create_producer(
         // Java producers (and Kafka Streams) would put them.
         .set("partitioner", "murmur2_random");
     if let Some(id) = transactional_id {
-        c.set("transactional.id", id).set(
-            "transaction.timeout.ms",
-            cfg.transaction_timeout.as_millis().to_string(),
-        );
+        c.set("transactional.id", id)
+            .set(
+                "transaction.timeout.ms",
+                cfg.transaction_timeout.as_millis().to_string(),
+            )
+            // A transaction begun right after the previous one committed is
+            // refused with CONCURRENT_TRANSACTIONS until the coordinator has
+            // written the previous one's markers, a few milliseconds; the
+            // client retries after `retry.backoff.ms`, 100 ms by default,
+            // which would hold every commit round's first records that long.
+            // The Java producer retries this case after 20 ms (KAFKA-5477);
+            // later retries back off exponentially up to
+            // `retry.backoff.max.ms` as before.
+            .set("retry.backoff.ms", TXN_RETRY_BACKOFF_MS);
     }
     for (k, v) in &cfg.producer_overrides {
         c.set(k, v);

@@ -116,11 +116,14 @@ impl Engine {
     /// thread. Exactly-once commits a round: one task at a time moves to a
     /// commit thread, which runs its whole commit, while the driver goes on
     /// processing the others (a task's records and completions wait while it
-    /// commits); the interval runs from the end of a round.
+    /// commits); the interval runs from the end of a round. An `early` round
+    /// (exactly-once, outputs held while nothing waits to be processed)
+    /// commits only the tasks holding outputs, together.
     pub(super) fn commit_periodically(
         &mut self,
         consumer: &DriverConsumer,
         due: bool,
+        early: bool,
     ) -> Result<(), RuntimeError> {
         self.collect_commit(consumer, false)?;
         if self.committing.is_some() {
@@ -128,29 +131,52 @@ impl Engine {
         }
         if self.round.is_empty() {
             if let Some(started) = self.round_started.take() {
-                self.metrics
-                    .commit_seconds
-                    .observe(started.elapsed().as_secs_f64());
-                self.last_commit = Instant::now();
+                self.last_round_end = Instant::now();
+                if !std::mem::take(&mut self.round_early) {
+                    self.metrics
+                        .commit_seconds
+                        .observe(started.elapsed().as_secs_f64());
+                    self.last_commit = self.last_round_end;
+                }
                 return Ok(());
             }
-            if !due {
+            if !due && !early {
                 return Ok(());
             }
             if !self.eos() {
                 return self.commit_all(consumer);
             }
-            self.round = self.tasks.keys().rev().copied().collect();
+            // Popped from the end: tasks holding outputs commit first (their
+            // readers wait for them), each group in task order.
+            let mut round: Vec<(bool, TaskId)> = self
+                .tasks
+                .iter()
+                .map(|(id, t)| (!t.core.ctx.out.is_empty(), *id))
+                .filter(|(holds, _)| due || *holds)
+                .collect();
+            round.sort_by_key(|&(holds, id)| (holds, std::cmp::Reverse(id)));
+            self.round = round.into_iter().map(|(_, id)| id).collect();
+            self.round_early = !due;
             self.round_started = Some(Instant::now());
         }
         self.start_commit(consumer)
     }
 
     /// Moves the next task of the round to a commit thread (the others go on
-    /// processing meanwhile: every task committing at once stops them all).
+    /// processing meanwhile: every task committing at once stops them all),
+    /// or every task of an early round at once (their transactions' round
+    /// trips overlap).
     fn start_commit(&mut self, consumer: &DriverConsumer) -> Result<(), RuntimeError> {
         let mut tasks = Vec::with_capacity(1);
         while tasks.is_empty() {
+            if self.round_early {
+                let ids = std::mem::take(&mut self.round);
+                tasks.extend(ids.iter().filter_map(|id| self.tasks.remove(id)));
+                if ids.is_empty() {
+                    return Ok(());
+                }
+                continue;
+            }
             let Some(id) = self.round.pop() else {
                 return Ok(());
             };
@@ -426,6 +452,7 @@ fn broker_steps(
     // The tests' crash points are reached only inside a transaction.
     let working = commits.iter().any(|c| !c.idle);
     let deadline = Instant::now() + TXN_TIMEOUT;
+    let t0 = Instant::now();
     in_parallel(commits.iter_mut().collect(), threads, |c| {
         c.step(|c| {
             if !c.task.txn_open {
@@ -437,6 +464,7 @@ fn broker_steps(
         });
         Ok(())
     })?;
+    let t_sent = Instant::now();
     for c in commits.iter_mut() {
         c.step(|c| {
             if c.offsets.is_empty() {
@@ -451,6 +479,7 @@ fn broker_steps(
             })
         });
     }
+    let t_offsets = Instant::now();
     if working {
         failpoint("eos_before_flush");
     }
@@ -464,6 +493,7 @@ fn broker_steps(
             })
         });
     }
+    let t_flush = Instant::now();
     if working {
         failpoint("eos_after_changelog_flush");
     }
@@ -479,6 +509,13 @@ fn broker_steps(
             Ok(())
         });
     }
+    tracing::trace!(
+        sent_ms = (t_sent - t0).as_millis() as u64,
+        offsets_ms = (t_offsets - t_sent).as_millis() as u64,
+        flush_ms = (t_flush - t_offsets).as_millis() as u64,
+        commit_ms = t_flush.elapsed().as_millis() as u64,
+        "transaction steps"
+    );
     if working {
         failpoint("eos_after_commit_before_local");
     }

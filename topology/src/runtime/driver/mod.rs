@@ -325,6 +325,11 @@ struct Engine {
     round: Vec<TaskId>,
     /// When the current round began.
     round_started: Option<Instant>,
+    /// The current round is an early one: only the tasks holding outputs,
+    /// at once (see [`Engine::outputs_wait_while_idle`]).
+    round_early: bool,
+    /// When the last round (early or not) ended.
+    last_round_end: Instant,
     last_punctuate: Instant,
     /// When consumed repartition records were last deleted, and the admin
     /// client that does it (made on first use).
@@ -511,6 +516,8 @@ impl Driver {
             committing: None,
             round: Vec::new(),
             round_started: None,
+            round_early: false,
+            last_round_end: Instant::now(),
             last_punctuate: Instant::now(),
             last_purge: Instant::now(),
             admin: None,
@@ -715,7 +722,8 @@ impl Engine {
         let cache_max = self.cfg.cache_max_entries;
         let cache_full = self.tasks.values().any(|t| t.cache_full(cache_max));
         let due = cache_full || self.last_commit.elapsed() >= self.cfg.commit_interval();
-        self.commit_periodically(consumer, due)?;
+        let early = !due && self.outputs_wait_while_idle();
+        self.commit_periodically(consumer, due, early)?;
         if self.last_purge.elapsed() >= self.cfg.repartition_purge_interval {
             self.last_purge = Instant::now();
             self.purge_repartition_topics();
@@ -726,6 +734,25 @@ impl Engine {
         }
         self.update_metrics();
         Ok(())
+    }
+
+    /// Under exactly-once a task's outputs are readable only once its
+    /// transaction commits. When some are held and no fetched record waits
+    /// to be processed (the instance keeps up), the tasks holding them
+    /// commit now, together, in an early round, rather than at the interval,
+    /// a quarter of the interval after the last round at the soonest: at
+    /// light load a result waits for a commit, not for up to an interval
+    /// more (an LLM result's caller is waiting for it). Early rounds leave
+    /// the interval's rounds as they were; under load the interval paces
+    /// the commits.
+    fn outputs_wait_while_idle(&self) -> bool {
+        self.eos()
+            && self.last_round_end.elapsed() >= self.cfg.commit_interval() / 4
+            && self.tasks.values().any(|t| !t.core.ctx.out.is_empty())
+            && self
+                .tasks
+                .values()
+                .all(|t| t.backlog.iter().all(VecDeque::is_empty))
     }
 
     /// Hands the async completions that arrived to their tasks: in arrival
