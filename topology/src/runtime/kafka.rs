@@ -122,7 +122,7 @@ pub(crate) fn client_config(cfg: &StreamsConfig) -> ClientConfig {
 
 /// The first retry's backoff of a transactional producer (see
 /// [`create_producer`]).
-pub(crate) const TXN_RETRY_BACKOFF_MS: &str = "20";
+const TXN_RETRY_BACKOFF_MS: &str = "20";
 
 /// Creates a producer; `transactional_id` makes it transactional.
 pub(crate) fn create_producer(

@@ -116,14 +116,13 @@ impl Engine {
     /// thread. Exactly-once commits a round: one task at a time moves to a
     /// commit thread, which runs its whole commit, while the driver goes on
     /// processing the others (a task's records and completions wait while it
-    /// commits); the interval runs from the end of a round. An `early` round
-    /// (exactly-once, outputs held while nothing waits to be processed)
-    /// commits only the tasks holding outputs, together.
+    /// commits); the interval runs from the end of a round. Between them an
+    /// early round (see [`Engine::outputs_wait_while_idle`]) commits only the
+    /// tasks holding outputs, together.
     pub(super) fn commit_periodically(
         &mut self,
         consumer: &DriverConsumer,
         due: bool,
-        early: bool,
     ) -> Result<(), RuntimeError> {
         self.collect_commit(consumer, false)?;
         if self.committing.is_some() {
@@ -140,7 +139,7 @@ impl Engine {
                 }
                 return Ok(());
             }
-            if !due && !early {
+            if !due && !self.outputs_wait_while_idle() {
                 return Ok(());
             }
             if !self.eos() {
@@ -168,15 +167,12 @@ impl Engine {
     /// trips overlap).
     fn start_commit(&mut self, consumer: &DriverConsumer) -> Result<(), RuntimeError> {
         let mut tasks = Vec::with_capacity(1);
-        while tasks.is_empty() {
-            if self.round_early {
-                let ids = std::mem::take(&mut self.round);
-                tasks.extend(ids.iter().filter_map(|id| self.tasks.remove(id)));
-                if ids.is_empty() {
-                    return Ok(());
-                }
-                continue;
+        if self.round_early {
+            for id in std::mem::take(&mut self.round) {
+                tasks.extend(self.tasks.remove(&id));
             }
+        }
+        while tasks.is_empty() {
             let Some(id) = self.round.pop() else {
                 return Ok(());
             };
@@ -451,8 +447,8 @@ fn broker_steps(
 ) -> Result<(), RuntimeError> {
     // The tests' crash points are reached only inside a transaction.
     let working = commits.iter().any(|c| !c.idle);
-    let deadline = Instant::now() + TXN_TIMEOUT;
     let t0 = Instant::now();
+    let deadline = t0 + TXN_TIMEOUT;
     in_parallel(commits.iter_mut().collect(), threads, |c| {
         c.step(|c| {
             if !c.task.txn_open {

@@ -722,8 +722,7 @@ impl Engine {
         let cache_max = self.cfg.cache_max_entries;
         let cache_full = self.tasks.values().any(|t| t.cache_full(cache_max));
         let due = cache_full || self.last_commit.elapsed() >= self.cfg.commit_interval();
-        let early = !due && self.outputs_wait_while_idle();
-        self.commit_periodically(consumer, due, early)?;
+        self.commit_periodically(consumer, due)?;
         if self.last_purge.elapsed() >= self.cfg.repartition_purge_interval {
             self.last_purge = Instant::now();
             self.purge_repartition_topics();
@@ -745,7 +744,7 @@ impl Engine {
     /// more (an LLM result's caller is waiting for it). Early rounds leave
     /// the interval's rounds as they were; under load the interval paces
     /// the commits.
-    fn outputs_wait_while_idle(&self) -> bool {
+    pub(super) fn outputs_wait_while_idle(&self) -> bool {
         self.eos()
             && self.last_round_end.elapsed() >= self.cfg.commit_interval() / 4
             && self.tasks.values().any(|t| !t.core.ctx.out.is_empty())
