@@ -16,6 +16,16 @@ if [ "$area" = peer ]; then
     || { echo "bench: Maven could not build the Kafka Streams peer" >&2; exit 1; }
   export SLUICE_BENCH_KSTREAMS_CP="$peer/target/classes:$peer/target/libs/*"
 fi
+if [ "$area" = gateway ] && ! command -v wrk >/dev/null; then
+  # The gateway's load generator: Debian's wrk (a C event loop per thread),
+  # so the load takes less of the cores the gateway runs on.
+  if [ "$(id -u)" = 0 ]; then sudo=""; elif command -v sudo >/dev/null; then sudo="sudo"; else
+    echo "bench: wrk missing and not root: install it with apt-get" >&2; exit 1
+  fi
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq wrk >/dev/null \
+    || { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq wrk >/dev/null; } \
+    || { echo "bench: apt-get install wrk failed" >&2; exit 1; }
+fi
 cargo build --release --bench "$area"
 name="bench-$$"
 bootstrap="$("$root/scripts/broker.sh" start "$name")"
