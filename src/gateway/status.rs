@@ -312,6 +312,7 @@ pub fn topology(
             watchers: watchers.clone(),
             metrics: metrics.clone(),
             sweep_after: None,
+            next_pass_ms: i64::MIN,
             pending: 0,
             partition: None,
         },
@@ -321,6 +322,17 @@ pub fn topology(
 
 /// Entries looked at per punctuation by the time-to-live sweep.
 const SWEEP_BATCH: usize = 500;
+/// The longest time between two passes of the sweep over a store.
+const SWEEP_PASS_MAX: Duration = Duration::from_secs(600);
+
+/// The time between the starts of two sweep passes over a store: a
+/// hundredth of the time-to-live (a status outlives it by at most that
+/// much more), at most [`SWEEP_PASS_MAX`]. Without a pause, a task of a
+/// few hundred thousand statuses read and decoded them all again every
+/// few seconds, idle or not.
+fn sweep_pass_interval(ttl: Duration) -> Duration {
+    (ttl / 100).min(SWEEP_PASS_MAX)
+}
 
 /// The status processor of one task (partition).
 struct StatusTable {
@@ -329,6 +341,8 @@ struct StatusTable {
     metrics: GatewayMetrics,
     /// Where the time-to-live sweep goes on (encoded key).
     sweep_after: Option<Vec<u8>>,
+    /// When the next sweep pass may start (wall clock, ms).
+    next_pass_ms: i64,
     /// Tasks pending in this partition (for the gauge).
     pending: i64,
     partition: Option<i32>,
@@ -457,9 +471,16 @@ impl StatusTable {
     }
 
     /// Deletes statuses unchanged for longer than the time-to-live, a few
-    /// hundred entries per tick (a pending one leaves the backlog too).
+    /// hundred entries per tick (a pending one leaves the backlog too), in
+    /// passes over the store that start [`sweep_pass_interval`] apart.
     fn sweep(&mut self, ctx: &mut Ctx<'_>, now: i64) -> Result<(), ProcessError> {
+        if self.sweep_after.is_none() && now < self.next_pass_ms {
+            return Ok(());
+        }
         let ttl = self.settings.ttl.as_millis() as i64;
+        if self.sweep_after.is_none() {
+            self.next_pass_ms = now + sweep_pass_interval(self.settings.ttl).as_millis() as i64;
+        }
         let batch = ctx
             .kv::<StatusKey, StoredStatus>(STATUS_STORE)?
             .scan_after_bytes(self.sweep_after.as_deref(), SWEEP_BATCH)?;
@@ -524,5 +545,77 @@ impl Drop for StatusTable {
         if let Some(p) = self.partition {
             self.metrics.forget_partition(p);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_topology::TopologyTestDriver;
+
+    const TASKS: &str = "t.tasks.classify";
+    const HOUR_MS: i64 = 3_600_000;
+
+    fn table() -> TopologyTestDriver {
+        let settings = StatusSettings {
+            task_topics: vec![TASKS.into()],
+            task_types: vec!["classify".into()],
+            limits: EnvelopeLimits::default(),
+            result_topics: vec!["t.results.completed".into(), "t.results.failed".into()],
+            ttl: Duration::from_millis(HOUR_MS as u64),
+            windows: Vec::new(),
+            quotas: Quotas::default(),
+        };
+        let metrics = GatewayMetrics::register(&prometheus::Registry::new()).unwrap();
+        let topology = topology(&settings, Arc::new(Watchers::default()), metrics).unwrap();
+        TopologyTestDriver::new(topology).unwrap()
+    }
+
+    fn accept(driver: &mut TopologyTestDriver, id: &str) {
+        let task = serde_json::json!({
+            "taskId": id,
+            "tenantId": "acme",
+            "taskType": "classify",
+            "submittedAt": "2026-12-05T10:00:00Z",
+            "attemptNumber": 1,
+            "payload": { "content": "shares rose", "labels": ["news", "tech"] },
+        });
+        let bytes = serde_json::to_vec(&task).unwrap();
+        driver
+            .pipe_raw(TASKS, Some(b"acme"), Some(&bytes), 0)
+            .unwrap();
+    }
+
+    /// Statuses of the status store deleted so far (committed).
+    fn deleted(driver: &mut TopologyTestDriver) -> usize {
+        driver.commit().unwrap();
+        driver
+            .changelog_records()
+            .iter()
+            .filter(|(store, r)| store == STATUS_STORE && r.value.is_none())
+            .count()
+    }
+
+    #[test]
+    fn expired_statuses_are_swept_in_passes_a_hundredth_of_the_ttl_apart() {
+        let t0 = 1_800_000_000_000;
+        let interval = sweep_pass_interval(Duration::from_millis(HOUR_MS as u64));
+        assert_eq!(interval, Duration::from_secs(36));
+        let mut driver = table();
+        driver.punctuate(t0).unwrap();
+        accept(&mut driver, "a");
+        // A pass 10 s before the status expires finds nothing to delete.
+        driver.punctuate(t0 + HOUR_MS - 10_000).unwrap();
+        assert_eq!(deleted(&mut driver), 0);
+        // Expired 1 s later, but the next pass is not due yet.
+        driver.punctuate(t0 + HOUR_MS + 1_000).unwrap();
+        assert_eq!(
+            deleted(&mut driver),
+            0,
+            "a pass started before its interval"
+        );
+        // The next pass (36 s after the last one started) deletes it.
+        driver.punctuate(t0 + HOUR_MS + 26_000).unwrap();
+        assert_eq!(deleted(&mut driver), 1);
     }
 }
