@@ -327,7 +327,8 @@ const SWEEP_PASS_MAX: Duration = Duration::from_secs(600);
 
 /// The time between the starts of two sweep passes over a store: a
 /// hundredth of the time-to-live (a status outlives it by at most that
-/// much more), at most [`SWEEP_PASS_MAX`]. Without a pause, a task of a
+/// much more, plus the pass itself: 500 entries per 50 ms punctuation),
+/// at most [`SWEEP_PASS_MAX`]. Without a pause, a task of a
 /// few hundred thousand statuses read and decoded them all again every
 /// few seconds, idle or not.
 fn sweep_pass_interval(ttl: Duration) -> Duration {
