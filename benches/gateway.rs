@@ -150,23 +150,27 @@ struct Accepted {
     p99_ms: f64,
 }
 
-/// The gateway's count of accepted tasks.
-async fn accepted_total(client: &reqwest::Client, addr: &str) -> u64 {
-    let text = client
+/// The `/metrics` page of the application at `addr`.
+async fn metrics(client: &reqwest::Client, addr: &str) -> reqwest::Result<String> {
+    client
         .get(format!("http://{addr}/metrics"))
         .send()
-        .await
-        .expect("metrics")
+        .await?
         .text()
         .await
-        .expect("metrics");
+}
+
+/// The value of a metric without labels on a `/metrics` page.
+fn metric(text: &str, name: &str) -> Option<f64> {
     text.lines()
-        .find_map(|l| {
-            l.strip_prefix("sluice_gateway_tasks_accepted_total ")?
-                .parse::<f64>()
-                .ok()
-        })
-        .expect("sluice_gateway_tasks_accepted_total") as u64
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// The gateway's count of accepted tasks.
+async fn accepted_total(client: &reqwest::Client, addr: &str) -> u64 {
+    const NAME: &str = "sluice_gateway_tasks_accepted_total";
+    let text = metrics(client, addr).await.expect("metrics");
+    metric(&text, NAME).expect(NAME) as u64
 }
 
 /// POSTs for `secs` from `CONCURRENCY` connections of `wrk` (Debian's
@@ -437,9 +441,8 @@ max_backlog_per_tenant = 0
     std::fs::write(&script, wrk_script()).unwrap();
     let (mut gw_rounds, mut loop_rates) = (Vec::new(), Vec::new());
     rt.block_on(async {
-        // Warm-up: connections open, metadata known, and the fresh broker's
-        // JVM past compiling the paths each side uses (on a fresh broker
-        // the first seconds of either run at half speed or less).
+        // Warm-up: connections open, metadata known, the broker's first
+        // seconds of each kind of traffic behind us.
         accept_round(&client, &addr, warmup, &script).await;
         produce_round(&producer, &topic, warmup, &next).await;
         for _ in 0..rounds {
@@ -496,21 +499,8 @@ max_backlog_per_tenant = 0
     // Where the time after completedAt goes under exactly-once: each
     // application's commits (a result is readable once its transaction is).
     for (who, a) in [("pipeline", &run_addr), ("gateway", &addr)] {
-        let text = rt
-            .block_on(async {
-                client
-                    .get(format!("http://{a}/metrics"))
-                    .send()
-                    .await?
-                    .text()
-                    .await
-            })
-            .unwrap_or_default();
-        let value = |name: &str| {
-            text.lines()
-                .find_map(|l| l.strip_prefix(name)?.trim().parse::<f64>().ok())
-                .unwrap_or(0.0)
-        };
+        let text = rt.block_on(metrics(&client, a)).unwrap_or_default();
+        let value = |name: &str| metric(&text, name).unwrap_or(0.0);
         let (sum, count) = (
             value("sluice_commit_seconds_sum"),
             value("sluice_commit_seconds_count"),

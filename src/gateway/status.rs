@@ -475,13 +475,14 @@ impl StatusTable {
     /// hundred entries per tick (a pending one leaves the backlog too), in
     /// passes over the store that start [`sweep_pass_interval`] apart.
     fn sweep(&mut self, ctx: &mut Ctx<'_>, now: i64) -> Result<(), ProcessError> {
-        if self.sweep_after.is_none() && now < self.next_pass_ms {
-            return Ok(());
-        }
-        let ttl = self.settings.ttl.as_millis() as i64;
         if self.sweep_after.is_none() {
+            // A new pass: not before its time.
+            if now < self.next_pass_ms {
+                return Ok(());
+            }
             self.next_pass_ms = now + sweep_pass_interval(self.settings.ttl).as_millis() as i64;
         }
+        let ttl = self.settings.ttl.as_millis() as i64;
         let batch = ctx
             .kv::<StatusKey, StoredStatus>(STATUS_STORE)?
             .scan_after_bytes(self.sweep_after.as_deref(), SWEEP_BATCH)?;
