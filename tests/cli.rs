@@ -1,5 +1,6 @@
 //! The command line without a broker: a bad configuration stops `sluice run`
-//! with exit code 2 and a message naming the key.
+//! with exit code 2 and a message naming the key; the binary serves the C
+//! libraries' allocations with its own allocator.
 
 mod common;
 
@@ -118,4 +119,32 @@ fn missing_api_key_exits_2_without_printing_a_secret() {
     let (code, err) = run_with_config(&text);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("SLUICE_CLI_TEST_UNSET_KEY"), "{err}");
+}
+
+/// The C libraries' allocations (librdkafka's per-message ones, RocksDB's)
+/// go to mimalloc too: the binary defines `malloc` and `free` itself
+/// (mimalloc's `override`), and the dynamic linker binds the C library's own
+/// calls to them (glibc's `LD_DEBUG=bindings` prints each binding).
+#[test]
+fn the_binary_serves_c_allocations_itself() {
+    let bin = common::sluice_bin();
+    let out = Command::new(&bin)
+        .arg("--help")
+        .env("LD_DEBUG", "bindings")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let log = String::from_utf8_lossy(&out.stderr);
+    let name = bin.file_name().unwrap().to_string_lossy().into_owned();
+    for symbol in ["malloc", "free"] {
+        let bound_here = log.lines().any(|l| {
+            l.contains("binding file /")
+                && l.contains("libc.so")
+                && l.contains(&format!("{name} [0]: normal symbol `{symbol}'"))
+        });
+        assert!(
+            bound_here,
+            "libc's {symbol} is not bound to the binary's own (mimalloc built without `override`?)"
+        );
+    }
 }
