@@ -646,7 +646,15 @@ pub async fn run_until(
         .unwrap_or_else(|| format!("http://{bound}"));
     let producer: FutureProducer = crate::kafka::base(config.kafka.cluster())
         .set("enable.idempotence", "true")
-        .set("linger.ms", "1")
+        // An idempotent producer keeps at most 5 requests in flight per
+        // partition; while that window is full and a batch's linger has
+        // run out, librdkafka's broker thread polls without sleeping until
+        // an answer comes. A batch every 2 ms fills the window only when the
+        // broker takes over 10 ms to answer (at 1 ms, over 5 ms: under load
+        // that thread spun for a fifth of the gateway's CPU). Waiting
+        // longer costs the 202 its latency (5 ms: 40 % fewer accepted POSTs
+        // from 64 connections).
+        .set("linger.ms", "2")
         .create()
         .map_err(crate::kafka::KafkaError::from)?;
     let app = StreamsApp::new(topology, streams, engine_metrics)
