@@ -60,9 +60,9 @@ struct ConfigArg {
 /// buffers, which mimalloc serves several times faster than the system's.
 /// It replaces `malloc` process-wide (`override`), so librdkafka's
 /// per-message allocations (a consumed message, its header list, a produced
-/// record) and RocksDB's are served by it too: a fifth to a quarter of the
-/// exactly-once engine's CPU per record (docs/benchmarks.md, 2026-12-05;
-/// tests/cli.rs checks the binary defines `malloc`). Built without
+/// record) and RocksDB's are served by it too: the same exactly-once runs
+/// took a fifth to a third less CPU (docs/benchmarks.md, 2026-12-05;
+/// tests/cli.rs checks libc's `malloc` and `free` bind to it). Built without
 /// transparent huge pages (`no_thp`): with them, the first touch of any of
 /// its memory zeroed 2 MiB, 15 % of the operator's CPU.
 #[global_allocator]
