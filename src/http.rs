@@ -4,6 +4,7 @@
 
 pub mod auth;
 pub mod forward;
+pub mod unread;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

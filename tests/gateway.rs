@@ -506,6 +506,46 @@ fn a_tenant_over_its_backlog_waits_and_a_batch_is_checked_whole() {
     }
 }
 
+#[test]
+fn a_refusal_sent_before_the_body_was_read_closes_its_connection() {
+    // Refused on its headers (a declared length over `[gateway]
+    // max_body_bytes`, no token), a request's body is left unread, and the
+    // gateway ends the connection after the answer. The answer says so
+    // (`Connection: close`): a client that pooled the connection would send
+    // its next request into a socket being closed and get no answer.
+    let p = Pipeline::new(SimConfig::default(), "[gateway]\nmax_body_bytes = 65536\n");
+    let state = temp_dir();
+    let g = start_gateway(&p, "gw", state.path());
+    wait_ready(&p, &g);
+    let c = client();
+    let t0 = tenant_token(0);
+    let huge = serde_json::to_vec(&submission_of("summarize", &"x".repeat(200_000))).unwrap();
+    let fits = serde_json::to_vec(&submission_of("summarize", &"x".repeat(60_000))).unwrap();
+    let next = br#"{"taskType":"summarize","payload":{"maxWords":3}}"#.to_vec();
+    p.rt.block_on(async {
+        for round in 0..50 {
+            for (token, body, status) in [(Some(t0.as_str()), &huge, 413), (None, &fits, 401)] {
+                let refused = post(&c, g.url("/v1/tasks"), token, &[], body.clone()).await;
+                assert_eq!(refused.status, status, "round {round}: {}", refused.body);
+                assert_eq!(
+                    refused.headers.get("connection").map(String::as_str),
+                    Some("close"),
+                    "round {round}: a {status} with its body unread"
+                );
+                // The client's next request, on a pooled connection if it
+                // kept one, is answered.
+                let answered = post(&c, g.url("/v1/tasks"), Some(&t0), &[], next.clone()).await;
+                assert_eq!(answered.status, 400, "round {round}: {}", answered.body);
+                assert_ne!(
+                    answered.headers.get("connection").map(String::as_str),
+                    Some("close"),
+                    "a body read to its end keeps the connection"
+                );
+            }
+        }
+    });
+}
+
 /// A tenant whose hard quota made the pipeline refuse a task gets 429
 /// (`quota`) with `Retry-After` until its window ends; other tenants are
 /// accepted.

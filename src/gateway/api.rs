@@ -54,6 +54,7 @@ pub(super) fn router(gw: Arc<Gateway>) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .layer(middleware::from_fn_with_state(gw.clone(), count))
+        .layer(middleware::from_fn(crate::http::unread::close_if_unread))
         .with_state(gw)
 }
 
