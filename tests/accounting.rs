@@ -524,7 +524,11 @@ fn usage_is_exact_after_a_crash_once_changelogs_were_written() {
     .unwrap();
     let p = Pipeline::new(sim, "[llm.retry]\nmax_attempts = 1\n");
     let tasks = mixed_tasks(1_000);
-    p.crash_at("acct-crash-1", "eos_after_changelog_flush:3", &tasks);
+    p.crash_at(
+        "acct-crash-1",
+        "eos_after_changelog_flush+outputs:3",
+        &tasks,
+    );
     let mut app = p.start("acct-crash-2");
     let results = p.results(tasks.len(), Duration::from_secs(180));
     assert_each_answered_once(&tasks, &results);

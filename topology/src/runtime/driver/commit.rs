@@ -445,8 +445,10 @@ fn broker_steps(
     metrics: &EngineMetrics,
     threads: usize,
 ) -> Result<(), RuntimeError> {
-    // The tests' crash points are reached only inside a transaction.
+    // The tests' crash points are reached only inside a transaction (some
+    // count only transactions with outputs: see `failpoint_at`).
     let working = commits.iter().any(|c| !c.idle);
+    let outputs = commits.iter().any(|c| !c.outputs.is_empty());
     let t0 = Instant::now();
     let deadline = t0 + TXN_TIMEOUT;
     in_parallel(commits.iter_mut().collect(), threads, |c| {
@@ -477,7 +479,7 @@ fn broker_steps(
     }
     let t_offsets = Instant::now();
     if working {
-        failpoint("eos_before_flush");
+        failpoint_at("eos_before_flush", outputs);
     }
     // The commit's own flush (see `kafka::commit_transaction`), with the
     // tests' crash point between it and the commit.
@@ -491,7 +493,7 @@ fn broker_steps(
     }
     let t_flush = Instant::now();
     if working {
-        failpoint("eos_after_changelog_flush");
+        failpoint_at("eos_after_changelog_flush", outputs);
     }
     for c in commits.iter_mut() {
         c.step(|c| {
@@ -513,7 +515,7 @@ fn broker_steps(
         "transaction steps"
     );
     if working {
-        failpoint("eos_after_commit_before_local");
+        failpoint_at("eos_after_commit_before_local", outputs);
     }
     Ok(())
 }

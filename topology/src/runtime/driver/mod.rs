@@ -961,6 +961,14 @@ fn retrying<T>(
 /// environment, the process aborts (as if killed) the n-th time it reaches the
 /// point named `name`. Without the variable this is a no-op.
 fn failpoint(name: &str) {
+    failpoint_at(name, false);
+}
+
+/// As [`failpoint`], for a point passed by transactions: with
+/// `SLUICE_FAILPOINT=<name>+outputs:<n>` only the passes of transactions that
+/// carry output records count (a crash that must find results in the
+/// transaction it interrupts, however long the first results take).
+fn failpoint_at(name: &str, carries_outputs: bool) {
     use std::sync::atomic::AtomicI64;
     static REMAINING: AtomicI64 = AtomicI64::new(i64::MIN);
     static CONFIG: std::sync::OnceLock<Option<(String, i64)>> = std::sync::OnceLock::new();
@@ -971,7 +979,12 @@ fn failpoint(name: &str) {
     }) else {
         return;
     };
-    if point != name {
+    let outputs_only = point.strip_suffix("+outputs");
+    let counts = match outputs_only {
+        None => point == name,
+        Some(p) => p == name && carries_outputs,
+    };
+    if !counts {
         return;
     }
     let _ = REMAINING.compare_exchange(i64::MIN, *n, Ordering::SeqCst, Ordering::SeqCst);
