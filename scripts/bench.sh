@@ -5,6 +5,9 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 area="${1:?usage: bench.sh engine|llm|batching|usage|peer|gateway|overload}"
+die() { echo "bench: $*" >&2; exit 1; }
+# shellcheck source=scripts/lib.sh
+. "$root/scripts/lib.sh"
 "$root/scripts/setup.sh"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/sluice/target}"
 if [ "$area" = peer ]; then
@@ -19,12 +22,7 @@ fi
 if [ "$area" = gateway ] && ! command -v wrk >/dev/null; then
   # The gateway's load generator: Debian's wrk (a C event loop per thread),
   # so the load takes less of the cores the gateway runs on.
-  if [ "$(id -u)" = 0 ]; then sudo=""; elif command -v sudo >/dev/null; then sudo="sudo"; else
-    echo "bench: wrk missing and not root: install it with apt-get" >&2; exit 1
-  fi
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq wrk >/dev/null \
-    || { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq wrk >/dev/null; } \
-    || { echo "bench: apt-get install wrk failed" >&2; exit 1; }
+  apt_install wrk
 fi
 cargo build --release --bench "$area"
 name="bench-$$"

@@ -25,22 +25,14 @@ pins=(
 )
 
 die() { echo "check-helm: $*" >&2; exit 1; }
+# shellcheck source=scripts/lib.sh
+. "$root/scripts/lib.sh"
 
 command -v python3 >/dev/null || die "python3 not found (3.11 or later is needed)"
 python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
   || die "python3 is $(python3 -V 2>&1 | cut -d' ' -f2); 3.11 or later is needed (tomllib)"
 
-# Reinstall when the venv is missing, broken, or was made for other pins.
-if ! "$venv/bin/python" -c 'import helm_python, kubernetes_validate' 2>/dev/null \
-  || [ "$(cat "$venv/.pins" 2>/dev/null)" != "${pins[*]}" ]; then
-  echo "check-helm: installing ${pins[0]} and ${pins[1]} into .tools/helm-venv"
-  rm -rf "$venv"
-  python3 -m venv "$venv" || die "cannot create the venv $venv (is python3-venv installed?)"
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-input \
-    --only-binary=:all: "${pins[@]}" \
-    || { rm -rf "$venv"; die "pip install of ${pins[*]} failed"; }
-  echo "${pins[*]}" > "$venv/.pins"
-fi
+pinned_venv "$venv" "helm_python, kubernetes_validate" "${pins[@]}"
 
 # promtool checks and unit-tests the chart's alert rules.
 SLUICE_PROMTOOL="$("$root/scripts/install-promtool.sh")" || die "promtool is missing (see above)"

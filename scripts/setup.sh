@@ -14,6 +14,8 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 die() { echo "setup: $*" >&2; exit 1; }
+# shellcheck source=scripts/lib.sh
+. "$here/lib.sh"
 
 command -v cargo >/dev/null || die "cargo not found: install a Rust toolchain (https://rustup.rs)"
 command -v python3 >/dev/null || die "python3 not found (the broker script uses it)"
@@ -56,23 +58,16 @@ python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
 lean=()
 command -v chromium >/dev/null || lean+=(chromium)
 
-if [ "${#missing[@]}" -gt 0 ] || [ "${#lean[@]}" -gt 0 ]; then
-  echo "setup: installing system packages: ${missing[*]} ${lean[*]}"
-  if [ "$(id -u)" = 0 ]; then sudo=""; elif command -v sudo >/dev/null; then sudo="sudo"; else
-    die "missing ${missing[*]} ${lean[*]} and not root: install them with apt-get"
-  fi
-  export DEBIAN_FRONTEND=noninteractive
-  $sudo apt-get update -qq || die "apt-get update failed"
-  if [ "${#missing[@]}" -gt 0 ]; then
-    $sudo apt-get install -y -qq "${missing[@]}" >/dev/null || die "apt-get install ${missing[*]} failed"
-    have_libclang || die "libclang still missing after installing libclang-dev"
-    [ "$(java_major)" -ge 17 ] 2>/dev/null || die "Java 17 or newer still missing after installing it"
-  fi
-  if [ "${#lean[@]}" -gt 0 ]; then
-    $sudo apt-get install -y -qq --no-install-recommends "${lean[@]}" >/dev/null \
-      || die "apt-get install ${lean[*]} failed"
-    command -v chromium >/dev/null || die "chromium still missing after installing it"
-  fi
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "setup: installing system packages: ${missing[*]}"
+  apt_install "${missing[@]}"
+  have_libclang || die "libclang still missing after installing libclang-dev"
+  [ "$(java_major)" -ge 17 ] 2>/dev/null || die "Java 17 or newer still missing after installing it"
+fi
+if [ "${#lean[@]}" -gt 0 ]; then
+  echo "setup: installing system packages without their Recommends: ${lean[*]}"
+  apt_install --lean "${lean[@]}"
+  command -v chromium >/dev/null || die "chromium still missing after installing it"
 fi
 
 # schemathesis for tests/gateway_api.rs, with its dependencies pinned too: a
@@ -108,15 +103,6 @@ st_pins=(
   urllib3==2.8.0
   Werkzeug==3.1.9
 )
-if [ "$(cat "$st_venv/.pins" 2>/dev/null)" != "${st_pins[*]}" ] \
-  || ! "$st_venv/bin/python" -c 'import schemathesis' 2>/dev/null; then
-  echo "setup: installing ${st_pins[0]} into .tools/schemathesis-venv"
-  rm -rf "$st_venv"
-  python3 -m venv "$st_venv" || die "cannot create the venv $st_venv"
-  "$st_venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-input \
-    --only-binary=:all: "${st_pins[@]}" \
-    || { rm -rf "$st_venv"; die "pip install of ${st_pins[*]} failed"; }
-  echo "${st_pins[*]}" > "$st_venv/.pins"
-fi
+pinned_venv "$st_venv" schemathesis "${st_pins[@]}"
 
 "$here/install-kafka.sh"
