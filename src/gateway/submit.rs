@@ -190,7 +190,14 @@ pub fn check(
         }
         None => match idempotency_key {
             Some(k) => IdSource::Caller(idempotent_id(&tenant, k)),
-            None => IdSource::Fresh(uuid::Uuid::new_v4().to_string()),
+            // A version-4 id from the thread's CSPRNG (seeded from the
+            // system's): `Uuid::new_v4` asks the kernel for every id, a
+            // system call per accepted task.
+            None => IdSource::Fresh(
+                uuid::Builder::from_random_bytes(rand::random())
+                    .into_uuid()
+                    .to_string(),
+            ),
         },
     };
     let priority = match string(obj, "priority")?.as_deref() {
@@ -390,7 +397,24 @@ mod tests {
         assert_eq!(s.envelope.tenant_id.as_deref(), Some("acme"));
         assert_eq!(s.envelope.attempt_number, 1);
         assert_eq!(s.envelope.submitted_at, now);
-        assert!(matches!(s.id, IdSource::Fresh(_)));
+        let IdSource::Fresh(id) = &s.id else {
+            panic!("a fresh id: {:?}", s.id);
+        };
+        let uuid = uuid::Uuid::parse_str(id).unwrap();
+        assert_eq!(
+            (uuid.get_version(), uuid.get_variant()),
+            (Some(uuid::Version::Random), uuid::Variant::RFC4122),
+            "{id}"
+        );
+        let again = check(
+            &json!({"taskType": "summarize", "payload": {"content": "hello"}}),
+            &tenant("acme"),
+            None,
+            &rules(),
+            now,
+        )
+        .unwrap();
+        assert_ne!(again.id.id(), id, "each task its own id");
         let decoded = crate::envelope::decode_task(
             &s.bytes,
             &crate::envelope::EnvelopeLimits::default(),
