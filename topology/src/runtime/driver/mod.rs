@@ -971,20 +971,20 @@ fn failpoint(name: &str) {
 fn failpoint_at(name: &str, carries_outputs: bool) {
     use std::sync::atomic::AtomicI64;
     static REMAINING: AtomicI64 = AtomicI64::new(i64::MIN);
-    static CONFIG: std::sync::OnceLock<Option<(String, i64)>> = std::sync::OnceLock::new();
-    let Some((point, n)) = CONFIG.get_or_init(|| {
+    /// The point's name, whether only passes with outputs count, `n`.
+    static CONFIG: std::sync::OnceLock<Option<(String, bool, i64)>> = std::sync::OnceLock::new();
+    let Some((point, outputs_only, n)) = CONFIG.get_or_init(|| {
         let v = std::env::var("SLUICE_FAILPOINT").ok()?;
         let (p, n) = v.split_once(':')?;
-        Some((p.to_string(), n.parse().ok()?))
+        let (p, outputs_only) = match p.strip_suffix("+outputs") {
+            Some(p) => (p, true),
+            None => (p, false),
+        };
+        Some((p.to_string(), outputs_only, n.parse().ok()?))
     }) else {
         return;
     };
-    let outputs_only = point.strip_suffix("+outputs");
-    let counts = match outputs_only {
-        None => point == name,
-        Some(p) => p == name && carries_outputs,
-    };
-    if !counts {
+    if point != name || (*outputs_only && !carries_outputs) {
         return;
     }
     let _ = REMAINING.compare_exchange(i64::MIN, *n, Ordering::SeqCst, Ordering::SeqCst);
