@@ -556,6 +556,11 @@ pub struct GatewaySection {
     pub max_wait_ms: u64,
     /// How long a task's status is kept after its last change, hours.
     pub status_ttl_hours: u64,
+    /// How long the status table's fetches may wait at the broker for
+    /// 64 KiB of records, ms (0: every fetch answered as soon as any
+    /// record is there). Every accepted task is read back; answering a
+    /// fetch per few records costs the broker more than the records do.
+    pub fetch_wait_ms: u64,
 }
 
 impl Default for GatewaySection {
@@ -570,6 +575,7 @@ impl Default for GatewaySection {
             keepalive_ms: 15_000,
             max_wait_ms: 30_000,
             status_ttl_hours: 7 * 24,
+            fetch_wait_ms: 20,
         }
     }
 }
@@ -593,9 +599,21 @@ impl GatewaySection {
                 return Err(ConfigError::new(key, "must be at least 1"));
             }
         }
+        if self.fetch_wait_ms > GATEWAY_FETCH_WAIT_MAX_MS {
+            return Err(ConfigError::new(
+                "gateway.fetch_wait_ms",
+                format!(
+                    "must be at most {GATEWAY_FETCH_WAIT_MAX_MS} (a result reaches its readers \
+                     up to this much later)"
+                ),
+            ));
+        }
         Ok(())
     }
 }
+
+/// The longest `[gateway] fetch_wait_ms`.
+const GATEWAY_FETCH_WAIT_MAX_MS: u64 = 1000;
 
 /// Environment variables with this prefix and a `__` override config keys.
 pub const ENV_PREFIX: &str = "SLUICE_";
@@ -1689,6 +1707,24 @@ type_complexity = { classify = 0.1 }
         let c = load(&text, &[]).unwrap();
         assert!(c.llm.providers[0].http2);
         assert_eq!(c.llm.providers[0].http2_max_streams, 100);
+    }
+
+    #[test]
+    fn the_gateway_fetch_wait_is_bounded_and_names_its_key() {
+        assert_eq!(load(MINIMAL, &[]).unwrap().gateway.fetch_wait_ms, 20);
+        for (value, ok) in [("0", true), ("1000", true), ("1001", false)] {
+            let text = format!("{MINIMAL}\n[gateway]\nfetch_wait_ms = {value}\n");
+            match load(&text, &[]) {
+                Ok(c) => {
+                    assert!(ok, "{value} accepted");
+                    assert_eq!(c.gateway.fetch_wait_ms.to_string(), value);
+                }
+                Err(e) => {
+                    assert!(!ok, "{value}: {e}");
+                    assert_eq!(e.key, "gateway.fetch_wait_ms");
+                }
+            }
+        }
     }
 
     #[test]
