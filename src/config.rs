@@ -575,7 +575,7 @@ impl Default for GatewaySection {
             keepalive_ms: 15_000,
             max_wait_ms: 30_000,
             status_ttl_hours: 7 * 24,
-            fetch_wait_ms: 20,
+            fetch_wait_ms: 10,
         }
     }
 }
@@ -1711,7 +1711,7 @@ type_complexity = { classify = 0.1 }
 
     #[test]
     fn the_gateway_fetch_wait_is_bounded_and_names_its_key() {
-        assert_eq!(load(MINIMAL, &[]).unwrap().gateway.fetch_wait_ms, 20);
+        assert_eq!(load(MINIMAL, &[]).unwrap().gateway.fetch_wait_ms, 10);
         for (value, ok) in [("0", true), ("1000", true), ("1001", false)] {
             let text = format!("{MINIMAL}\n[gateway]\nfetch_wait_ms = {value}\n");
             match load(&text, &[]) {
