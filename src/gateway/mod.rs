@@ -710,7 +710,6 @@ pub async fn run_until(
     Ok(())
 }
 
-/// `Retry-After` as a header value.
 /// The status table consumer's fetch settings for `[gateway]
 /// fetch_wait_ms`: the table reads back every task the gateways accept, and
 /// a fetch answered as soon as any record is there brings a few records
@@ -727,6 +726,7 @@ fn status_fetch(wait_ms: u64) -> Vec<(String, String)> {
     ]
 }
 
+/// `Retry-After` as a header value.
 fn retry_after(seconds: u64) -> HeaderValue {
     HeaderValue::from_str(&seconds.to_string()).unwrap_or(HeaderValue::from_static("1"))
 }
