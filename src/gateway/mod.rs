@@ -714,8 +714,9 @@ pub async fn run_until(
 /// fetch_wait_ms`: the table reads back every task the gateways accept, and
 /// a fetch answered as soon as any record is there brings a few records
 /// each; waiting for 64 KiB (or the time) cut the broker's CPU per
-/// accepted task by a fifth to a third (docs/benchmarks.md). 0:
-/// librdkafka's defaults.
+/// accepted task by a fifth to a third (docs/benchmarks.md). 0: the
+/// engine's own fetch settings (a fetch answered as soon as a record is
+/// there).
 fn status_fetch(wait_ms: u64) -> Vec<(String, String)> {
     if wait_ms == 0 {
         return Vec::new();
