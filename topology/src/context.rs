@@ -40,9 +40,57 @@ fn panic_message(panic: &(dyn Any + Send)) -> String {
         .unwrap_or_else(|| "a panic without a message".into())
 }
 
-struct Pending {
-    tokens: Vec<Arc<RecordToken>>,
+/// One async call: the operator's future, its panic caught, ending in the
+/// message that reports its completion.
+type Call = std::pin::Pin<Box<dyn Future<Output = CompletionMsg> + Send>>;
+
+/// The tokio task that runs a task's async calls: the calls come in over a
+/// channel and are polled side by side (a `FuturesUnordered`), each
+/// completion going straight to the task's thread. One tokio task per stream
+/// task, not per call: starting a call costs the driver a channel send, not a
+/// spawn onto the runtime's shared queues, and cancelling them all is one
+/// abort.
+struct CallPool {
+    calls: tokio::sync::mpsc::UnboundedSender<Call>,
     abort: tokio::task::AbortHandle,
+}
+
+impl CallPool {
+    fn start(handle: &tokio::runtime::Handle, done: Sender<CompletionMsg>) -> Self {
+        let (calls, mut incoming) = tokio::sync::mpsc::unbounded_channel::<Call>();
+        let join = handle.spawn(async move {
+            let mut running = futures::stream::FuturesUnordered::new();
+            std::future::poll_fn(|cx| {
+                use futures::StreamExt;
+                use std::task::Poll;
+                // Every call that came in joins the running ones; the channel
+                // closes when the task's spawner is dropped.
+                let closed = loop {
+                    match incoming.poll_recv(cx) {
+                        Poll::Ready(Some(call)) => running.push(call),
+                        Poll::Ready(None) => break true,
+                        Poll::Pending => break false,
+                    }
+                };
+                loop {
+                    match running.poll_next_unpin(cx) {
+                        Poll::Ready(Some(msg)) => {
+                            let _ = done.send(msg);
+                        }
+                        // Nothing running: done once no call can come,
+                        // otherwise the channel wakes the pool.
+                        Poll::Ready(None) if closed => return Poll::Ready(()),
+                        Poll::Ready(None) | Poll::Pending => return Poll::Pending,
+                    }
+                }
+            })
+            .await
+        });
+        CallPool {
+            calls,
+            abort: join.abort_handle(),
+        }
+    }
 }
 
 /// Spawns async operator calls on the tokio runtime and keeps the records they
@@ -52,7 +100,10 @@ pub(crate) struct Spawner {
     tx: Sender<CompletionMsg>,
     task: TaskId,
     next_call: u64,
-    pending: HashMap<u64, Pending>,
+    /// The records each call not yet handled carries, by call.
+    pending: FxHashMap<u64, Vec<Arc<RecordToken>>>,
+    /// Started with the task's first call.
+    pool: Option<CallPool>,
 }
 
 impl Spawner {
@@ -66,7 +117,8 @@ impl Spawner {
             tx,
             task,
             next_call: 0,
-            pending: HashMap::new(),
+            pending: FxHashMap::default(),
+            pool: None,
         }
     }
 
@@ -78,9 +130,8 @@ impl Spawner {
     ) {
         let call = self.next_call;
         self.next_call += 1;
-        let tx = self.tx.clone();
         let task = self.task;
-        let join = self.handle.spawn(async move {
+        let run: Call = Box::pin(async move {
             // A future that panics still completes its call: its records are
             // dead-lettered, never left in flight (commits would stop) nor
             // counted as handled.
@@ -89,25 +140,27 @@ impl Spawner {
                     Ok(output) => Box::new(output),
                     Err(panic) => Box::new(CallPanicked(panic_message(panic.as_ref()))),
                 };
-            let _ = tx.send(CompletionMsg {
+            CompletionMsg {
                 task,
                 node,
                 call,
                 output,
-            });
+            }
         });
-        self.pending.insert(
-            call,
-            Pending {
-                tokens,
-                abort: join.abort_handle(),
-            },
-        );
+        let (handle, tx) = (&self.handle, &self.tx);
+        let pool = self
+            .pool
+            .get_or_insert_with(|| CallPool::start(handle, tx.clone()));
+        // The pool ends only when aborted (which drops it here) or when the
+        // runtime shuts down, when no call runs anyway: the call's records
+        // stay in flight, as they would for a call spawned then.
+        let _ = pool.calls.send(run);
+        self.pending.insert(call, tokens);
     }
 
     /// Takes the records a finished call carried.
     pub(crate) fn finish(&mut self, call: u64) -> Option<Vec<Arc<RecordToken>>> {
-        self.pending.remove(&call).map(|p| p.tokens)
+        self.pending.remove(&call)
     }
 
     /// Calls not yet completed.
@@ -119,8 +172,9 @@ impl Spawner {
     /// tokens are dropped without being reported by the closed task).
     pub(crate) fn abort_all(&mut self) -> usize {
         let n = self.pending.len();
-        for (_, p) in self.pending.drain() {
-            p.abort.abort();
+        self.pending.clear();
+        if let Some(pool) = self.pool.take() {
+            pool.abort.abort();
         }
         n
     }
@@ -335,5 +389,119 @@ impl TaskCtx {
         self.state
             .as_ref()
             .expect("operators with stores run in tasks that have state")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+
+    /// Sets its flag when dropped: a call's future was cancelled (or ended).
+    struct DropFlag(Arc<AtomicBool>);
+
+    impl Drop for DropFlag {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    fn spawner(
+        rt: &tokio::runtime::Runtime,
+    ) -> (Spawner, crossbeam_channel::Receiver<CompletionMsg>) {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let task = TaskId {
+            subtopology: 0,
+            partition: 3,
+        };
+        (Spawner::new(rt.handle().clone(), tx, task), rx)
+    }
+
+    #[test]
+    fn calls_complete_side_by_side_and_abort_cancels_every_pending_one() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (mut s, rx) = spawner(&rt);
+        // 200 calls of 50 ms each, started at once: they run side by side
+        // (one after another would take 10 s), each completing once.
+        let started = std::time::Instant::now();
+        for i in 0..200u64 {
+            s.spawn(7, Vec::new(), async move {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                i * 2
+            });
+        }
+        assert_eq!(s.pending(), 200);
+        let mut seen = HashMap::new();
+        for _ in 0..200 {
+            let msg = rx
+                .recv_timeout(Duration::from_secs(5))
+                .expect("a completion");
+            assert_eq!((msg.task.partition, msg.node), (3, 7));
+            let out = *msg.output.downcast::<u64>().expect("the call's output");
+            assert_eq!(out, msg.call * 2, "each call's own output");
+            assert!(s.finish(msg.call).is_some());
+            assert!(
+                seen.insert(msg.call, out).is_none(),
+                "call {} once",
+                msg.call
+            );
+        }
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert_eq!(s.pending(), 0);
+
+        // A panicking call completes with its panic, the others still run.
+        s.spawn(1, Vec::new(), async { panic!("boom") });
+        let msg = rx
+            .recv_timeout(Duration::from_secs(5))
+            .expect("a completion");
+        let panicked = msg.output.downcast::<CallPanicked>().expect("a panic");
+        assert_eq!(panicked.0, "boom");
+        assert!(s.finish(msg.call).is_some());
+
+        // Aborting cancels every pending call: their futures are dropped and
+        // nothing completes.
+        let flags: Vec<Arc<AtomicBool>> = (0..20).map(|_| Arc::default()).collect();
+        for flag in &flags {
+            let guard = DropFlag(flag.clone());
+            s.spawn(1, Vec::new(), async move {
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                drop(guard);
+            });
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(flags.iter().all(|f| !f.load(Ordering::SeqCst)), "running");
+        assert_eq!(s.abort_all(), 20);
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !flags.iter().all(|f| f.load(Ordering::SeqCst)) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "aborted calls dropped"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(rx.recv_timeout(Duration::from_millis(200)).is_err());
+
+        // Calls started after the abort run on a fresh pool.
+        s.spawn(2, Vec::new(), async { 5u64 });
+        let msg = rx
+            .recv_timeout(Duration::from_secs(5))
+            .expect("a completion");
+        assert_eq!(*msg.output.downcast::<u64>().unwrap(), 5);
+
+        // A dropped spawner does not cancel its calls: they run to the end.
+        let flag = Arc::new(AtomicBool::new(false));
+        let done = flag.clone();
+        s.spawn(2, Vec::new(), async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            done.store(true, Ordering::SeqCst);
+        });
+        drop(s);
+        assert!(rx.recv_timeout(Duration::from_secs(5)).is_ok());
+        assert!(flag.load(Ordering::SeqCst));
     }
 }
