@@ -25,6 +25,8 @@ use crate::{ProcessError, TaskId};
 pub(crate) struct CompletionMsg {
     pub(crate) task: TaskId,
     pub(crate) node: usize,
+    /// The spawner that started the call (see [`Spawner::finish`]).
+    pub(crate) spawner: u64,
     pub(crate) call: u64,
     pub(crate) output: Box<dyn Any + Send>,
 }
@@ -93,12 +95,19 @@ impl CallPool {
     }
 }
 
+/// The next spawner's [`Spawner::id`].
+static NEXT_SPAWNER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Spawns async operator calls on the tokio runtime and keeps the records they
 /// carry in flight until their completion has been handled.
 pub(crate) struct Spawner {
     handle: tokio::runtime::Handle,
     tx: Sender<CompletionMsg>,
     task: TaskId,
+    /// Unique in the process: a completion of an abandoned incarnation of
+    /// the task (sent before its abort took effect) is never taken for a
+    /// call of the next one, whose calls are numbered from 0 again.
+    id: u64,
     next_call: u64,
     /// The records each call not yet handled carries, by call.
     pending: FxHashMap<u64, Vec<Arc<RecordToken>>>,
@@ -116,6 +125,7 @@ impl Spawner {
             handle,
             tx,
             task,
+            id: NEXT_SPAWNER.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             next_call: 0,
             pending: FxHashMap::default(),
             pool: None,
@@ -130,7 +140,7 @@ impl Spawner {
     ) {
         let call = self.next_call;
         self.next_call += 1;
-        let task = self.task;
+        let (task, spawner) = (self.task, self.id);
         let run: Call = Box::pin(async move {
             // A future that panics still completes its call: its records are
             // dead-lettered, never left in flight (commits would stop) nor
@@ -143,6 +153,7 @@ impl Spawner {
             CompletionMsg {
                 task,
                 node,
+                spawner,
                 call,
                 output,
             }
@@ -158,9 +169,13 @@ impl Spawner {
         self.pending.insert(call, tokens);
     }
 
-    /// Takes the records a finished call carried.
-    pub(crate) fn finish(&mut self, call: u64) -> Option<Vec<Arc<RecordToken>>> {
-        self.pending.remove(&call)
+    /// Takes the records a finished call carried; `None` for a call this
+    /// spawner did not start or no longer waits for (aborted).
+    pub(crate) fn finish(&mut self, msg: &CompletionMsg) -> Option<Vec<Arc<RecordToken>>> {
+        if msg.spawner != self.id {
+            return None;
+        }
+        self.pending.remove(&msg.call)
     }
 
     /// Calls not yet completed.
@@ -442,9 +457,9 @@ mod tests {
                 .recv_timeout(Duration::from_secs(5))
                 .expect("a completion");
             assert_eq!((msg.task.partition, msg.node), (3, 7));
+            assert!(s.finish(&msg).is_some());
             let out = *msg.output.downcast::<u64>().expect("the call's output");
             assert_eq!(out, msg.call * 2, "each call's own output");
-            assert!(s.finish(msg.call).is_some());
             assert!(
                 seen.insert(msg.call, out).is_none(),
                 "call {} once",
@@ -459,9 +474,9 @@ mod tests {
         let msg = rx
             .recv_timeout(Duration::from_secs(5))
             .expect("a completion");
+        assert!(s.finish(&msg).is_some());
         let panicked = msg.output.downcast::<CallPanicked>().expect("a panic");
         assert_eq!(panicked.0, "boom");
-        assert!(s.finish(msg.call).is_some());
 
         // Aborting cancels every pending call: their futures are dropped and
         // nothing completes.
@@ -492,6 +507,24 @@ mod tests {
             .recv_timeout(Duration::from_secs(5))
             .expect("a completion");
         assert_eq!(*msg.output.downcast::<u64>().unwrap(), 5);
+
+        // A later spawner of the same task (the task closed and assigned
+        // again) numbers its calls from 0 too: a completion of the earlier
+        // one is not taken for its call of the same number.
+        let (mut again, rx_again) = spawner(&rt);
+        again.spawn(2, Vec::new(), async { 6u64 });
+        let msg = rx_again
+            .recv_timeout(Duration::from_secs(5))
+            .expect("a completion");
+        let stale = CompletionMsg {
+            task: msg.task,
+            node: msg.node,
+            spawner: s.id,
+            call: msg.call,
+            output: Box::new(0u64),
+        };
+        assert!(again.finish(&stale).is_none(), "another spawner's call");
+        assert!(again.finish(&msg).is_some());
 
         // A dropped spawner does not cancel its calls: they run to the end.
         let flag = Arc::new(AtomicBool::new(false));

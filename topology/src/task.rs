@@ -427,7 +427,7 @@ impl TaskCore {
 
     /// Handles the completion of an async call.
     pub(crate) fn complete(&mut self, msg: CompletionMsg) -> Result<(), ProcessError> {
-        let Some(tokens) = self.ctx.spawner.finish(msg.call) else {
+        let Some(tokens) = self.ctx.spawner.finish(&msg) else {
             return Ok(());
         };
         if let Some(CallPanicked(message)) = msg.output.downcast_ref::<CallPanicked>() {
