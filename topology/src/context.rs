@@ -162,9 +162,10 @@ impl Spawner {
         let pool = self
             .pool
             .get_or_insert_with(|| CallPool::start(handle, tx.clone()));
-        // The pool ends only when aborted (which drops it here) or when the
-        // runtime shuts down, when no call runs anyway: the call's records
-        // stay in flight, as they would for a call spawned then.
+        // An aborted pool is taken out of the spawner (`abort_all`), so this
+        // one has ended only if the runtime shut down, when no call runs
+        // anyway: the call's records stay in flight, as they would for a
+        // call spawned then.
         let _ = pool.calls.send(run);
         self.pending.insert(call, tokens);
     }
