@@ -236,6 +236,44 @@ fn a_crash_after_changelog_writes_leaks_nothing_into_state() {
     assert_eq!(stats["ok"], true, "{stats}");
 }
 
+#[test]
+fn a_transaction_call_that_never_returns_closes_its_task_dirty_and_counts_stay_exact() {
+    // The instance's 2nd adding of offsets to a transaction never returns
+    // (a point that blocks its thread for good, as librdkafka's call can once
+    // its cached group coordinator's broker went away and came back). Past
+    // the call's bound the task's producer is given up: the task is closed
+    // dirty and comes back with a new producer, which fences the stuck
+    // transaction; every count is read once, from the same instance.
+    let ex = Example::windowed_count("eos-stuck", "exactly-once", 2);
+    let (records, expected) = keyed_records(40_000, 200, 4, base_time());
+    produce(&bootstrap(), &ex.input, records).unwrap();
+    let dir = temp_dir();
+    let mut p = Proc::spawn_logged(
+        "stuck",
+        &ex.args(dir.path()),
+        &[("SLUICE_FAILPOINT", "eos_offsets_unanswered:2")],
+        true,
+    );
+    let msgs = wait_outputs(&ex.output, &expected, Duration::from_secs(180));
+    let log = p.log().join("\n");
+    assert!(
+        log.contains("failpoint eos_offsets_unanswered reached"),
+        "the call was stuck:\n{log}"
+    );
+    assert!(
+        log.contains("did not return within") && log.contains("closing it dirty"),
+        "the stuck call closed its task dirty:\n{log}"
+    );
+    assert!(
+        p.child.try_wait().unwrap().is_none(),
+        "the instance keeps running"
+    );
+    let stats = p.stop();
+    assert_counts_equal(&latest_counts(&msgs).unwrap(), &expected);
+    assert_each_window_count_once(&msgs, &expected);
+    assert_eq!(stats["ok"], true, "{stats}\n{log}");
+}
+
 /// Starts instances A and B of an example and waits until they share its
 /// four tasks, both ready, before any data flows.
 fn two_instances(

@@ -8,12 +8,14 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use rdkafka::config::ClientConfig;
+use rdkafka::consumer::ConsumerGroupMetadata;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
-use rdkafka::{ClientContext, Message};
+use rdkafka::{ClientContext, Message, TopicPartitionList};
 
 use super::config::StreamsConfig;
+use super::RuntimeError;
 use crate::record::Headers;
 use crate::TaskId;
 
@@ -237,6 +239,67 @@ pub(crate) fn init_transactions(
     producer.init_transactions(timeout)
 }
 
+/// How much longer than the timeout it was given a client call may take
+/// before its client is given up on (see [`bounded`]).
+pub(crate) const UNANSWERED_GRACE: Duration = Duration::from_secs(10);
+
+/// Runs `call` on a thread of its own and waits for it at most `bound`: for
+/// client calls that can block past the timeout they were given. Past the
+/// bound the caller gets [`RuntimeError::Unanswered`] and goes on; the thread
+/// keeps what `call` holds (a producer) until the call returns, if ever.
+pub(crate) fn bounded<T: Send + 'static>(
+    what: &str,
+    bound: Duration,
+    call: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, RuntimeError> {
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    std::thread::Builder::new()
+        .name("sluice-client-call".into())
+        .spawn(move || {
+            let _ = tx.send(call());
+        })
+        .map_err(|e| RuntimeError::Other(format!("cannot start a thread for {what}: {e}")))?;
+    rx.recv_timeout(bound).map_err(|e| match e {
+        crossbeam_channel::RecvTimeoutError::Timeout => {
+            RuntimeError::Unanswered(format!("{what} did not return within {bound:?}"))
+        }
+        crossbeam_channel::RecvTimeoutError::Disconnected => {
+            RuntimeError::Other(format!("{what} panicked"))
+        }
+    })
+}
+
+/// Adds a transaction's consumed offsets, giving the producer up when the
+/// call does not return.
+///
+/// librdkafka (2.12) may never return from `send_offsets_to_transaction`,
+/// whatever its timeout: the request to the group coordinator waits for the
+/// cached coordinator's connection to change state, and a coordinator whose
+/// broker left the cluster's metadata and came back may never change again
+/// (upstream issues 5456 and 5511; met here with a broker killed, restarted,
+/// then stalled: the commit thread blocked for good, and with it every task).
+/// So the call runs [`bounded`], for its timeout and [`UNANSWERED_GRACE`];
+/// past that the error closes the task dirty, with no further call on this
+/// producer (one is still in progress), and the producer of the task's next
+/// incarnation fences it: the broker aborts its transaction.
+pub(crate) fn send_offsets_to_transaction(
+    producer: &Arc<TrackedProducer>,
+    offsets: &TopicPartitionList,
+    meta: &Arc<ConsumerGroupMetadata>,
+    timeout: Duration,
+) -> Result<(), RuntimeError> {
+    let (p, offsets, meta) = (producer.clone(), offsets.clone(), meta.clone());
+    bounded(
+        "adding offsets to a transaction",
+        timeout + UNANSWERED_GRACE,
+        move || {
+            super::driver::hang_point("eos_offsets_unanswered");
+            p.send_offsets_to_transaction(&offsets, &meta, timeout)
+        },
+    )?
+    .map_err(RuntimeError::from)
+}
+
 /// Calls `f` until it succeeds or fails for good: after a retriable failure
 /// (reported to `retrying`) it is called again, unless `cancel` was set.
 pub(crate) fn until_done<T>(
@@ -303,3 +366,33 @@ pub(crate) const DELIVERY_FAILED: &str = "delivery failed";
 
 /// How a flush that ran out of time begins its error (it may be retried).
 pub(crate) const FLUSH_TIMED_OUT: &str = "producer flush timed out";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_call_past_its_bound_is_given_up_and_the_caller_goes_on() {
+        // The call would return after a minute: within the bound the caller
+        // would get its (timed-out) result instead of the error.
+        let (_held, never) = crossbeam_channel::bounded::<()>(0);
+        let e = bounded(
+            "a call that does not return",
+            Duration::from_millis(100),
+            move || never.recv_timeout(Duration::from_secs(60)),
+        )
+        .unwrap_err();
+        assert!(e.unanswered(), "{e}");
+        assert!(!e.retriable(), "a producer given up on is not called again");
+        assert_eq!(
+            e.to_string(),
+            "a call that does not return did not return within 100ms; its client is given up"
+        );
+        assert_eq!(bounded("a call", Duration::from_secs(60), || 7).unwrap(), 7);
+        let e = bounded("a call that panics", Duration::from_secs(60), || -> u8 {
+            panic!("boom")
+        })
+        .unwrap_err();
+        assert!(!e.unanswered(), "{e}");
+    }
+}

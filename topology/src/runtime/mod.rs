@@ -87,6 +87,10 @@ pub enum RuntimeError {
     /// A restore was cancelled by a rebalance.
     #[error("cancelled")]
     Cancelled,
+    /// A client call did not return within its bound (see
+    /// `kafka::bounded`): the client is given up on.
+    #[error("{0}; its client is given up")]
+    Unanswered(String),
     /// Anything else.
     #[error("{0}")]
     Other(String),
@@ -166,6 +170,12 @@ impl RuntimeError {
     /// `kafka::flush`): the transaction can only be aborted.
     pub(crate) fn delivery_failed(&self) -> bool {
         matches!(self, RuntimeError::Other(m) if m.starts_with(kafka::DELIVERY_FAILED))
+    }
+
+    /// True when a client call did not return within its bound: the client
+    /// takes no further call.
+    pub(crate) fn unanswered(&self) -> bool {
+        matches!(self, RuntimeError::Unanswered(_))
     }
 
     /// True when a newer producer with the task's transactional id fenced

@@ -42,9 +42,7 @@ impl Engine {
         if !self.eos() {
             return self.commit_alos(consumer, ids);
         }
-        let meta = consumer
-            .group_metadata()
-            .ok_or_else(|| RuntimeError::Other("no consumer group metadata".into()))?;
+        let meta = group_metadata(consumer)?;
         let app = self.cfg.application_id.clone();
         let metrics = self.metrics.clone();
         let threads = self.cfg.processing_threads;
@@ -72,12 +70,15 @@ impl Engine {
             match e {
                 // A delivery that failed inside the transaction (the broker
                 // refused a record, or it timed out) leaves the transaction
-                // to abort: as a migrated task, the task starts over.
-                e if fenced || e.task_migrated() || e.delivery_failed() => {
+                // to abort: as a migrated task, the task starts over. So
+                // does a producer given up on (a call that never returned).
+                e if fenced || e.unanswered() || e.task_migrated() || e.delivery_failed() => {
                     tracing::warn!(task = %id, error = %e, "task fenced or its transaction must abort: closing it dirty and rejoining");
-                    if fenced {
+                    if fenced || e.unanswered() {
                         // Nothing to abort: a fenced producer cannot end its
-                        // transaction (an abort would wait for its timeout).
+                        // transaction (an abort would wait for its timeout),
+                        // and one given up on still has a call in progress;
+                        // the next owner's producer fences either.
                         if let Some(t) = self.tasks.get_mut(&id) {
                             t.txn_open = false;
                         }
@@ -178,9 +179,7 @@ impl Engine {
             };
             tasks.extend(self.tasks.remove(&id));
         }
-        let meta = consumer
-            .group_metadata()
-            .ok_or_else(|| RuntimeError::Other("no consumer group metadata".into()))?;
+        let meta = group_metadata(consumer)?;
         let ids: Vec<TaskId> = tasks.iter().map(|t| t.core.id).collect();
         let app = self.cfg.application_id.clone();
         let metrics = self.metrics.clone();
@@ -342,6 +341,17 @@ impl Engine {
     }
 }
 
+/// The group's metadata for the transactions' offsets (shared with the
+/// threads that add them: see [`send_offsets_to_transaction`]).
+fn group_metadata(
+    consumer: &DriverConsumer,
+) -> Result<Arc<rdkafka::consumer::ConsumerGroupMetadata>, RuntimeError> {
+    consumer
+        .group_metadata()
+        .map(Arc::new)
+        .ok_or_else(|| RuntimeError::Other("no consumer group metadata".into()))
+}
+
 /// One task's exactly-once commit in progress: what it commits, and the
 /// first error it met (it takes no further step then).
 struct EosCommit<'a> {
@@ -376,7 +386,7 @@ impl EosCommit<'_> {
 /// panicked.
 pub(super) fn commit_eos(
     tasks: Vec<&mut ActiveTask>,
-    meta: &rdkafka::consumer::ConsumerGroupMetadata,
+    meta: &Arc<rdkafka::consumer::ConsumerGroupMetadata>,
     app: &str,
     metrics: &EngineMetrics,
     threads: usize,
@@ -440,7 +450,7 @@ pub(super) fn commit_eos(
 /// within the transaction's timeout.
 fn broker_steps(
     commits: &mut [EosCommit<'_>],
-    meta: &rdkafka::consumer::ConsumerGroupMetadata,
+    meta: &Arc<rdkafka::consumer::ConsumerGroupMetadata>,
     app: &str,
     metrics: &EngineMetrics,
     threads: usize,
@@ -470,10 +480,7 @@ fn broker_steps(
             }
             let tpl = offsets_tpl(&c.task.core, &c.offsets)?;
             retrying("adding offsets to a transaction", deadline, || {
-                c.task
-                    .producer
-                    .send_offsets_to_transaction(&tpl, meta, TXN_REQUEST_TIMEOUT)
-                    .map_err(RuntimeError::from)
+                send_offsets_to_transaction(&c.task.producer, &tpl, meta, TXN_REQUEST_TIMEOUT)
             })
         });
     }

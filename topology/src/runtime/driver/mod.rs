@@ -26,8 +26,8 @@ use sluice_state::{RocksEnv, TaskState};
 
 use super::config::{GroupProtocol, Guarantee, StreamsConfig};
 use super::kafka::{
-    client_config, create_producer, flush, init_transactions, send, until_done, DeliveryState,
-    DeliveryTag, TrackedProducer,
+    client_config, create_producer, flush, init_transactions, send, send_offsets_to_transaction,
+    until_done, DeliveryState, DeliveryTag, TrackedProducer,
 };
 use super::metrics::EngineMetrics;
 use super::queries::LocalTasks;
@@ -981,6 +981,28 @@ fn failpoint(name: &str) {
 /// carry output records count (a crash that must find results in the
 /// transaction it interrupts, however long the first results take).
 fn failpoint_at(name: &str, carries_outputs: bool) {
+    if reached(name, carries_outputs) {
+        eprintln!("failpoint {name} reached: aborting");
+        std::process::abort();
+    }
+}
+
+/// A point where a client call never returns, for tests: with
+/// `SLUICE_FAILPOINT=<name>:<n>` the n-th pass blocks its thread for good
+/// (as librdkafka's `send_offsets_to_transaction` can: see
+/// [`super::kafka::send_offsets_to_transaction`]).
+pub(in crate::runtime) fn hang_point(name: &str) {
+    if reached(name, false) {
+        eprintln!("failpoint {name} reached: this call never returns");
+        loop {
+            std::thread::park();
+        }
+    }
+}
+
+/// Whether this pass at point `name` is the one `SLUICE_FAILPOINT` names
+/// (see [`failpoint_at`]).
+fn reached(name: &str, carries_outputs: bool) -> bool {
     use std::sync::atomic::AtomicI64;
     static REMAINING: AtomicI64 = AtomicI64::new(i64::MIN);
     /// The point's name, whether only passes with outputs count, `n`.
@@ -994,16 +1016,13 @@ fn failpoint_at(name: &str, carries_outputs: bool) {
         };
         Some((p.to_string(), outputs_only, n.parse().ok()?))
     }) else {
-        return;
+        return false;
     };
     if point != name || (*outputs_only && !carries_outputs) {
-        return;
+        return false;
     }
     let _ = REMAINING.compare_exchange(i64::MIN, *n, Ordering::SeqCst, Ordering::SeqCst);
-    if REMAINING.fetch_sub(1, Ordering::SeqCst) == 1 {
-        eprintln!("failpoint {name} reached: aborting");
-        std::process::abort();
-    }
+    REMAINING.fetch_sub(1, Ordering::SeqCst) == 1
 }
 
 #[cfg(test)]
