@@ -241,7 +241,7 @@ pub(crate) fn init_transactions(
 
 /// How much longer than the timeout it was given a client call may take
 /// before its client is given up on (see [`bounded`]).
-pub(crate) const UNANSWERED_GRACE: Duration = Duration::from_secs(10);
+const UNANSWERED_GRACE: Duration = Duration::from_secs(10);
 
 /// Runs `call` on a thread of its own and waits for it at most `bound`: for
 /// client calls that can block past the timeout they were given. Past the

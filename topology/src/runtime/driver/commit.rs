@@ -67,14 +67,15 @@ impl Engine {
         for (id, result) in results {
             let Err(e) = result else { continue };
             let fenced = e.fenced() || self.producer_fenced(id);
+            let given_up = e.unanswered();
             match e {
                 // A delivery that failed inside the transaction (the broker
                 // refused a record, or it timed out) leaves the transaction
                 // to abort: as a migrated task, the task starts over. So
                 // does a producer given up on (a call that never returned).
-                e if fenced || e.unanswered() || e.task_migrated() || e.delivery_failed() => {
+                e if fenced || given_up || e.task_migrated() || e.delivery_failed() => {
                     tracing::warn!(task = %id, error = %e, "task fenced or its transaction must abort: closing it dirty and rejoining");
-                    if fenced || e.unanswered() {
+                    if fenced || given_up {
                         // Nothing to abort: a fenced producer cannot end its
                         // transaction (an abort would wait for its timeout),
                         // and one given up on still has a call in progress;
