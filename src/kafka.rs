@@ -14,8 +14,9 @@ use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::message::{BorrowedMessage, DeliveryResult, Header, OwnedHeaders, OwnedMessage};
-use rdkafka::producer::{BaseRecord, Producer, ProducerContext, ThreadedProducer};
+use rdkafka::producer::{BaseRecord, Producer, ProducerContext};
 use rdkafka::{Message, Offset, TopicPartitionList};
+use sluice_topology::runtime::PolledProducer;
 
 /// A record to produce.
 #[derive(Clone, Debug, Default)]
@@ -337,18 +338,20 @@ impl ProducerContext for Deliveries {
 /// partition) that counts what the broker acknowledged: records are sent one
 /// by one, and [`Publisher::finish`] flushes and reports.
 pub struct Publisher {
-    producer: ThreadedProducer<Deliveries>,
+    producer: PolledProducer<Deliveries>,
 }
 
 impl Publisher {
     /// A producer on `cluster`.
     pub fn new(cluster: impl Into<Cluster>) -> Result<Publisher, KafkaError> {
-        let producer = base(cluster)
-            .set("enable.idempotence", "true")
-            .set("linger.ms", "10")
-            .set("partitioner", "murmur2_random")
-            .set("queue.buffering.max.messages", "1000000")
-            .create_with_context(Deliveries::default())?;
+        let producer = PolledProducer::new(
+            base(cluster)
+                .set("enable.idempotence", "true")
+                .set("linger.ms", "10")
+                .set("partitioner", "murmur2_random")
+                .set("queue.buffering.max.messages", "1000000"),
+            Deliveries::default(),
+        )?;
         Ok(Publisher { producer })
     }
 

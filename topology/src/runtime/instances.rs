@@ -34,13 +34,14 @@ use std::time::{Duration, Instant};
 use hmac::{Hmac, Mac};
 use parking_lot::{Mutex, RwLock};
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer};
 use rdkafka::{Message, Offset, TopicPartitionList};
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 
 use super::config::StreamsConfig;
 use super::kafka::client_config;
+use super::polled::PolledProducer;
 use super::queries::LocalTasks;
 use crate::{TaskId, Topology, TopologyError};
 
@@ -283,10 +284,10 @@ impl ClaimsThread {
     ) -> Result<ClaimsThread, TopologyError> {
         let app = &cfg.application_id;
         let topic = instances_topic(app);
-        let producer: ThreadedProducer<DefaultProducerContext> = client_config(cfg)
-            .set("acks", "all")
-            .set("linger.ms", "0")
-            .create()?;
+        let producer = PolledProducer::new(
+            client_config(cfg).set("acks", "all").set("linger.ms", "0"),
+            DefaultProducerContext,
+        )?;
         let consumer: BaseConsumer = client_config(cfg)
             // Never joins the group (the partition is assigned, not
             // subscribed) and never commits.
@@ -348,7 +349,7 @@ struct Publisher {
     /// Source topics of each sub-topology, by id.
     sub_topics: Vec<Vec<String>>,
     interval: Duration,
-    producer: ThreadedProducer<DefaultProducerContext>,
+    producer: PolledProducer<DefaultProducerContext>,
     /// Signs the claims, when the instances share one.
     key: Option<ClaimKey>,
 }

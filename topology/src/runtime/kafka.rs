@@ -11,10 +11,11 @@ use rdkafka::config::ClientConfig;
 use rdkafka::consumer::ConsumerGroupMetadata;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
+use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext};
 use rdkafka::{ClientContext, Message, TopicPartitionList};
 
 use super::config::StreamsConfig;
+use super::polled::PolledProducer;
 use super::RuntimeError;
 use crate::record::Headers;
 use crate::TaskId;
@@ -110,7 +111,7 @@ impl ProducerContext for TrackingContext {
 }
 
 /// A producer with delivery tracking.
-pub(crate) type TrackedProducer = ThreadedProducer<TrackingContext>;
+pub(crate) type TrackedProducer = PolledProducer<TrackingContext>;
 
 /// Base client config: bootstrap servers and client overrides.
 pub(crate) fn client_config(cfg: &StreamsConfig) -> ClientConfig {
@@ -161,9 +162,12 @@ pub(crate) fn create_producer(
         c.set(k, v);
     }
     let state = Arc::new(DeliveryState::default());
-    let producer: TrackedProducer = c.create_with_context(TrackingContext {
-        state: state.clone(),
-    })?;
+    let producer = PolledProducer::new(
+        &c,
+        TrackingContext {
+            state: state.clone(),
+        },
+    )?;
     Ok((Arc::new(producer), state))
 }
 

@@ -36,6 +36,7 @@ mod driver;
 mod instances;
 mod kafka;
 mod partitions;
+mod polled;
 pub mod probe;
 mod queries;
 mod restore;
@@ -53,6 +54,7 @@ pub use instances::{ClaimKey, InstanceClaim};
 pub use kafka::close_in_background;
 pub use metrics::EngineMetrics;
 pub use partitions::{crc32, key_partition, murmur2, KeyPartitioner};
+pub use polled::PolledProducer;
 pub use queries::{Assignment, KeyMetadata, Queries, QueryError};
 pub use sluice_state::WindowRange;
 
