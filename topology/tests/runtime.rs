@@ -102,25 +102,12 @@ fn windowed_count_round_trip(guarantee: Guarantee) {
     }
     producer.flush(Duration::from_secs(30)).unwrap();
 
-    let b = StreamBuilder::new();
-    b.stream(&[&input], StringCodec, StringCodec)
-        .group_by_key()
-        .windowed_by(
-            TimeWindows::tumbling(Duration::from_secs(60)).grace(Duration::from_secs(3600)),
-        )
-        .count("counts")
-        .to_stream()
-        .to(
-            &output,
-            JsonCodec::<Windowed<String>>::default(),
-            JsonCodec::<u64>::default(),
-        );
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = StreamsConfig::new(&app, &bootstrap(), dir.path());
     cfg.guarantee = guarantee;
     cfg.session_timeout = Duration::from_secs(6);
     let metrics = EngineMetrics::unregistered();
-    let running = StreamsApp::new(b.build().unwrap(), cfg, metrics.clone())
+    let running = StreamsApp::new(windowed_count(&input, &output), cfg, metrics.clone())
         .start()
         .unwrap();
     let got = read_all(&output, 3, |m| m == &expected);
@@ -129,6 +116,25 @@ fn windowed_count_round_trip(guarantee: Guarantee) {
     assert_eq!(got, expected);
     assert_eq!(metrics.records_in(), 10_000);
     assert!(metrics.commit_count() > 0);
+}
+
+/// A count per key and one-minute window (store `counts`, a changelogged
+/// window store), each window's count out once per commit.
+fn windowed_count(input: &str, output: &str) -> sluice_topology::Topology {
+    let b = StreamBuilder::new();
+    b.stream(&[input], StringCodec, StringCodec)
+        .group_by_key()
+        .windowed_by(
+            TimeWindows::tumbling(Duration::from_secs(60)).grace(Duration::from_secs(3600)),
+        )
+        .count("counts")
+        .to_stream()
+        .to(
+            output,
+            JsonCodec::<Windowed<String>>::default(),
+            JsonCodec::<u64>::default(),
+        );
+    b.build().unwrap()
 }
 
 #[test]
@@ -573,4 +579,116 @@ fn repartition_topics_keep_records_until_consumed_then_drop_them() {
     let config = configs[0].as_ref().unwrap();
     let retention = config.get("retention.ms").and_then(|e| e.value.clone());
     assert_eq!(retention.as_deref(), Some("-1"), "kept until consumed");
+}
+
+/// Offsets of the committed records of partition 0 of `topic`, to its end.
+fn record_offsets(topic: &str) -> Vec<i64> {
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap())
+        .set("group.id", unique("reader"))
+        .set("isolation.level", "read_committed")
+        .set("enable.partition.eof", "true")
+        .create()
+        .unwrap();
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(topic, 0, Offset::Beginning)
+        .unwrap();
+    c.assign(&tpl).unwrap();
+    let mut offsets = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        match c.poll(Duration::from_millis(200)) {
+            Some(Ok(m)) => offsets.push(m.offset()),
+            Some(Err(rdkafka::error::KafkaError::PartitionEOF(_))) => return offsets,
+            _ => {}
+        }
+    }
+    panic!("{topic} not read to its end");
+}
+
+/// A store restored from nothing (a new instance, no local state) reads its
+/// changelog from the start, and when retention has deleted that start (a
+/// window store's changelog is `compact,delete`) from where the changelog
+/// now begins: what is left is restored, and the task becomes ready.
+#[test]
+fn a_restore_from_nothing_starts_where_retention_left_the_changelog() {
+    let (input, output, app) = (unique("ret-in"), unique("ret-out"), unique("ret-app"));
+    create(&[(&input, 1), (&output, 1)]);
+    let producer = producer();
+    let base = 1_700_000_000_000i64;
+    for i in 0..600i64 {
+        // Three keys over ten one-minute windows, sent in two halves so the
+        // changelog holds records of more than one commit.
+        let key = format!("k{}", i % 3);
+        producer
+            .send(
+                BaseRecord::<str, str>::to(&input)
+                    .key(&key)
+                    .payload("x")
+                    .timestamp(base + i * 1_000),
+            )
+            .map_err(|(e, _)| e)
+            .unwrap();
+        if i == 299 {
+            producer.flush(Duration::from_secs(30)).unwrap();
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+    producer.flush(Duration::from_secs(30)).unwrap();
+    let start = |dir: &std::path::Path| {
+        let mut cfg = StreamsConfig::new(&app, &bootstrap(), dir);
+        cfg.guarantee = Guarantee::ExactlyOnce;
+        cfg.session_timeout = Duration::from_secs(6);
+        let metrics = EngineMetrics::unregistered();
+        let running = StreamsApp::new(windowed_count(&input, &output), cfg, metrics.clone())
+            .start()
+            .unwrap();
+        (running, metrics)
+    };
+    let first = tempfile::tempdir().unwrap();
+    let (running, metrics) = start(first.path());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while metrics.records_in() < 600 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    running.shutdown();
+    running.join().unwrap();
+    assert_eq!(metrics.records_in(), 600);
+
+    let counts = format!("{app}-counts-changelog");
+    let progress = format!("{app}-sluice-progress-0-changelog");
+    let written = record_offsets(&counts);
+    assert!(
+        written.len() >= 10,
+        "one record per window at least: {written:?}"
+    );
+    // Retention deletes the first half of the counts' changelog.
+    let cut = written[written.len() / 2];
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap())
+        .create()
+        .unwrap();
+    let mut below = TopicPartitionList::new();
+    below
+        .add_partition_offset(&counts, 0, Offset::Offset(cut))
+        .unwrap();
+    futures::executor::block_on(admin.delete_records(&below, &AdminOptions::new())).unwrap();
+    let left = record_offsets(&counts);
+    assert_eq!(left.first(), Some(&cut), "the changelog starts at the cut");
+
+    let second = tempfile::tempdir().unwrap();
+    let (running, metrics) = start(second.path());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !running.status().is_ready() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let ready = running.status().is_ready();
+    running.shutdown();
+    running.join().unwrap();
+    assert!(ready, "the restoring instance never became ready");
+    assert_eq!(
+        metrics.restored_records(),
+        (left.len() + record_offsets(&progress).len()) as u64,
+        "every record left in the two changelogs restored, none twice"
+    );
 }

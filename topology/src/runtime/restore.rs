@@ -121,8 +121,16 @@ pub(crate) fn restore_task(
     // Per changelog being restored: its store and the next offset to apply.
     let mut remaining: Vec<(String, StoreId, i64)> = Vec::new();
     for (id, topic) in stores {
-        let (low, high) = watermarks(&consumer, topic, task.partition, cancel)?;
         let mut from = state.restore_offset(*id);
+        if from == 0 {
+            // Nothing local: read from the start. The end is where the
+            // consumer reports reaching it, and a start deleted by retention
+            // is skipped by `auto.offset.reset`: no look-up needed.
+            tpl.add_partition_offset(topic, task.partition, Offset::Offset(0))?;
+            remaining.push((topic.clone(), *id, 0));
+            continue;
+        }
+        let (low, high) = watermarks(&consumer, topic, task.partition, cancel)?;
         if from > high {
             // The changelog is shorter than what the store says it holds: it
             // was recreated (or truncated). What is local cannot be trusted.
