@@ -21,7 +21,7 @@ use sluice_topology::runtime::{
 
 mod common;
 
-use common::{env_usize, raw_read, PARTITIONS};
+use common::{broker_pid, cpu_secs, env_usize, raw_read, PARTITIONS};
 
 const KEYS: usize = 10_000;
 
@@ -77,6 +77,22 @@ fn aggregate(
         metrics.commit_seconds_sum()
     );
     (n as f64 / secs, app_id)
+}
+
+/// Runs `round`; returns its result and the CPU time this process and the
+/// broker spent on it (seconds; the broker's is 0 unless `make bench-engine`
+/// passes its pid).
+fn with_cpu<T>(round: impl FnOnce() -> T) -> (T, [f64; 2]) {
+    let cpu = || {
+        [
+            cpu_secs(std::process::id()).unwrap_or(f64::NAN),
+            broker_pid().and_then(cpu_secs).unwrap_or(0.0),
+        ]
+    };
+    let before = cpu();
+    let out = round();
+    let after = cpu();
+    (out, [after[0] - before[0], after[1] - before[1]])
 }
 
 /// Starts the windowed count of `topic` into `<app_id>-out`.
@@ -210,12 +226,25 @@ fn main() {
     };
     let (mut raws, mut splits, mut aloss, mut eoss, mut asyncs) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    // CPU-µs per record of this process and of the broker, per round and
+    // kind: on two cores shared with the broker, a round that keeps them busy
+    // runs at the rate its CPU per record allows.
+    let mut cpu: [[Vec<f64>; 2]; 5] = Default::default();
+    let per_record = |into: &mut [Vec<f64>; 2], secs: [f64; 2], records: usize| {
+        for (v, s) in into.iter_mut().zip(secs) {
+            v.push(s * 1e6 / records as f64);
+        }
+    };
     let mut eos_app = String::new();
     for round in 0..3 {
-        raws.push(raw_read(&bootstrap, &topic, n, false));
-        splits.push(raw_read(&bootstrap, &topic, n, true));
+        let (rps, secs) = with_cpu(|| raw_read(&bootstrap, &topic, n, false));
+        raws.push(rps);
+        per_record(&mut cpu[0], secs, n);
+        let (rps, secs) = with_cpu(|| raw_read(&bootstrap, &topic, n, true));
+        splits.push(rps);
+        per_record(&mut cpu[0], secs, n);
         let dir_round = dir.path().join(format!("round-{round}"));
-        aloss.push(
+        let ((alos, _), secs) = with_cpu(|| {
             aggregate(
                 &bootstrap,
                 &topic,
@@ -224,19 +253,23 @@ fn main() {
                 Counting::Direct,
                 &dir_round.join("alos"),
             )
-            .0,
-        );
-        let (eos, app) = aggregate(
-            &bootstrap,
-            &topic,
-            n,
-            Guarantee::ExactlyOnce,
-            Counting::Direct,
-            &dir_round.join("eos"),
-        );
+        });
+        aloss.push(alos);
+        per_record(&mut cpu[1], secs, n);
+        let ((eos, app), secs) = with_cpu(|| {
+            aggregate(
+                &bootstrap,
+                &topic,
+                n,
+                Guarantee::ExactlyOnce,
+                Counting::Direct,
+                &dir_round.join("eos"),
+            )
+        });
         eoss.push(eos);
+        per_record(&mut cpu[2], secs, n);
         eos_app = app;
-        asyncs.push(
+        let ((async_eos, _), secs) = with_cpu(|| {
             aggregate(
                 &bootstrap,
                 &topic,
@@ -245,15 +278,28 @@ fn main() {
                 Counting::BehindAsync,
                 &dir_round.join("async-eos"),
             )
-            .0,
-        );
+        });
+        asyncs.push(async_eos);
+        per_record(&mut cpu[3], secs, n);
     }
     // The faster of the two plain reads is the baseline.
     let raw = median(raws).max(median(splits));
     let (alos, eos, async_eos) = (median(aloss), median(eoss), median(asyncs));
-    let (restore_rps, _) = restore(&bootstrap, &eos_app, &topic, &dir.path().join("restore"));
+    let ((restore_rps, restored), secs) =
+        with_cpu(|| restore(&bootstrap, &eos_app, &topic, &dir.path().join("restore")));
+    per_record(&mut cpu[4], secs, restored as usize);
+    // Medians (the two plain reads' six rounds together), this process's
+    // and the broker's, and their sum.
+    let [raw_cpu, alos_cpu, eos_cpu, async_cpu, restore_cpu] = cpu.map(|[own, broker]| {
+        let (own, broker) = (median(own), median(broker));
+        eprint!("{own:.2} + {broker:.2}; ");
+        own + broker
+    });
+    eprintln!(
+        "<- CPU-µs per record, this process + the broker: raw, alos, eos, async_eos, restore"
+    );
     println!(
-        "RESULT raw_rps={raw:.0} alos_rps={alos:.0} eos_rps={eos:.0} restore_rps={restore_rps:.0} async_eos_rps={async_eos:.0} alos_ratio={:.2} eos_ratio={:.2} restore_ratio={:.2} async_eos_ratio={:.2}",
+        "RESULT raw_rps={raw:.0} alos_rps={alos:.0} eos_rps={eos:.0} restore_rps={restore_rps:.0} async_eos_rps={async_eos:.0} alos_ratio={:.2} eos_ratio={:.2} restore_ratio={:.2} async_eos_ratio={:.2} raw_cpu_us={raw_cpu:.2} alos_cpu_us={alos_cpu:.2} eos_cpu_us={eos_cpu:.2} restore_cpu_us={restore_cpu:.2} async_eos_cpu_us={async_cpu:.2}",
         alos / raw,
         eos / raw,
         restore_rps / raw,

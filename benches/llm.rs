@@ -33,6 +33,8 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+#[allow(dead_code)]
+mod common;
 #[path = "common/config.rs"]
 mod config;
 
@@ -40,6 +42,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::{broker_pid, cpu_secs};
 use config::BenchPipeline;
 use rdkafka::Message as _;
 use sluice::envelope::{Priority, TaskResult};
@@ -175,19 +178,6 @@ async fn quota_run(headers: bool) -> QuotaRun {
         rate_429,
         reconverge_s: reconverge,
     }
-}
-
-/// CPU time (utime + stime, seconds) of a process, from `/proc/<pid>/stat`.
-fn cpu_secs(pid: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
-    Some(ticks as f64 / 100.0)
-}
-
-/// The broker's pid, as `make bench-llm` passes it (`SLUICE_BENCH_BROKER_PID`).
-fn broker_pid() -> Option<u32> {
-    std::env::var("SLUICE_BENCH_BROKER_PID").ok()?.parse().ok()
 }
 
 /// Samples the CPU time of some processes every 10 ms, with the wall clock

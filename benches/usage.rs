@@ -27,11 +27,12 @@ use sluice::kafka::{create_topics, produce, OutRecord};
 use sluice_topology::runtime::{AppState, EngineMetrics, Guarantee, StreamsApp, StreamsConfig};
 use sluice_topology::{JsonCodec, SourceOptions, StreamBuilder, StringCodec};
 
+#[allow(dead_code)]
 mod common;
 #[path = "common/results.rs"]
 mod results;
 
-use common::{env_usize, raw_read, PARTITIONS};
+use common::{cpu_secs, env_usize, raw_read, PARTITIONS};
 
 fn unique(what: &str) -> String {
     format!(
@@ -127,7 +128,7 @@ fn engine_round(
         std::thread::sleep(Duration::from_millis(1));
     }
     let start = Instant::now();
-    let cpu_start = cpu_secs();
+    let cpu_start = cpu_secs(std::process::id()).unwrap_or(f64::NAN);
     let mut first = None;
     while (metrics.records_in() as usize) < n {
         std::thread::sleep(Duration::from_millis(2));
@@ -139,7 +140,7 @@ fn engine_round(
         }
     }
     let secs = start.elapsed().as_secs_f64();
-    let cpu = cpu_secs() - cpu_start;
+    let cpu = cpu_secs(std::process::id()).unwrap_or(f64::NAN) - cpu_start;
     app.shutdown();
     app.join().expect("clean stop");
     let what = match round {
@@ -156,16 +157,6 @@ fn engine_round(
         metrics.commit_seconds_sum()
     );
     n as f64 / secs
-}
-
-/// CPU time of this process so far (user and system), seconds.
-fn cpu_secs() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
-    // Fields after the command name (which may hold spaces): utime is the 14th.
-    let rest = &stat[stat.rfind(')').unwrap() + 2..];
-    let f: Vec<&str> = rest.split(' ').collect();
-    let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
-    ticks / 100.0
 }
 
 /// Peak resident set of this process, MiB (`VmHWM`).

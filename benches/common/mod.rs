@@ -1,6 +1,6 @@
 //! What the benchmarks share: the partition count of their topics, knobs
-//! from the environment, and the plain consumer every ratio is taken
-//! against.
+//! from the environment, CPU time from `/proc`, and the plain consumer every
+//! ratio is taken against.
 
 use std::time::{Duration, Instant};
 
@@ -16,6 +16,21 @@ pub fn env_usize(name: &str, default: usize) -> usize {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
+}
+
+/// CPU time (user and system, seconds) of a process, from `/proc/<pid>/stat`.
+pub fn cpu_secs(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The fields after the command name (which may hold spaces): utime and
+    // stime are the 14th and 15th.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some(ticks as f64 / 100.0)
+}
+
+/// The broker's pid, as `make bench-*` passes it (`SLUICE_BENCH_BROKER_PID`).
+pub fn broker_pid() -> Option<u32> {
+    std::env::var("SLUICE_BENCH_BROKER_PID").ok()?.parse().ok()
 }
 
 /// A plain consumer reading every partition, either through the consumer's
