@@ -400,6 +400,7 @@ pub async fn run_example(a: ExampleArgs) -> anyhow::Result<()> {
             "commits": metrics.commit_count(),
             "rebalances": metrics.rebalance_count(),
             "replay_skipped": metrics.replay_skipped(),
+            "clients_given_up": metrics.clients_given_up(),
             "ok": result.is_ok(),
         })
     );

@@ -272,6 +272,10 @@ fn a_transaction_call_that_never_returns_closes_its_task_dirty_and_counts_stay_e
     assert_counts_equal(&latest_counts(&msgs).unwrap(), &expected);
     assert_each_window_count_once(&msgs, &expected);
     assert_eq!(stats["ok"], true, "{stats}\n{log}");
+    assert_eq!(
+        stats["clients_given_up"], 1,
+        "one producer given up on: {stats}"
+    );
 }
 
 /// Starts instances A and B of an example and waits until they share its

@@ -23,6 +23,9 @@ pub mod names {
     /// Async calls abandoned (cancelled unfinished: a drain timeout, a task
     /// closed dirty or at a stop); their records are processed again.
     pub const CALLS_ABANDONED: &str = "sluice_calls_abandoned_total";
+    /// Kafka clients given up on: a call of theirs did not return within its
+    /// bound (the client stays in the process until librdkafka lets go).
+    pub const CLIENTS_GIVEN_UP: &str = "sluice_clients_given_up_total";
     /// Time to restore a task.
     pub const RESTORE_SECONDS: &str = "sluice_restore_seconds";
     /// Changelog records restored.
@@ -55,6 +58,7 @@ pub struct EngineMetrics {
     pub(crate) paused: IntGauge,
     pub(crate) rebalances: IntCounter,
     pub(crate) calls_abandoned: IntCounter,
+    pub(crate) clients_given_up: IntCounter,
     pub(crate) restore_seconds: Histogram,
     pub(crate) restore_records: IntCounter,
     pub(crate) commits: IntCounter,
@@ -91,6 +95,10 @@ impl EngineMetrics {
             calls_abandoned: IntCounter::new(
                 names::CALLS_ABANDONED,
                 "Async calls abandoned unfinished (their records are processed again)",
+            )?,
+            clients_given_up: IntCounter::new(
+                names::CLIENTS_GIVEN_UP,
+                "Kafka clients given up on: a call did not return within its bound",
             )?,
             restore_seconds: Histogram::with_opts(
                 HistogramOpts::new(names::RESTORE_SECONDS, "Time to restore a task's state")
@@ -141,6 +149,7 @@ impl EngineMetrics {
         registry.register(Box::new(m.paused.clone()))?;
         registry.register(Box::new(m.rebalances.clone()))?;
         registry.register(Box::new(m.calls_abandoned.clone()))?;
+        registry.register(Box::new(m.clients_given_up.clone()))?;
         registry.register(Box::new(m.restore_seconds.clone()))?;
         registry.register(Box::new(m.restore_records.clone()))?;
         registry.register(Box::new(m.commits.clone()))?;
@@ -207,6 +216,11 @@ impl EngineMetrics {
     /// Async calls abandoned so far.
     pub fn calls_abandoned(&self) -> u64 {
         self.calls_abandoned.get()
+    }
+
+    /// Kafka clients given up on so far.
+    pub fn clients_given_up(&self) -> u64 {
+        self.clients_given_up.get()
     }
 
     /// Records consumed so far.

@@ -75,6 +75,9 @@ impl Engine {
                 // does a producer given up on (a call that never returned).
                 e if fenced || given_up || e.task_migrated() || e.delivery_failed() => {
                     tracing::warn!(task = %id, error = %e, "task fenced or its transaction must abort: closing it dirty and rejoining");
+                    if given_up {
+                        self.metrics.clients_given_up.inc();
+                    }
                     if fenced || given_up {
                         // Nothing to abort: a fenced producer cannot end its
                         // transaction (an abort would wait for its timeout),
