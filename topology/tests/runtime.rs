@@ -42,17 +42,26 @@ fn producer() -> ThreadedProducer<DefaultProducerContext> {
         .unwrap()
 }
 
+/// A consumer of committed records in a group of its own, with `extra`
+/// settings.
+fn committed_reader(extra: &[(&str, &str)]) -> BaseConsumer {
+    let mut config = ClientConfig::new();
+    config
+        .set("bootstrap.servers", bootstrap())
+        .set("group.id", unique("reader"))
+        .set("isolation.level", "read_committed");
+    for (k, v) in extra {
+        config.set(*k, *v);
+    }
+    config.create().unwrap()
+}
+
 fn read_all(
     topic: &str,
     partitions: i32,
     done: impl Fn(&BTreeMap<(i64, String), u64>) -> bool,
 ) -> BTreeMap<(i64, String), u64> {
-    let c: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap())
-        .set("group.id", unique("reader"))
-        .set("isolation.level", "read_committed")
-        .create()
-        .unwrap();
+    let c = committed_reader(&[]);
     let mut tpl = TopicPartitionList::new();
     for p in 0..partitions {
         tpl.add_partition_offset(topic, p, Offset::Beginning)
@@ -363,13 +372,7 @@ fn latest_key_counts(
     topic: &str,
     done: impl Fn(&BTreeMap<String, u64>) -> bool,
 ) -> BTreeMap<String, u64> {
-    let c: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap())
-        .set("group.id", unique("reader"))
-        .set("isolation.level", "read_committed")
-        .set("auto.offset.reset", "earliest")
-        .create()
-        .unwrap();
+    let c = committed_reader(&[("auto.offset.reset", "earliest")]);
     c.subscribe(&[topic]).unwrap();
     let mut latest = BTreeMap::new();
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -583,13 +586,7 @@ fn repartition_topics_keep_records_until_consumed_then_drop_them() {
 
 /// Offsets of the committed records of partition 0 of `topic`, to its end.
 fn record_offsets(topic: &str) -> Vec<i64> {
-    let c: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap())
-        .set("group.id", unique("reader"))
-        .set("isolation.level", "read_committed")
-        .set("enable.partition.eof", "true")
-        .create()
-        .unwrap();
+    let c = committed_reader(&[("enable.partition.eof", "true")]);
     let mut tpl = TopicPartitionList::new();
     tpl.add_partition_offset(topic, 0, Offset::Beginning)
         .unwrap();
