@@ -56,18 +56,23 @@ fn committed_reader(extra: &[(&str, &str)]) -> BaseConsumer {
     config.create().unwrap()
 }
 
-fn read_all(
-    topic: &str,
-    partitions: i32,
-    done: impl Fn(&BTreeMap<(i64, String), u64>) -> bool,
-) -> BTreeMap<(i64, String), u64> {
-    let c = committed_reader(&[]);
+/// Assigns partitions `0..partitions` of `topic` to `c` from their start.
+fn assign_from_start(c: &BaseConsumer, topic: &str, partitions: i32) {
     let mut tpl = TopicPartitionList::new();
     for p in 0..partitions {
         tpl.add_partition_offset(topic, p, Offset::Beginning)
             .unwrap();
     }
     c.assign(&tpl).unwrap();
+}
+
+fn read_all(
+    topic: &str,
+    partitions: i32,
+    done: impl Fn(&BTreeMap<(i64, String), u64>) -> bool,
+) -> BTreeMap<(i64, String), u64> {
+    let c = committed_reader(&[]);
+    assign_from_start(&c, topic, partitions);
     let mut latest = BTreeMap::new();
     let deadline = Instant::now() + Duration::from_secs(120);
     while Instant::now() < deadline {
@@ -587,10 +592,7 @@ fn repartition_topics_keep_records_until_consumed_then_drop_them() {
 /// Offsets of the committed records of partition 0 of `topic`, to its end.
 fn record_offsets(topic: &str) -> Vec<i64> {
     let c = committed_reader(&[("enable.partition.eof", "true")]);
-    let mut tpl = TopicPartitionList::new();
-    tpl.add_partition_offset(topic, 0, Offset::Beginning)
-        .unwrap();
-    c.assign(&tpl).unwrap();
+    assign_from_start(&c, topic, 1);
     let mut offsets = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(60);
     while Instant::now() < deadline {

@@ -122,29 +122,28 @@ pub(crate) fn restore_task(
     let mut remaining: Vec<(String, StoreId, i64)> = Vec::new();
     for (id, topic) in stores {
         let mut from = state.restore_offset(*id);
-        if from == 0 {
-            // Nothing local: read from the start. The end is where the
-            // consumer reports reaching it, and a start deleted by retention
-            // is skipped by `auto.offset.reset`: no look-up needed.
-            tpl.add_partition_offset(topic, task.partition, Offset::Offset(0))?;
-            remaining.push((topic.clone(), *id, 0));
-            continue;
+        // With nothing local the store reads from the start, and needs no
+        // look-up of the changelog's ends: the end is where the consumer
+        // reports reaching it, and a start deleted by retention is skipped
+        // by `auto.offset.reset`.
+        if from > 0 {
+            let (low, high) = watermarks(&consumer, topic, task.partition, cancel)?;
+            if from > high {
+                // The changelog is shorter than what the store says it holds:
+                // it was recreated (or truncated). What is local cannot be
+                // trusted.
+                tracing::warn!(%task, topic, from, end = high, "checkpoint is past the changelog end; restoring in full");
+                state.wipe_store(*id)?;
+                from = 0;
+            }
+            if from >= high {
+                state.restored_to(*id, from)?;
+                continue;
+            }
+            // Below the start, records were deleted by retention (expired
+            // windows): restore from what is there.
+            from = from.max(low);
         }
-        let (low, high) = watermarks(&consumer, topic, task.partition, cancel)?;
-        if from > high {
-            // The changelog is shorter than what the store says it holds: it
-            // was recreated (or truncated). What is local cannot be trusted.
-            tracing::warn!(%task, topic, from, end = high, "checkpoint is past the changelog end; restoring in full");
-            state.wipe_store(*id)?;
-            from = 0;
-        }
-        if from >= high {
-            state.restored_to(*id, from)?;
-            continue;
-        }
-        // Below the start, records were deleted by retention (expired
-        // windows): restore from what is there.
-        let from = from.max(low);
         tpl.add_partition_offset(topic, task.partition, Offset::Offset(from))?;
         remaining.push((topic.clone(), *id, from));
     }
