@@ -21,7 +21,7 @@ use sluice_topology::runtime::{
 
 mod common;
 
-use common::{broker_pid, cpu_secs, env_usize, raw_read, PARTITIONS};
+use common::{broker_pid, cpu_secs, env_usize, own_cpu_secs, raw_read, PARTITIONS};
 
 const KEYS: usize = 10_000;
 
@@ -85,7 +85,7 @@ fn aggregate(
 fn with_cpu<T>(round: impl FnOnce() -> T) -> (T, [f64; 2]) {
     let cpu = || {
         [
-            cpu_secs(std::process::id()).unwrap_or(f64::NAN),
+            own_cpu_secs(),
             broker_pid().and_then(cpu_secs).unwrap_or(0.0),
         ]
     };

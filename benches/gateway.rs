@@ -9,7 +9,12 @@
 //! - the time from a 202 to its result's server-sent event, with `sluice run`
 //!   answering through the simulated provider at zero latency (its 100 ms
 //!   batching window included), for tasks submitted at a steady rate with
-//!   their event streams opened right after each 202.
+//!   their event streams opened right after each 202;
+//! - CPU time per accepted POST (the gateway, the broker, `wrk`) and per
+//!   acknowledged record (the produce loop's process, the broker), summed
+//!   over the measured rounds: the accept rounds saturate the two cores, so
+//!   their rate follows these (the broker's only with
+//!   `SLUICE_BENCH_BROKER_PID`, which `make bench-gateway` sets).
 //!
 //! Environment: `SLUICE_BENCH_SECS` (seconds of each accept round, default
 //! 8), `SLUICE_BENCH_ROUNDS` (rounds of each, default 2),
@@ -21,6 +26,8 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+#[allow(dead_code)]
+mod common;
 #[path = "common/config.rs"]
 mod config;
 #[path = "common/process.rs"]
@@ -31,6 +38,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::{broker_pid, cpu_secs, own_cpu_secs, stat_secs};
 use config::BenchPipeline;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
@@ -105,6 +113,29 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i]
 }
 
+/// CPU time (seconds) of this process's children that ended and were
+/// waited for (`wrk`'s runs), NaN where `/proc` cannot tell.
+fn children_cpu_secs() -> f64 {
+    stat_secs("/proc/self/stat", 13).unwrap_or(f64::NAN)
+}
+
+/// CPU time (seconds) so far of the gateway, the broker (0 unless `make
+/// bench-gateway` passes its pid), this process (the produce loop) and its
+/// ended children (the load generator).
+fn cpu_of(gateway: u32) -> [f64; 4] {
+    [
+        cpu_secs(gateway).unwrap_or(f64::NAN),
+        broker_pid().and_then(cpu_secs).unwrap_or(0.0),
+        own_cpu_secs(),
+        children_cpu_secs(),
+    ]
+}
+
+/// CPU-µs per record of each of [`cpu_of`]'s processes between two samples.
+fn cpu_us_per(before: [f64; 4], after: [f64; 4], records: f64) -> [f64; 4] {
+    std::array::from_fn(|i| (after[i] - before[i]) * 1e6 / records)
+}
+
 /// The load generator's script: each request a classify task (its content
 /// numbered per wrk thread), the tenants' tokens in turn; at the end one
 /// line with the counts and the latency percentiles (µs).
@@ -145,6 +176,8 @@ end
 struct Accepted {
     /// Accepted POSTs per second.
     rate: f64,
+    /// POSTs answered.
+    requests: f64,
     /// Time to the 202, ms.
     p50_ms: f64,
     p99_ms: f64,
@@ -217,19 +250,20 @@ async fn accept_round(client: &reqwest::Client, addr: &str, secs: u64, script: &
     );
     Accepted {
         rate: requests / (field("duration_us") / 1e6),
+        requests,
         p50_ms: field("p50_us") / 1000.0,
         p99_ms: field("p99_us") / 1000.0,
     }
 }
 
 /// The produce loop: `CONCURRENCY` records in flight, each awaited, for
-/// `secs`: acknowledged per second.
+/// `secs`: acknowledged per second, and how many.
 async fn produce_round(
     producer: &FutureProducer,
     topic: &str,
     secs: u64,
     next: &Arc<AtomicU64>,
-) -> f64 {
+) -> (f64, f64) {
     let stop = Arc::new(AtomicBool::new(false));
     let start = Instant::now();
     let mut workers = Vec::new();
@@ -263,7 +297,7 @@ async fn produce_round(
     for w in workers {
         n += w.await.unwrap();
     }
-    n as f64 / start.elapsed().as_secs_f64()
+    (n as f64 / start.elapsed().as_secs_f64(), n as f64)
 }
 
 /// Submits `n` tasks at `rate` per second, each followed by its event
@@ -439,16 +473,30 @@ max_backlog_per_tenant = 0
     let next = Arc::new(AtomicU64::new(0));
     let script = dir.path().join("post.lua");
     std::fs::write(&script, wrk_script()).unwrap();
+    let gateway_pid = _gateway.0.id();
     let (mut gw_rounds, mut loop_rates) = (Vec::new(), Vec::new());
+    // CPU-µs per accepted POST (gateway, broker, load generator) and per
+    // acknowledged record (broker, produce loop), summed over the rounds.
+    let (mut gw_cpu, mut loop_cpu) = ([0.0; 4], [0.0; 4]);
     rt.block_on(async {
         // Warm-up: connections open, metadata known, the broker's first
         // seconds of each kind of traffic behind us.
         accept_round(&client, &addr, warmup, &script).await;
         produce_round(&producer, &topic, warmup, &next).await;
         for _ in 0..rounds {
-            let r = produce_round(&producer, &topic, secs, &next).await;
+            let before = cpu_of(gateway_pid);
+            let (r, n) = produce_round(&producer, &topic, secs, &next).await;
+            let after = cpu_of(gateway_pid);
             loop_rates.push(r);
-            gw_rounds.push(accept_round(&client, &addr, secs, &script).await);
+            for (sum, x) in loop_cpu.iter_mut().zip(cpu_us_per(before, after, n)) {
+                *sum += x / rounds as f64;
+            }
+            let a = accept_round(&client, &addr, secs, &script).await;
+            let (before, after) = (after, cpu_of(gateway_pid));
+            for (sum, x) in gw_cpu.iter_mut().zip(cpu_us_per(before, after, a.requests)) {
+                *sum += x / rounds as f64;
+            }
+            gw_rounds.push(a);
         }
     });
     let gw_rates: Vec<f64> = gw_rounds.iter().map(|a| a.rate).collect();
@@ -463,6 +511,10 @@ max_backlog_per_tenant = 0
     );
     eprintln!(
         "accept: gateway {gw:.0}/s (rounds {gw_rates:.0?}) against the produce loop {plain:.0}/s ({loop_rates:.0?}), {CONCURRENCY} in flight; time to 202 p50 {p50_accept:.1} ms p99 {p99_accept:.1} ms (worst round)",
+    );
+    eprintln!(
+        "CPU-µs per accepted POST: gateway {:.1}, broker {:.1}, load generator {:.1}; per looped record: produce loop {:.1}, broker {:.1}",
+        gw_cpu[0], gw_cpu[1], gw_cpu[3], loop_cpu[2], loop_cpu[1],
     );
 
     // Accept to event: the pipeline answers (zero-latency provider), once
@@ -511,11 +563,15 @@ max_backlog_per_tenant = 0
         );
     }
     println!(
-        "RESULT accept_ratio={:.2} p99_accept_ms={:.1} p99_accept_to_event_ms={:.0} gateway_rps={gw:.0} produce_rps={plain:.0} p50_accept_ms={:.1} p50_accept_to_event_ms={:.0}",
+        "RESULT accept_ratio={:.2} p99_accept_ms={:.1} p99_accept_to_event_ms={:.0} gateway_rps={gw:.0} produce_rps={plain:.0} p50_accept_ms={:.1} p50_accept_to_event_ms={:.0} gateway_cpu_us={:.1} gateway_broker_cpu_us={:.1} loop_cpu_us={:.1} loop_broker_cpu_us={:.1}",
         gw / plain,
         p99_accept,
         percentile(&events, 0.99),
         p50_accept,
         percentile(&events, 0.5),
+        gw_cpu[0],
+        gw_cpu[1],
+        loop_cpu[2],
+        loop_cpu[1],
     );
 }

@@ -42,7 +42,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{broker_pid, cpu_secs};
+use common::{broker_pid, cpu_secs, own_cpu_secs};
 use config::BenchPipeline;
 use rdkafka::Message as _;
 use sluice::envelope::{Priority, TaskResult};
@@ -521,7 +521,7 @@ where
     Fut: std::future::Future<Output = ()> + Send,
 {
     let next = Arc::new(AtomicU64::new(0));
-    let cpu0 = cpu_secs(std::process::id()).unwrap_or(f64::NAN);
+    let cpu0 = own_cpu_secs();
     let start = Instant::now();
     let mut workers = Vec::new();
     for _ in 0..concurrency {
@@ -540,7 +540,7 @@ where
         w.await.unwrap();
     }
     let secs = start.elapsed().as_secs_f64();
-    let cpu = cpu_secs(std::process::id()).unwrap_or(f64::NAN) - cpu0;
+    let cpu = own_cpu_secs() - cpu0;
     eprintln!(
         "{label}: {n} requests in {secs:.2}s; CPU per request (client and simulator): {:.0} µs",
         cpu * 1e6 / n as f64

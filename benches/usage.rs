@@ -32,7 +32,7 @@ mod common;
 #[path = "common/results.rs"]
 mod results;
 
-use common::{cpu_secs, env_usize, raw_read, PARTITIONS};
+use common::{env_usize, own_cpu_secs, raw_read, PARTITIONS};
 
 fn unique(what: &str) -> String {
     format!(
@@ -128,7 +128,7 @@ fn engine_round(
         std::thread::sleep(Duration::from_millis(1));
     }
     let start = Instant::now();
-    let cpu_start = cpu_secs(std::process::id()).unwrap_or(f64::NAN);
+    let cpu_start = own_cpu_secs();
     let mut first = None;
     while (metrics.records_in() as usize) < n {
         std::thread::sleep(Duration::from_millis(2));
@@ -140,7 +140,7 @@ fn engine_round(
         }
     }
     let secs = start.elapsed().as_secs_f64();
-    let cpu = cpu_secs(std::process::id()).unwrap_or(f64::NAN) - cpu_start;
+    let cpu = own_cpu_secs() - cpu_start;
     app.shutdown();
     app.join().expect("clean stop");
     let what = match round {

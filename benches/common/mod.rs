@@ -20,11 +20,22 @@ pub fn env_usize(name: &str, default: usize) -> usize {
 
 /// CPU time (user and system, seconds) of a process, from `/proc/<pid>/stat`.
 pub fn cpu_secs(pid: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The fields after the command name (which may hold spaces): utime and
-    // stime are the 14th and 15th.
+    stat_secs(&format!("/proc/{pid}/stat"), 11)
+}
+
+/// This process's CPU time (seconds; NaN where `/proc` cannot tell).
+pub fn own_cpu_secs() -> f64 {
+    cpu_secs(std::process::id()).unwrap_or(f64::NAN)
+}
+
+/// Two clock-tick counts of a `/proc/*/stat` file summed in seconds: the
+/// one at `first` (counted from the field after the command name, which
+/// may hold spaces: utime is 11, cutime 13) and the next.
+pub fn stat_secs(path: &str, first: usize) -> Option<f64> {
+    let stat = std::fs::read_to_string(path).ok()?;
     let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    let ticks: u64 =
+        fields.get(first)?.parse::<u64>().ok()? + fields.get(first + 1)?.parse::<u64>().ok()?;
     Some(ticks as f64 / 100.0)
 }
 
