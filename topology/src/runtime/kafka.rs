@@ -297,7 +297,7 @@ pub(crate) fn send_offsets_to_transaction(
         "adding offsets to a transaction",
         timeout + UNANSWERED_GRACE,
         move || {
-            super::driver::hang_point("eos_offsets_unanswered");
+            super::failpoint::hang_point("eos_offsets_unanswered");
             p.send_offsets_to_transaction(&offsets, &meta, timeout)
         },
     )?

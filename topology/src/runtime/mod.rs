@@ -33,6 +33,7 @@ pub mod metrics;
 
 mod admin;
 mod driver;
+mod failpoint;
 mod instances;
 mod kafka;
 mod partitions;

@@ -3,6 +3,7 @@
 //! at-least-once), then the local state.
 
 use super::*;
+use crate::runtime::failpoint::{failpoint, failpoint_at};
 
 impl Engine {
     /// True when a task's producer was fenced by a newer one with its
