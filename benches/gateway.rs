@@ -11,8 +11,8 @@
 //!   batching window included), for tasks submitted at a steady rate with
 //!   their event streams opened right after each 202;
 //! - CPU time per accepted POST (the gateway, the broker, `wrk`) and per
-//!   acknowledged record (the produce loop's process, the broker), summed
-//!   over the measured rounds: the accept rounds saturate the two cores, so
+//!   acknowledged record (the produce loop's process, the broker), the
+//!   mean of the measured rounds': the accept rounds saturate the two cores, so
 //!   their rate follows these (the broker's only with
 //!   `SLUICE_BENCH_BROKER_PID`, which `make bench-gateway` sets).
 //!
@@ -131,9 +131,12 @@ fn cpu_of(gateway: u32) -> [f64; 4] {
     ]
 }
 
-/// CPU-µs per record of each of [`cpu_of`]'s processes between two samples.
-fn cpu_us_per(before: [f64; 4], after: [f64; 4], records: f64) -> [f64; 4] {
-    std::array::from_fn(|i| (after[i] - before[i]) * 1e6 / records)
+/// Adds one of `rounds` rounds to `mean`: the CPU-µs per record of each of
+/// [`cpu_of`]'s processes between two samples.
+fn add_round(mean: &mut [f64; 4], before: [f64; 4], after: [f64; 4], records: f64, rounds: u64) {
+    for (m, (b, a)) in mean.iter_mut().zip(before.into_iter().zip(after)) {
+        *m += (a - b) * 1e6 / records / rounds as f64;
+    }
 }
 
 /// The load generator's script: each request a classify task (its content
@@ -468,15 +471,15 @@ max_backlog_per_tenant = 0
 
     // Accept rounds: the gateway alone (no pipeline takes the tasks), beside
     // the produce loop, alternating.
-    let (_gateway, addr) = start("gateway", &cfg);
+    let (gateway, addr) = start("gateway", &cfg);
+    let gateway_pid = gateway.0.id();
     rt.block_on(wait_ready(&client, &addr));
     let next = Arc::new(AtomicU64::new(0));
     let script = dir.path().join("post.lua");
     std::fs::write(&script, wrk_script()).unwrap();
-    let gateway_pid = _gateway.0.id();
     let (mut gw_rounds, mut loop_rates) = (Vec::new(), Vec::new());
     // CPU-µs per accepted POST (gateway, broker, load generator) and per
-    // acknowledged record (broker, produce loop), summed over the rounds.
+    // acknowledged record (broker, produce loop), the rounds' mean.
     let (mut gw_cpu, mut loop_cpu) = ([0.0; 4], [0.0; 4]);
     rt.block_on(async {
         // Warm-up: connections open, metadata known, the broker's first
@@ -488,14 +491,9 @@ max_backlog_per_tenant = 0
             let (r, n) = produce_round(&producer, &topic, secs, &next).await;
             let after = cpu_of(gateway_pid);
             loop_rates.push(r);
-            for (sum, x) in loop_cpu.iter_mut().zip(cpu_us_per(before, after, n)) {
-                *sum += x / rounds as f64;
-            }
+            add_round(&mut loop_cpu, before, after, n, rounds);
             let a = accept_round(&client, &addr, secs, &script).await;
-            let (before, after) = (after, cpu_of(gateway_pid));
-            for (sum, x) in gw_cpu.iter_mut().zip(cpu_us_per(before, after, a.requests)) {
-                *sum += x / rounds as f64;
-            }
+            add_round(&mut gw_cpu, after, cpu_of(gateway_pid), a.requests, rounds);
             gw_rounds.push(a);
         }
     });
