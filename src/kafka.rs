@@ -105,12 +105,16 @@ impl From<&Cluster> for Cluster {
     }
 }
 
-/// A client configuration for `cluster` (its bootstrap servers and client
-/// properties).
+/// A client configuration for `cluster` (its bootstrap servers, the
+/// engine's client defaults, and the cluster's client properties, which
+/// win).
 pub fn base(cluster: impl Into<Cluster>) -> ClientConfig {
     let cluster = cluster.into();
     let mut c = ClientConfig::new();
     c.set("bootstrap.servers", &cluster.bootstrap);
+    for (k, v) in sluice_topology::runtime::CLIENT_DEFAULTS {
+        c.set(*k, *v);
+    }
     for (k, v) in &cluster.client {
         c.set(k, v);
     }

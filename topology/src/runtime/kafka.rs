@@ -113,10 +113,22 @@ impl ProducerContext for TrackingContext {
 /// A producer with delivery tracking.
 pub(crate) type TrackedProducer = PolledProducer<TrackingContext>;
 
-/// Base client config: bootstrap servers and client overrides.
+/// librdkafka properties every client starts from, before the user's
+/// (which may set them back). KIP-714's client metrics push off: with it on
+/// (librdkafka's default) a consumer records every poll into a telemetry
+/// histogram under a lock, whether or not the cluster subscribes to client
+/// metrics — 3 % of the driver thread's time in `make bench-engine`'s
+/// exactly-once round, one poll per record.
+pub const CLIENT_DEFAULTS: &[(&str, &str)] = &[("enable.metrics.push", "false")];
+
+/// Base client config: bootstrap servers, [`CLIENT_DEFAULTS`] and client
+/// overrides.
 pub(crate) fn client_config(cfg: &StreamsConfig) -> ClientConfig {
     let mut c = ClientConfig::new();
     c.set("bootstrap.servers", &cfg.bootstrap_servers);
+    for (k, v) in CLIENT_DEFAULTS {
+        c.set(*k, *v);
+    }
     for (k, v) in &cfg.client_overrides {
         c.set(k, v);
     }
@@ -398,5 +410,17 @@ mod tests {
         })
         .unwrap_err();
         assert!(!e.unanswered(), "{e}");
+    }
+
+    #[test]
+    fn clients_start_without_metrics_push_and_the_user_may_turn_it_on() {
+        let mut cfg = StreamsConfig::new("app", "127.0.0.1:1", std::path::Path::new("/tmp"));
+        assert_eq!(
+            client_config(&cfg).get("enable.metrics.push"),
+            Some("false")
+        );
+        cfg.client_overrides
+            .insert("enable.metrics.push".into(), "true".into());
+        assert_eq!(client_config(&cfg).get("enable.metrics.push"), Some("true"));
     }
 }
