@@ -649,14 +649,15 @@ pub async fn run_until(
         .unwrap_or_else(|| format!("http://{bound}"));
     let producer: FutureProducer = crate::kafka::base(config.kafka.cluster())
         .set("enable.idempotence", "true")
-        // An idempotent producer keeps at most 5 requests in flight per
-        // partition; while that window is full and a batch's linger has
-        // run out, librdkafka's broker thread polls without sleeping until
-        // an answer comes. A batch every 2 ms fills the window only when the
-        // broker takes over 10 ms to answer (at 1 ms, over 5 ms: under load
-        // that thread spun for a fifth of the gateway's CPU). Waiting
-        // longer costs the 202 its latency (5 ms: 40 % fewer accepted POSTs
-        // from 64 connections).
+        // An idempotent producer may keep 5 requests in flight per
+        // partition, but librdkafka 2.12 counts the messages in flight
+        // against that limit: a partition with a batch of 5 or more out
+        // sends nothing until it returns, and once a waiting batch's linger
+        // has run out, the broker thread polls without sleeping meanwhile.
+        // The longer the linger, the less of that wait is spun (at 1 ms that
+        // thread spun for a fifth of the gateway's CPU under load), and the
+        // longer the 202 waits (5 ms: 40 % fewer accepted POSTs from 64
+        // connections).
         .set("linger.ms", "2")
         .create()
         .map_err(crate::kafka::KafkaError::from)?;
