@@ -105,20 +105,12 @@ impl From<&Cluster> for Cluster {
     }
 }
 
-/// A client configuration for `cluster` (its bootstrap servers, the
-/// engine's client defaults, and the cluster's client properties, which
-/// win).
+/// A client configuration for `cluster`: the engine's client defaults, then
+/// the cluster's client properties, which win
+/// ([`sluice_topology::runtime::client_base`]).
 pub fn base(cluster: impl Into<Cluster>) -> ClientConfig {
     let cluster = cluster.into();
-    let mut c = ClientConfig::new();
-    c.set("bootstrap.servers", &cluster.bootstrap);
-    for (k, v) in sluice_topology::runtime::CLIENT_DEFAULTS {
-        c.set(*k, *v);
-    }
-    for (k, v) in &cluster.client {
-        c.set(k, v);
-    }
-    c
+    sluice_topology::runtime::client_base(&cluster.bootstrap, &cluster.client)
 }
 
 /// Remembers what a client reported failing (a refused connection, a failed

@@ -121,18 +121,24 @@ pub(crate) type TrackedProducer = PolledProducer<TrackingContext>;
 /// exactly-once round, one poll per record.
 pub const CLIENT_DEFAULTS: &[(&str, &str)] = &[("enable.metrics.push", "false")];
 
-/// Base client config: bootstrap servers, [`CLIENT_DEFAULTS`] and client
-/// overrides.
-pub(crate) fn client_config(cfg: &StreamsConfig) -> ClientConfig {
+/// A client config for the cluster at `bootstrap`: [`CLIENT_DEFAULTS`],
+/// then the user's `properties`, which win.
+pub fn client_base(bootstrap: &str, properties: &crate::redact::Properties) -> ClientConfig {
     let mut c = ClientConfig::new();
-    c.set("bootstrap.servers", &cfg.bootstrap_servers);
+    c.set("bootstrap.servers", bootstrap);
     for (k, v) in CLIENT_DEFAULTS {
         c.set(*k, *v);
     }
-    for (k, v) in &cfg.client_overrides {
+    for (k, v) in properties.iter() {
         c.set(k, v);
     }
     c
+}
+
+/// Base client config of the engine: [`client_base`] of its bootstrap
+/// servers and client overrides.
+pub(crate) fn client_config(cfg: &StreamsConfig) -> ClientConfig {
+    client_base(&cfg.bootstrap_servers, &cfg.client_overrides)
 }
 
 /// The first retry's backoff of a transactional producer (see

@@ -52,7 +52,7 @@ use parking_lot::Mutex;
 
 pub use config::{GroupProtocol, Guarantee, StreamsConfig};
 pub use instances::{ClaimKey, InstanceClaim};
-pub use kafka::{close_in_background, CLIENT_DEFAULTS};
+pub use kafka::{client_base, close_in_background};
 pub use metrics::EngineMetrics;
 pub use partitions::{crc32, key_partition, murmur2, KeyPartitioner};
 pub use polled::PolledProducer;
