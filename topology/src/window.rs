@@ -208,9 +208,21 @@ pub(crate) struct WindowAggNode<K, V, A> {
     /// the flush, once per commit rather than once per record (stream time
     /// moves with almost every record).
     meta_unsaved: bool,
-    /// Latest results not yet forwarded (`OnCommit`), by (window start, key);
-    /// hashed for the per-record update, sorted at the flush.
-    pending: PendingMap<(i64, Vec<u8>), Record<Windowed<K>, A>>,
+    /// Latest results not yet forwarded (`OnCommit`), one per window of a
+    /// key updated since the last flush, sorted by (window start, key) at the
+    /// flush. The write cache's entry of each window says where its result
+    /// is ([`CachedAggregate::pending`]): the per-record update finds both
+    /// with the one lookup of the write cache.
+    pending: Vec<PendingResult<K, A>>,
+}
+
+/// A windowed aggregate's latest result waiting for the flush.
+pub(crate) struct PendingResult<K, A> {
+    start: i64,
+    key: Vec<u8>,
+    /// Its place when it was taken.
+    taken: usize,
+    rec: Record<Windowed<K>, A>,
 }
 
 /// Cached results not yet forwarded, keyed by their encoded key.
@@ -262,7 +274,7 @@ where
             meta: None,
             last_expiry: i64::MIN,
             meta_unsaved: false,
-            pending: PendingMap::default(),
+            pending: Vec::new(),
         }
     }
 
@@ -364,14 +376,15 @@ where
         // Late or not by the stream time when the record arrived: the same
         // answer whatever the order async calls before this node end in.
         let stream_time = ctx.record_stream_time();
-        let mut key_bytes = to_bincode(&rec.key);
+        let key_bytes = to_bincode(&rec.key);
         for window in self.windows.windows_for(rec.timestamp) {
             if window.end.saturating_add(self.windows.grace_ms) <= stream_time {
                 ctx.counters.late_dropped += 1;
                 continue;
             }
             // Read, changed and written back in one write-cache lookup; the
-            // aggregate stays decoded there until the commit encodes it.
+            // aggregate stays decoded there until the commit encodes it, and
+            // says where its pending result is.
             let init = &self.init;
             let cached =
                 ctx.state_mut()
@@ -381,11 +394,14 @@ where
                                 .map_err(|e| format!("corrupt window value: {e}"))?,
                             None => init(),
                         };
-                        Ok(CachedAggregate(Some(current)))
+                        Ok(CachedAggregate {
+                            value: Some(current),
+                            pending: None,
+                        })
                     })?;
-            let current = cached.0.take().expect("an aggregate between updates");
+            let current = cached.value.take().expect("an aggregate between updates");
             let updated = (self.agg)(&rec.key, &rec.value, current);
-            cached.0 = Some(updated.clone());
+            cached.value = Some(updated.clone());
             let out = || Record {
                 key: Windowed {
                     key: rec.key.clone(),
@@ -397,22 +413,31 @@ where
             };
             match self.emit {
                 EmitMode::OnUpdate => self.out.emit(out(), ctx)?,
-                EmitMode::OnCommit => {
-                    // Updated in place when cached: no key copies per record.
-                    let slot = (window.start, std::mem::take(&mut key_bytes));
-                    match self.pending.get_mut(&slot) {
-                        Some(cached) => {
-                            cached.value = updated.clone();
-                            cached.timestamp = rec.timestamp;
-                            cached.headers.clone_from(&rec.headers);
-                            key_bytes = slot.1;
-                        }
-                        None => {
-                            key_bytes = slot.1.clone();
-                            self.pending.insert(slot, out());
-                        }
+                EmitMode::OnCommit => match cached
+                    .pending
+                    .and_then(|at| self.pending.get_mut(at))
+                    // The place holds until the flush empties the results:
+                    // it is this window's result only if it says so.
+                    .filter(|waiting| waiting.start == window.start && waiting.key == key_bytes)
+                {
+                    // Updated in place: no key copies per record.
+                    Some(waiting) => {
+                        let waiting = &mut waiting.rec;
+                        waiting.value = updated.clone();
+                        waiting.timestamp = rec.timestamp;
+                        waiting.headers.clone_from(&rec.headers);
                     }
-                }
+                    None => {
+                        let taken = self.pending.len();
+                        cached.pending = Some(taken);
+                        self.pending.push(PendingResult {
+                            start: window.start,
+                            key: key_bytes.clone(),
+                            taken,
+                            rec: out(),
+                        });
+                    }
+                },
                 EmitMode::OnWindowClose => {}
             }
         }
@@ -437,7 +462,13 @@ where
 
     fn flush(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
         self.write_meta(ctx);
-        emit_sorted(&mut self.pending, &mut self.out, ctx)?;
+        let mut pending = std::mem::take(&mut self.pending);
+        latest_in_order(&mut pending);
+        for waiting in pending.drain(..) {
+            self.out.emit(waiting.rec, ctx)?;
+        }
+        // The allocation is kept for the next period.
+        self.pending = pending;
         self.out.kids.flush(ctx)
     }
 
@@ -456,14 +487,36 @@ where
     }
 }
 
+/// Sorts pending results by (window start, key), keeping the last of each
+/// window: should a window's write-cache entry be made again before the
+/// flush, it starts a second result, and the later one is the latest.
+fn latest_in_order<K, A>(pending: &mut Vec<PendingResult<K, A>>) {
+    // A window's results stay in the order they were taken (`taken`: the
+    // results are unique, so an unstable sort keeps that order and moves
+    // less than a stable one).
+    pending.sort_unstable_by(|a, b| (a.start, &a.key, a.taken).cmp(&(b.start, &b.key, b.taken)));
+    pending.dedup_by(|later, kept| {
+        let same = later.start == kept.start && later.key == kept.key;
+        if same {
+            std::mem::swap(later, kept);
+        }
+        same
+    });
+}
+
 /// A windowed aggregate kept decoded in the task's write cache between
-/// commits (encoded with bincode at the commit). Empty only while an update
-/// holds it.
-struct CachedAggregate<A>(Option<A>);
+/// commits (encoded with bincode at the commit).
+struct CachedAggregate<A> {
+    /// Empty only while an update holds it.
+    value: Option<A>,
+    /// Where this window's result is in its node's pending results, once it
+    /// has one (`OnCommit`).
+    pending: Option<usize>,
+}
 
 impl<A: Serialize + Send + 'static> sluice_state::CachedValue for CachedAggregate<A> {
     fn encode(&self) -> Vec<u8> {
-        to_bincode(self.0.as_ref().expect("an aggregate between updates"))
+        to_bincode(self.value.as_ref().expect("an aggregate between updates"))
     }
 
     fn as_any(&self) -> &dyn std::any::Any {
@@ -560,6 +613,51 @@ mod tests {
             LEGACY_META_KEY > lowest.as_slice(),
             "the old key sat inside the ranges"
         );
+    }
+
+    #[test]
+    fn pending_results_are_forwarded_in_window_and_key_order_the_last_of_each_window() {
+        let result = |start: i64, key: &[u8], value: u64, taken: usize| PendingResult {
+            start,
+            key: key.to_vec(),
+            taken,
+            rec: Record::new(
+                Windowed {
+                    key: key.to_vec(),
+                    window: Window {
+                        start,
+                        end: start + 60_000,
+                    },
+                },
+                value,
+                start,
+            ),
+        };
+        let mut pending: Vec<_> = [
+            (60_000, b"b", 1),
+            (0, b"b", 2),
+            (60_000, b"a", 3),
+            (0, b"b", 4),
+            (60_000, b"b", 5),
+            (0, b"a", 6),
+            (0, b"b", 7),
+        ]
+        .into_iter()
+        .enumerate()
+        .map(|(taken, (start, key, value))| result(start, key, value, taken))
+        .collect();
+        latest_in_order(&mut pending);
+        let got: Vec<(i64, &[u8], u64)> = pending
+            .iter()
+            .map(|p| (p.start, p.key.as_slice(), p.rec.value))
+            .collect();
+        let want: Vec<(i64, &[u8], u64)> = vec![
+            (0, b"a", 6),
+            (0, b"b", 7),
+            (60_000, b"a", 3),
+            (60_000, b"b", 5),
+        ];
+        assert_eq!(got, want);
     }
 
     #[test]
