@@ -525,7 +525,14 @@ impl TaskCore {
     /// Whether a record of `slot` may be taken under the in-flight bound
     /// `max` (derived records count against every slot).
     pub(crate) fn has_room(&self, slot: usize, max: usize) -> bool {
-        self.trackers[slot].in_flight() < max && self.ctx.derived.in_flight() < max
+        self.room(slot, max) > 0
+    }
+
+    /// How many more records of `slot` the in-flight bound `max` lets in
+    /// (derived records count against every slot).
+    pub(crate) fn room(&self, slot: usize, max: usize) -> usize {
+        let in_flight = self.trackers[slot].in_flight();
+        max.saturating_sub(in_flight.max(self.ctx.derived.in_flight()))
     }
 
     /// Takes the queued output records.

@@ -2,6 +2,7 @@
 //! under both guarantees, checked against the input.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -165,6 +166,15 @@ fn windowed_count_exactly_once() {
 /// delay that varies per record, so completions come back out of order.
 struct Recorder {
     started: std::sync::Arc<parking_lot::Mutex<Vec<String>>>,
+    /// Calls running, and the most seen at once, by partition (the record
+    /// values are "partition:index").
+    running: std::sync::Arc<[[AtomicUsize; 2]; 2]>,
+}
+
+fn partition_of(value: &str) -> usize {
+    value[..value.find(':').expect("partition:index")]
+        .parse()
+        .expect("a partition number")
 }
 
 impl sluice_topology::Processor<String, String> for Recorder {
@@ -178,6 +188,8 @@ impl sluice_topology::Processor<String, String> for Recorder {
         ctx: &mut sluice_topology::ProcessorContext<'_, String, String, Self::Output>,
     ) -> Result<(), sluice_topology::ProcessError> {
         self.started.lock().push(r.value.clone());
+        let [now, peak] = &self.running[partition_of(&r.value)];
+        peak.fetch_max(now.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
         let delay = r.value.bytes().map(u64::from).sum::<u64>() % 4;
         ctx.spawn(async move {
             tokio::time::sleep(Duration::from_millis(delay)).await;
@@ -191,13 +203,15 @@ impl sluice_topology::Processor<String, String> for Recorder {
         r: Self::Output,
         ctx: &mut sluice_topology::ProcessorContext<'_, String, String, Self::Output>,
     ) -> Result<(), sluice_topology::ProcessError> {
+        self.running[partition_of(&r.value)][0].fetch_sub(1, Ordering::SeqCst);
         ctx.forward(r)
     }
 }
 
 /// With a tiny in-flight bound the driver reads each partition's queue only as
-/// room frees up: every record is still started exactly once, in offset order
-/// per partition, and the committed offsets reach the end of the input.
+/// room frees up: no partition ever has more calls running than the bound,
+/// every record is still started exactly once, in offset order per
+/// partition, and the committed offsets reach the end of the input.
 #[test]
 fn bounded_intake_keeps_partition_order_and_commits_to_the_end() {
     let (input, output, app) = (unique("ord-in"), unique("ord-out"), unique("ord-app"));
@@ -223,9 +237,12 @@ fn bounded_intake_keeps_partition_order_and_commits_to_the_end() {
     let started = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
     let b = StreamBuilder::new();
     let log = started.clone();
+    let calls: std::sync::Arc<[[AtomicUsize; 2]; 2]> = Default::default();
+    let recorded = calls.clone();
     b.stream(&[&input], StringCodec, StringCodec)
         .process("recorder", &[], move || Recorder {
             started: log.clone(),
+            running: recorded.clone(),
         })
         .to(&output, StringCodec, StringCodec);
     let dir = tempfile::tempdir().unwrap();
@@ -246,6 +263,13 @@ fn bounded_intake_keeps_partition_order_and_commits_to_the_end() {
     running.join().unwrap();
 
     let started = started.lock().clone();
+    for (p, [_, peak]) in calls.iter().enumerate() {
+        let peak = peak.load(Ordering::SeqCst);
+        assert!(
+            (2..=4).contains(&peak),
+            "partition {p}: at most {peak} calls at once, bound 4"
+        );
+    }
     for p in 0..2 {
         let seq: Vec<usize> = started
             .iter()

@@ -34,6 +34,7 @@ pub mod metrics;
 mod admin;
 mod driver;
 mod failpoint;
+mod fetched;
 mod instances;
 mod kafka;
 mod partitions;

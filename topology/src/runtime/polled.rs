@@ -10,9 +10,9 @@
 //! sleeps until librdkafka reports the producer's event queue non-empty,
 //! then serves the queue until it is empty again.
 //!
-//! The one module of the workspace with `unsafe` code: librdkafka's
-//! "queue became non-empty" callback on a producer's event queue, which
-//! rdkafka offers for consumer queues only.
+//! One of the two modules of the workspace with `unsafe` code (with
+//! fetched.rs): librdkafka's "queue became non-empty" callback on a
+//! producer's event queue, which rdkafka offers for consumer queues only.
 #![allow(unsafe_code)]
 
 use std::ffi::c_void;

@@ -23,11 +23,21 @@ impl Engine {
             .cloned()
             .collect();
         for tp in new {
-            match consumer.split_partition_queue(&tp.0, tp.1) {
-                Some(mut q) => {
-                    q.set_nonempty_callback(waker(&self.wake_tx));
+            let split = consumer
+                .split_partition_queue(&tp.0, tp.1)
+                .zip(FetchQueue::of(consumer, &tp.0, tp.1));
+            match split {
+                Some((mut split, fetch)) => {
+                    split.set_nonempty_callback(waker(&self.wake_tx));
                     let split_at = self.drains;
-                    self.queues.insert(tp, SplitQueue { queue: q, split_at });
+                    self.queues.insert(
+                        tp,
+                        SplitQueue {
+                            _split: split,
+                            fetch,
+                            split_at,
+                        },
+                    );
                 }
                 None => {
                     tracing::warn!(
@@ -63,7 +73,13 @@ impl Engine {
         let (eos, max) = (self.eos(), self.cfg.max_in_flight_per_partition);
         let cache_max = self.cfg.cache_max_entries;
         let mut by_task: HashMap<TaskId, TaskQueues<'_>> = HashMap::new();
-        for ((topic, partition), SplitQueue { queue, split_at }) in queues {
+        for (
+            (topic, partition),
+            SplitQueue {
+                fetch, split_at, ..
+            },
+        ) in queues
+        {
             if *split_at >= self.drains {
                 continue;
             }
@@ -73,7 +89,7 @@ impl Engine {
             let Some(slot) = self.tasks.get(&id).and_then(|t| t.core.slot_of(topic)) else {
                 continue;
             };
-            by_task.entry(id).or_default().push((slot, queue));
+            by_task.entry(id).or_default().push((slot, fetch));
         }
         // A first record of each task is taken here; the tasks that had one
         // go on in parallel when there are several.
@@ -159,30 +175,55 @@ pub(super) fn feed_task(
     // taking them into account a full task would wait for the next tick.
     task.core.drain_done();
     let mut fed = false;
+    let mut batch = Vec::with_capacity(TAKE_BATCH);
     for &(slot, queue) in queues {
         let mut taken = 0;
         // A full write cache ends the round: the commit that empties it
         // comes before more records make it bigger.
         while taken < limit && task.has_room(slot, max) && !task.cache_full(cache_max) {
-            match queue.poll(Duration::ZERO) {
-                None => break,
-                Some(Ok(msg)) => {
-                    // Room was checked just above: no backlog to join.
-                    process_record(task, &msg, metrics, eos)?;
-                    taken += 1;
-                    fed = true;
+            // No more than the in-flight bound leaves room for: a record
+            // that takes more than one place (derived records) leaves the
+            // rest of its batch to the backlog, in order.
+            let room = task.core.room(slot, max).min(limit - taken);
+            queue.take(room.min(TAKE_BATCH), &mut batch);
+            if batch.is_empty() {
+                break;
+            }
+            for fetched in batch.drain(..) {
+                if let Some(e) = fetched.error() {
+                    tracing::warn!(
+                        topic = %task.core.slots[slot].topic,
+                        partition = task.core.slots[slot].partition,
+                        error = %e,
+                        "consumer error"
+                    );
+                    continue;
                 }
-                Some(Err(e)) => tracing::warn!(
-                    topic = %task.core.slots[slot].topic,
-                    partition = task.core.slots[slot].partition,
-                    error = %e,
-                    "consumer error"
-                ),
+                taken += 1;
+                fed = true;
+                if task.has_room(slot, max) {
+                    process_input(task, slot, fetched_input(&fetched), metrics, eos)?;
+                } else {
+                    let input = &task.core.slots[slot];
+                    let owned = (input.topic.as_str(), input.partition, &fetched).detach_owned();
+                    task.backlog[slot].push_back(owned);
+                }
             }
         }
     }
     task.count_in(metrics);
     Ok(fed)
+}
+
+/// The input a record taken in a batch is to its task.
+fn fetched_input(fetched: &Fetched) -> Input<'_> {
+    Input {
+        offset: fetched.offset(),
+        key: fetched.key(),
+        value: fetched.payload(),
+        timestamp: millis_of(fetched.timestamp()),
+        headers: fetched.headers(),
+    }
 }
 
 pub(super) fn process_record(
@@ -194,17 +235,28 @@ pub(super) fn process_record(
     let Some(slot) = task.core.slot_of(msg.topic()) else {
         return Ok(());
     };
-    // Time one record in 32: the histogram stays representative and the clock
-    // stays off the hot path.
-    let offset = msg.offset();
-    let started = (offset & 31 == 0).then(Instant::now);
     let input = Input {
-        offset,
+        offset: msg.offset(),
         key: msg.key(),
         value: msg.payload(),
         timestamp: timestamp_of(msg),
         headers: crate::record::message_headers(msg),
     };
+    process_input(task, slot, input, metrics, eos)
+}
+
+/// Processes one record of an input slot, then sends (or, under
+/// exactly-once, holds) what it produced.
+fn process_input(
+    task: &mut ActiveTask,
+    slot: usize,
+    input: Input<'_>,
+    metrics: &EngineMetrics,
+    eos: bool,
+) -> Result<(), RuntimeError> {
+    // Time one record in 32: the histogram stays representative and the clock
+    // stays off the hot path.
+    let started = (input.offset & 31 == 0).then(Instant::now);
     task.core
         .process(slot, input)
         .map_err(|error| RuntimeError::Process {
@@ -219,6 +271,11 @@ pub(super) fn process_record(
     }
     send_outputs(task, metrics, eos)
 }
+
+/// Records taken from a partition queue in one call: enough to spread
+/// librdkafka's per-call bookkeeping thin, few enough that a task's
+/// in-flight bound and write cache limit are looked at often.
+const TAKE_BATCH: usize = 64;
 
 /// Records taken from one partition queue per feeding round, so commits,
 /// punctuation and completions keep their pace under a steady stream.

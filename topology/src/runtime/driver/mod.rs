@@ -17,7 +17,7 @@ use rdkafka::consumer::{
     RebalanceProtocol,
 };
 use rdkafka::error::KafkaError;
-use rdkafka::message::{BorrowedMessage, OwnedMessage};
+use rdkafka::message::{BorrowedMessage, Header, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::Producer;
 use rdkafka::statistics::Statistics;
 use rdkafka::types::RDKafkaRespErr;
@@ -25,6 +25,7 @@ use rdkafka::{ClientContext, Message, Offset, TopicPartitionList};
 use sluice_state::{RocksEnv, TaskState};
 
 use super::config::{GroupProtocol, Guarantee, StreamsConfig};
+use super::fetched::{FetchQueue, Fetched};
 use super::kafka::{
     client_config, create_producer, flush, init_transactions, send, send_offsets_to_transaction,
     until_done, DeliveryState, DeliveryTag, TrackedProducer,
@@ -249,9 +250,14 @@ fn in_parallel<I: Send, T: Send>(
     results.into_iter().map(|(_, r)| r).collect()
 }
 
-/// A partition's own fetch queue.
+/// A partition's own fetch queue: rdkafka's handle, which took it out of
+/// the consumer's queue and wakes the driver when records arrive, and a
+/// second one its records are taken from in batches.
 struct SplitQueue {
-    queue: PartitionQueue<DriverContext>,
+    /// Held for what it does while it lives: the queue stays out of the
+    /// consumer's, and its callback wakes the driver.
+    _split: PartitionQueue<DriverContext>,
+    fetch: FetchQueue<DriverContext>,
     /// The engine's `drains` when the queue was split: it is read only once the
     /// consumer's queue ran empty after that, when no record of the partition
     /// can be left there.
@@ -259,7 +265,7 @@ struct SplitQueue {
 }
 
 /// The split queues of one task, by input slot.
-type TaskQueues<'a> = Vec<(usize, &'a PartitionQueue<DriverContext>)>;
+type TaskQueues<'a> = Vec<(usize, &'a FetchQueue<DriverContext>)>;
 
 /// A message that can be kept past the poll that returned it.
 trait DetachOwned {
@@ -269,6 +275,33 @@ trait DetachOwned {
 impl DetachOwned for BorrowedMessage<'_> {
     fn detach_owned(&self) -> OwnedMessage {
         self.detach()
+    }
+}
+
+impl DetachOwned for (&str, i32, &Fetched) {
+    fn detach_owned(&self) -> OwnedMessage {
+        let (topic, partition, fetched) = *self;
+        let headers = fetched.headers();
+        let headers = (!headers.is_empty()).then(|| {
+            headers.iter().fold(
+                OwnedHeaders::new_with_capacity(headers.len()),
+                |h, (key, value)| {
+                    h.insert(Header {
+                        key,
+                        value: Some(value),
+                    })
+                },
+            )
+        });
+        OwnedMessage::new(
+            fetched.payload().map(<[u8]>::to_vec),
+            fetched.key().map(<[u8]>::to_vec),
+            topic.to_string(),
+            fetched.timestamp(),
+            partition,
+            fetched.offset(),
+            headers,
+        )
     }
 }
 
@@ -660,7 +693,12 @@ impl Driver {
 }
 
 fn timestamp_of(msg: &impl Message) -> i64 {
-    msg.timestamp()
+    millis_of(msg.timestamp())
+}
+
+/// A record's timestamp in ms, the wall clock for a record without one.
+fn millis_of(timestamp: rdkafka::Timestamp) -> i64 {
+    timestamp
         .to_millis()
         .filter(|t| *t >= 0)
         .unwrap_or_else(now_ms)
