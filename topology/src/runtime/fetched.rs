@@ -102,10 +102,17 @@ impl Fetched {
     }
 
     /// The error librdkafka queued in place of a record, if it is one.
+    /// As rdkafka's `poll` reports it: the end of a partition (with
+    /// `enable.partition.eof`) as `PartitionEOF`.
     pub(crate) fn error(&self) -> Option<KafkaError> {
-        let err = self.msg().err;
-        (err != rdsys::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR)
-            .then(|| KafkaError::MessageConsumption(RDKafkaErrorCode::from(err)))
+        use rdsys::rd_kafka_resp_err_t as E;
+        match self.msg().err {
+            E::RD_KAFKA_RESP_ERR_NO_ERROR => None,
+            E::RD_KAFKA_RESP_ERR__PARTITION_EOF => {
+                Some(KafkaError::PartitionEOF(self.msg().partition))
+            }
+            err => Some(KafkaError::MessageConsumption(RDKafkaErrorCode::from(err))),
+        }
     }
 
     pub(crate) fn offset(&self) -> i64 {

@@ -22,12 +22,16 @@ use sluice_state::{RestoreStats, StoreId, StoreSpec, TaskState};
 type RestoredRecord = (Vec<u8>, Option<Vec<u8>>);
 
 use super::config::{Guarantee, StreamsConfig};
+use super::fetched::FetchQueue;
 use super::kafka::{client_config, close_in_background};
 use super::RuntimeError;
 use crate::{TaskId, Topology};
 
 /// Records applied to RocksDB at once.
 const BATCH: usize = 10_000;
+
+/// Changelog records taken from a queue in one call.
+const TAKE: usize = 1_024;
 /// How long a watermark look-up waits before it is tried again.
 const WATERMARK_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long connecting a restore consumer ahead of its restore may wait for
@@ -167,8 +171,19 @@ pub(crate) fn restore_task(
         queue.set_nonempty_callback(move || {
             let _ = tx.try_send(());
         });
-        queues.push((topic, id, from, queue, Vec::<RestoredRecord>::new()));
+        // Read in batches through a second handle (see fetched.rs); the
+        // first keeps the split and the wake-up.
+        let fetch = FetchQueue::of(&consumer, &topic, task.partition)
+            .ok_or_else(|| RuntimeError::Other(format!("cannot read {topic} on its own queue")))?;
+        queues.push((
+            topic,
+            id,
+            from,
+            (queue, fetch),
+            Vec::<RestoredRecord>::new(),
+        ));
     }
+    let mut taken = Vec::with_capacity(TAKE);
     consumer.assign(&tpl)?;
     let mut done = vec![false; queues.len()];
     while done.iter().any(|d| !d) {
@@ -178,33 +193,41 @@ pub(crate) fn restore_task(
             return Err(RuntimeError::Cancelled);
         }
         let mut idle = true;
-        for (i, (topic, id, next, queue, batch)) in queues.iter_mut().enumerate() {
+        for (i, (topic, id, next, (_, fetch), batch)) in queues.iter_mut().enumerate() {
             while !done[i] {
-                let Some(msg) = queue.poll(Duration::ZERO) else {
+                fetch.take(TAKE, &mut taken);
+                if taken.is_empty() {
                     break;
-                };
+                }
                 idle = false;
-                match msg {
-                    Ok(m) => {
-                        if let Some(key) = m.key() {
-                            batch.push((key.to_vec(), m.payload().map(<[u8]>::to_vec)));
+                for m in taken.drain(..) {
+                    if done[i] {
+                        // Past the end the restore saw: left unread, as
+                        // it would have been in the queue.
+                        continue;
+                    }
+                    match m.error().map_or(Ok(&m), Err) {
+                        Ok(m) => {
+                            if let Some(key) = m.key() {
+                                batch.push((key.to_vec(), m.payload().map(<[u8]>::to_vec)));
+                            }
+                            *next = m.offset() + 1;
+                            if batch.len() >= BATCH {
+                                state.apply_restored(*id, &std::mem::take(batch), &mut stats)?;
+                                // A restore interrupted from here on starts again here.
+                                state.restored_to(*id, *next)?;
+                            }
                         }
-                        *next = m.offset() + 1;
-                        if batch.len() >= BATCH {
+                        Err(KafkaError::PartitionEOF(_)) => {
                             state.apply_restored(*id, &std::mem::take(batch), &mut stats)?;
-                            // A restore interrupted from here on starts again here.
                             state.restored_to(*id, *next)?;
+                            done[i] = true;
                         }
+                        Err(e) if RuntimeError::from(e.clone()).retriable() => {
+                            tracing::debug!(%task, topic, error = %e, "restore: retriable consumer error");
+                        }
+                        Err(e) => return Err(e.into()),
                     }
-                    Err(KafkaError::PartitionEOF(_)) => {
-                        state.apply_restored(*id, &std::mem::take(batch), &mut stats)?;
-                        state.restored_to(*id, *next)?;
-                        done[i] = true;
-                    }
-                    Err(e) if RuntimeError::from(e.clone()).retriable() => {
-                        tracing::debug!(%task, topic, error = %e, "restore: retriable consumer error");
-                    }
-                    Err(e) => return Err(e.into()),
                 }
             }
         }
