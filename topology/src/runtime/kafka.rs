@@ -189,6 +189,21 @@ pub(crate) fn create_producer(
     Ok((Arc::new(producer), state))
 }
 
+/// A record's headers as librdkafka takes them; `None` when there are none.
+pub(crate) fn owned_headers(headers: &Headers) -> Option<OwnedHeaders> {
+    (!headers.is_empty()).then(|| {
+        headers.iter().fold(
+            OwnedHeaders::new_with_capacity(headers.len()),
+            |h, (k, v)| {
+                h.insert(Header {
+                    key: k,
+                    value: Some(v.as_slice()),
+                })
+            },
+        )
+    })
+}
+
 /// Sends one record, waiting while the local queue is full.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn send(
@@ -201,17 +216,7 @@ pub(crate) fn send(
     headers: &Headers,
     tag: DeliveryTag,
 ) -> Result<(), KafkaError> {
-    let owned_headers = (!headers.is_empty()).then(|| {
-        headers.iter().fold(
-            OwnedHeaders::new_with_capacity(headers.len()),
-            |h, (k, v)| {
-                h.insert(Header {
-                    key: k,
-                    value: Some(v.as_slice()),
-                })
-            },
-        )
-    });
+    let owned_headers = owned_headers(headers);
     let mut record: BaseRecord<'_, [u8], [u8], Box<DeliveryTag>> =
         BaseRecord::with_opaque_to(topic, Box::new(tag));
     if let Some(k) = key {

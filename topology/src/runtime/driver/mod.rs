@@ -17,7 +17,7 @@ use rdkafka::consumer::{
     RebalanceProtocol,
 };
 use rdkafka::error::KafkaError;
-use rdkafka::message::{BorrowedMessage, Header, OwnedHeaders, OwnedMessage};
+use rdkafka::message::{BorrowedMessage, OwnedMessage};
 use rdkafka::producer::Producer;
 use rdkafka::statistics::Statistics;
 use rdkafka::types::RDKafkaRespErr;
@@ -27,8 +27,8 @@ use sluice_state::{RocksEnv, TaskState};
 use super::config::{GroupProtocol, Guarantee, StreamsConfig};
 use super::fetched::{FetchQueue, Fetched};
 use super::kafka::{
-    client_config, create_producer, flush, init_transactions, send, send_offsets_to_transaction,
-    until_done, DeliveryState, DeliveryTag, TrackedProducer,
+    client_config, create_producer, flush, init_transactions, owned_headers, send,
+    send_offsets_to_transaction, until_done, DeliveryState, DeliveryTag, TrackedProducer,
 };
 use super::metrics::EngineMetrics;
 use super::queries::LocalTasks;
@@ -281,18 +281,6 @@ impl DetachOwned for BorrowedMessage<'_> {
 impl DetachOwned for (&str, i32, &Fetched) {
     fn detach_owned(&self) -> OwnedMessage {
         let (topic, partition, fetched) = *self;
-        let headers = fetched.headers();
-        let headers = (!headers.is_empty()).then(|| {
-            headers.iter().fold(
-                OwnedHeaders::new_with_capacity(headers.len()),
-                |h, (key, value)| {
-                    h.insert(Header {
-                        key,
-                        value: Some(value),
-                    })
-                },
-            )
-        });
         OwnedMessage::new(
             fetched.payload().map(<[u8]>::to_vec),
             fetched.key().map(<[u8]>::to_vec),
@@ -300,7 +288,7 @@ impl DetachOwned for (&str, i32, &Fetched) {
             fetched.timestamp(),
             partition,
             fetched.offset(),
-            headers,
+            owned_headers(&fetched.headers()),
         )
     }
 }
