@@ -732,6 +732,41 @@ fn twenty_second_calls_cause_no_rebalance_and_no_duplicate_call() {
 }
 
 #[test]
+fn partitions_assigned_after_their_task_started_join_it() {
+    // The broker's assignor can learn of the internal topics created at
+    // start-up after the group's first assignment: their partitions then
+    // come in an assignment of their own, a moment later. The failpoint
+    // forces that order (the internal topics subscribed to once the first
+    // tasks run). They join their tasks, which is no rebalance, and every
+    // task is answered once.
+    let p = Pipeline::new(SimConfig::default(), UNBATCHED);
+    let config = p.config.clone();
+    let mut app = p.start_logged(
+        "late",
+        &config,
+        &[("SLUICE_FAILPOINT", "late_internal_topics:1")],
+        true,
+        true,
+    );
+    let tasks = mixed_tasks(40);
+    p.produce(&tasks);
+    let results = p.results(tasks.len(), Duration::from_secs(90));
+    assert_each_answered_once(&tasks, &results);
+    let log = app.proc.log();
+    let joined = log
+        .iter()
+        .filter(|l| l.contains("partition joins its") && l.contains("-repartition"))
+        .count();
+    assert!(joined > 0, "the internal partitions came apart: {log:#?}");
+    assert_eq!(
+        p.metric(&app, "sluice_rebalances_total"),
+        0.0,
+        "the assignment completed, nothing moved"
+    );
+    app.proc.stop();
+}
+
+#[test]
 fn high_priority_tasks_finish_first_when_the_limiter_is_the_bottleneck() {
     let sim = SimConfig::from_json_value(serde_json::json!({ "rps": 8.0, "burst": 2 })).unwrap();
     let p = Pipeline::new(sim, UNBATCHED);

@@ -253,6 +253,18 @@ impl OffsetTracker {
         (tracker, warning)
     }
 
+    /// Where reading starts, learnt after the task started (its partition
+    /// was assigned after the others): judged as [`OffsetTracker::restarting`]
+    /// judges it, while nothing was read here. Returns its warning.
+    pub(crate) fn starting_at(&mut self, start: StartAt) -> Option<String> {
+        if self.next_received.is_some() || self.committed.is_some() || !self.in_flight.is_empty() {
+            return None;
+        }
+        let (tracker, warning) = Self::restarting(start, self.resume.take());
+        *self = tracker;
+        warning
+    }
+
     /// Decides what to do with the record at `offset`: the one place that
     /// decides whether a record is applied or skipped.
     pub(crate) fn admit(&mut self, offset: i64) -> Admission {
@@ -751,6 +763,22 @@ mod tests {
         assert_eq!(warning, None);
         assert_eq!(t.committable(), None, "nothing below the start");
         assert_eq!(t.admit(70), Admission::Process);
+    }
+
+    #[test]
+    fn a_start_learnt_after_the_task_started_is_judged_as_at_the_start() {
+        // Its partition was assigned after the task's others: the tracker
+        // began not knowing where reading starts.
+        let (mut t, _) = OffsetTracker::restarting(StartAt::Unknown, Some(restored(40, 60, &[45])));
+        let warning = t.starting_at(StartAt::Committed(55));
+        assert!(warning.unwrap().contains("processed again"));
+        assert_eq!(t.admit(41), Admission::Process, "the progress was dropped");
+        let (mut t, _) = OffsetTracker::restarting(StartAt::Unknown, Some(restored(40, 60, &[45])));
+        assert_eq!(t.starting_at(StartAt::Committed(40)), None);
+        assert_eq!(t.admit(41), Admission::Skip, "where the commit left it");
+        // Once records were read, what was read decides.
+        assert_eq!(t.starting_at(StartAt::Committed(55)), None);
+        assert_eq!(t.admit(42), Admission::Skip);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! Crash and hang points for the tests: `SLUICE_FAILPOINT=<name>:<n>` in a
 //! process's environment makes the n-th pass at the point named `name`
-//! abort the process (as if killed) or block its thread for good. Without
-//! the variable every point is a no-op.
+//! abort the process (as if killed) or block its thread for good, or turns
+//! a switch on. Without the variable every point is a no-op.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::OnceLock;
@@ -35,6 +35,13 @@ pub(in crate::runtime) fn hang_point(name: &str) {
             std::thread::park();
         }
     }
+}
+
+/// A switch for tests: true at the first pass at point `name` when
+/// `SLUICE_FAILPOINT=<name>:1`, to take a path that forces a rare ordering of
+/// events (see its one caller).
+pub(in crate::runtime) fn switched_on(name: &str) -> bool {
+    reached(name, false)
 }
 
 /// Whether this pass at point `name` is the one `SLUICE_FAILPOINT` names

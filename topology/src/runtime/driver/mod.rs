@@ -25,6 +25,7 @@ use rdkafka::{ClientContext, Message, Offset, TopicPartitionList};
 use sluice_state::{RocksEnv, TaskState};
 
 use super::config::{GroupProtocol, Guarantee, StreamsConfig};
+use super::failpoint;
 use super::fetched::{FetchQueue, Fetched};
 use super::kafka::{
     client_config, create_producer, flush, init_transactions, owned_headers, send,
@@ -481,6 +482,8 @@ pub(crate) struct Driver {
     engine: Arc<Mutex<Engine>>,
     consumer: Arc<DriverConsumer>,
     topics: Vec<String>,
+    /// The internal topics among `topics`.
+    internal: HashSet<String>,
     /// Wake-ups from the consumer's and the partition queues (see `main_loop`).
     wake_rx: Receiver<()>,
     /// Completions of async calls (also a reason to wake).
@@ -511,11 +514,17 @@ impl Driver {
         let app = cfg.application_id.clone();
         let mut topic_sub = HashMap::new();
         let mut topics = Vec::new();
+        let mut internal = HashSet::new();
         for st in topology.subtopologies() {
             for t in st.source_topics(&app) {
                 topic_sub.insert(t.clone(), st.id);
                 topics.push(t);
             }
+            let read = st.sources.iter().flat_map(|s| &s.topics);
+            internal.extend(
+                read.filter(|t| matches!(t, crate::topology::SourceTopic::Internal { .. }))
+                    .map(|t| t.resolve(&app)),
+            );
         }
         let shared_producer = match cfg.guarantee {
             Guarantee::AtLeastOnce => Some(create_producer(&cfg, None)?),
@@ -597,6 +606,7 @@ impl Driver {
             engine,
             consumer: Arc::new(consumer),
             topics,
+            internal,
             wake_rx,
             completions: completions_rx,
         })
@@ -605,8 +615,23 @@ impl Driver {
     /// Runs until `stop` is set or an error stops the instance.
     pub(crate) fn run(self, stop: &AtomicBool) -> Result<(), RuntimeError> {
         let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
-        self.consumer.subscribe(&topics)?;
-        let result = self.main_loop(stop);
+        // The tests' `late_internal_topics` point: the internal topics are
+        // subscribed to only once the first assignment is here, so their
+        // partitions come in an assignment of their own, as from a broker
+        // whose assignor learnt of them late.
+        let mut late = None;
+        if failpoint::switched_on("late_internal_topics") {
+            let external: Vec<&str> = topics
+                .iter()
+                .copied()
+                .filter(|t| !self.internal.contains(*t))
+                .collect();
+            self.consumer.subscribe(&external)?;
+            late = Some(topics);
+        } else {
+            self.consumer.subscribe(&topics)?;
+        }
+        let result = self.main_loop(stop, late);
         let mut engine = self.engine.lock();
         let result = match (result, engine.fatal.take()) {
             (Err(e), _) | (Ok(()), Some(e)) => Err(e),
@@ -627,7 +652,11 @@ impl Driver {
     /// partition queue, a completed async call — or the next tick, then takes
     /// what is there without blocking: records reaching a partition queue
     /// could not end a blocking poll of the consumer's queue.
-    fn main_loop(&self, stop: &AtomicBool) -> Result<(), RuntimeError> {
+    fn main_loop(
+        &self,
+        stop: &AtomicBool,
+        mut late: Option<Vec<&str>>,
+    ) -> Result<(), RuntimeError> {
         let batch = 2_000;
         let tick = Duration::from_millis(10);
         let mut more = false;
@@ -663,6 +692,9 @@ impl Driver {
                 engine.drains += 1;
             }
             engine.tick(&self.consumer)?;
+            if let Some(all) = late.take_if(|_| !engine.tasks.is_empty()) {
+                self.consumer.subscribe(&all)?;
+            }
             if std::mem::take(&mut engine.rejoin) {
                 // As Kafka Streams does for a migrated task: leave and join
                 // the group again, so the coordinator's assignment decides.

@@ -201,13 +201,6 @@ impl Engine {
         tpl: &TopicPartitionList,
         incremental: bool,
     ) -> Result<(), RuntimeError> {
-        // Partitions added to an instance that had joined already (an eager
-        // rebalance was counted at its revocation; the first assignment is
-        // the join, not a rebalance).
-        if incremental && self.joined && tpl.count() > 0 {
-            self.metrics.rebalances.inc();
-        }
-        self.joined = true;
         self.collect_commit(consumer, true)?;
         // An assignment forwards its partitions to the consumer's queue again.
         for e in tpl.elements() {
@@ -231,6 +224,17 @@ impl Engine {
                 by_task.entry(id).or_default().push(tp);
             }
         }
+        // Tasks added to an instance that had joined already (an eager
+        // rebalance was counted at its revocation; the first assignment is
+        // the join, not a rebalance; partitions joining a task here move no
+        // work between instances).
+        let adds_tasks = by_task
+            .keys()
+            .any(|id| !self.tasks.contains_key(id) && !self.pending.contains_key(id));
+        if incremental && self.joined && adds_tasks {
+            self.metrics.rebalances.inc();
+        }
+        self.joined = true;
         let gone: Vec<TaskId> = self
             .suspended
             .keys()
@@ -245,10 +249,7 @@ impl Engine {
             }
         }
         for (id, parts) in by_task {
-            if self.tasks.contains_key(&id) || self.pending.contains_key(&id) {
-                // A co-partitioning assignor hands a task's partitions over
-                // together; one arriving alone joins nothing.
-                tracing::warn!(task = %id, partitions = ?parts, "partitions assigned apart from their task's others");
+            if self.join_task(id, &parts, &starts) {
                 continue;
             }
             if let Some(mut task) = self.suspended.remove(&id) {
@@ -278,6 +279,45 @@ impl Engine {
         }
         self.publish_tasks();
         Ok(())
+    }
+}
+
+impl Engine {
+    /// Partitions of a task already here (restoring or running) join it. The
+    /// broker's assignor hands a task's partitions over together, but its
+    /// view of the topics can lag their creation: a topic created just
+    /// before the group's first assignment (an internal topic at start-up)
+    /// comes in an assignment of its own a moment later. Returns whether the
+    /// task was here.
+    fn join_task(&mut self, id: TaskId, parts: &[Tp], starts: &HashMap<Tp, StartAt>) -> bool {
+        let start = |tp: &Tp| starts.get(tp).copied().unwrap_or(StartAt::Unknown);
+        if let Some(p) = self.pending.get_mut(&id) {
+            for tp in parts {
+                if p.partitions.contains(tp) {
+                    continue;
+                }
+                tracing::info!(task = %id, topic = %tp.0, partition = tp.1, "partition joins its restoring task");
+                p.starts.insert(tp.0.clone(), start(tp));
+                p.partitions.push(tp.clone());
+            }
+            return true;
+        }
+        let Some(task) = self.tasks.get_mut(&id) else {
+            return false;
+        };
+        for tp in parts {
+            if task.partitions.contains(tp) {
+                continue;
+            }
+            tracing::info!(task = %id, topic = %tp.0, partition = tp.1, "partition joins its running task");
+            if let Some(slot) = task.core.slot_of(&tp.0) {
+                if let Some(w) = task.core.trackers[slot].starting_at(start(tp)) {
+                    tracing::warn!(task = %id, topic = %tp.0, partition = tp.1, "{w}");
+                }
+            }
+            task.partitions.push(tp.clone());
+        }
+        true
     }
 }
 
