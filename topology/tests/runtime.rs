@@ -673,6 +673,75 @@ fn record_offsets(topic: &str) -> Vec<i64> {
 /// changelog from the start, and when retention has deleted that start (a
 /// window store's changelog is `compact,delete`) from where the changelog
 /// now begins: what is left is restored, and the task becomes ready.
+/// A restore from nothing of more records than a write batch takes (applied
+/// by ingesting a table file) gives every count back: the restoring
+/// instance goes on counting from them.
+#[test]
+fn a_large_restore_gives_back_every_count() {
+    let (input, output, app) = (unique("big-in"), unique("big-out"), unique("big-app"));
+    create(&[(&input, 1), (&output, 1)]);
+    let producer = producer();
+    let keys = 6_000i64;
+    let base = 1_700_000_000_000i64;
+    let send = || {
+        for i in 0..keys {
+            producer
+                .send(
+                    BaseRecord::<str, str>::to(&input)
+                        .key(&format!("k{i}"))
+                        .payload("x")
+                        .timestamp(base + i),
+                )
+                .map_err(|(e, _)| e)
+                .unwrap();
+        }
+        producer.flush(Duration::from_secs(30)).unwrap();
+    };
+    let start = |dir: &std::path::Path| {
+        let mut cfg = StreamsConfig::new(&app, &bootstrap(), dir);
+        cfg.guarantee = Guarantee::ExactlyOnce;
+        cfg.session_timeout = Duration::from_secs(6);
+        let metrics = EngineMetrics::unregistered();
+        let running = StreamsApp::new(windowed_count(&input, &output), cfg, metrics.clone())
+            .start()
+            .unwrap();
+        (running, metrics)
+    };
+    send();
+    let first = tempfile::tempdir().unwrap();
+    let (running, metrics) = start(first.path());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while metrics.records_in() < keys as u64 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    running.shutdown();
+    running.join().unwrap();
+    assert_eq!(metrics.records_in(), keys as u64);
+
+    // Another instance, nothing local: it restores every count first.
+    let second = tempfile::tempdir().unwrap();
+    let (running, metrics) = start(second.path());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !running.status().is_ready() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        metrics.restored_records() >= keys as u64,
+        "{} restored",
+        metrics.restored_records()
+    );
+    send();
+    let window = base - base.rem_euclid(60_000);
+    let expected: BTreeMap<(i64, String), u64> =
+        (0..keys).map(|i| ((window, format!("k{i}")), 2)).collect();
+    let got = read_all(&output, 1, |m| m == &expected);
+    running.shutdown();
+    running.join().unwrap();
+    let wrong: Vec<_> = got.iter().filter(|(_, n)| **n != 2).take(5).collect();
+    assert_eq!(got.len(), expected.len(), "counts of {wrong:?}");
+    assert!(wrong.is_empty(), "counts not carried over: {wrong:?}");
+}
+
 #[test]
 fn a_restore_from_nothing_starts_where_retention_left_the_changelog() {
     let (input, output, app) = (unique("ret-in"), unique("ret-out"), unique("ret-app"));

@@ -27,8 +27,12 @@ use super::kafka::{client_config, close_in_background};
 use super::RuntimeError;
 use crate::{TaskId, Topology};
 
-/// Records applied to RocksDB at once.
-const BATCH: usize = 10_000;
+/// Restored records applied to RocksDB at once, by their size (key, value
+/// and 64 bytes for the pair's bookkeeping): a batch this large is written
+/// as one table file and ingested.
+const BATCH_BYTES: usize = 4 << 20;
+/// The bookkeeping counted per record of a batch.
+const RECORD_OVERHEAD: usize = 64;
 
 /// Changelog records taken from a queue in one call.
 const TAKE: usize = 1_024;
@@ -180,7 +184,7 @@ pub(crate) fn restore_task(
             id,
             from,
             (queue, fetch),
-            Vec::<RestoredRecord>::new(),
+            (Vec::<RestoredRecord>::new(), 0usize),
         ));
     }
     let mut taken = Vec::with_capacity(TAKE);
@@ -193,7 +197,7 @@ pub(crate) fn restore_task(
             return Err(RuntimeError::Cancelled);
         }
         let mut idle = true;
-        for (i, (topic, id, next, (_, fetch), batch)) in queues.iter_mut().enumerate() {
+        for (i, (topic, id, next, (_, fetch), (batch, bytes))) in queues.iter_mut().enumerate() {
             while !done[i] {
                 fetch.take(TAKE, &mut taken);
                 if taken.is_empty() {
@@ -209,16 +213,21 @@ pub(crate) fn restore_task(
                     match m.error().map_or(Ok(&m), Err) {
                         Ok(m) => {
                             if let Some(key) = m.key() {
-                                batch.push((key.to_vec(), m.payload().map(<[u8]>::to_vec)));
+                                let value = m.payload();
+                                *bytes +=
+                                    key.len() + value.map_or(0, <[u8]>::len) + RECORD_OVERHEAD;
+                                batch.push((key.to_vec(), value.map(<[u8]>::to_vec)));
                             }
                             *next = m.offset() + 1;
-                            if batch.len() >= BATCH {
+                            if *bytes >= BATCH_BYTES {
+                                *bytes = 0;
                                 state.apply_restored(*id, &std::mem::take(batch), &mut stats)?;
                                 // A restore interrupted from here on starts again here.
                                 state.restored_to(*id, *next)?;
                             }
                         }
                         Err(KafkaError::PartitionEOF(_)) => {
+                            *bytes = 0;
                             state.apply_restored(*id, &std::mem::take(batch), &mut stats)?;
                             state.restored_to(*id, *next)?;
                             done[i] = true;
