@@ -673,6 +673,24 @@ fn record_offsets(topic: &str) -> Vec<i64> {
 /// changelog from the start, and when retention has deleted that start (a
 /// window store's changelog is `compact,delete`) from where the changelog
 /// now begins: what is left is restored, and the task becomes ready.
+/// Starts the windowed count of `input` to `output` under exactly-once, its
+/// state in `dir`.
+fn start_count_exactly_once(
+    app: &str,
+    input: &str,
+    output: &str,
+    dir: &std::path::Path,
+) -> (sluice_topology::runtime::RunningApp, EngineMetrics) {
+    let mut cfg = StreamsConfig::new(app, &bootstrap(), dir);
+    cfg.guarantee = Guarantee::ExactlyOnce;
+    cfg.session_timeout = Duration::from_secs(6);
+    let metrics = EngineMetrics::unregistered();
+    let running = StreamsApp::new(windowed_count(input, output), cfg, metrics.clone())
+        .start()
+        .unwrap();
+    (running, metrics)
+}
+
 /// A restore from nothing of more records than a write batch takes (applied
 /// by ingesting a table file) gives every count back: the restoring
 /// instance goes on counting from them.
@@ -697,16 +715,7 @@ fn a_large_restore_gives_back_every_count() {
         }
         producer.flush(Duration::from_secs(30)).unwrap();
     };
-    let start = |dir: &std::path::Path| {
-        let mut cfg = StreamsConfig::new(&app, &bootstrap(), dir);
-        cfg.guarantee = Guarantee::ExactlyOnce;
-        cfg.session_timeout = Duration::from_secs(6);
-        let metrics = EngineMetrics::unregistered();
-        let running = StreamsApp::new(windowed_count(&input, &output), cfg, metrics.clone())
-            .start()
-            .unwrap();
-        (running, metrics)
-    };
+    let start = |dir: &std::path::Path| start_count_exactly_once(&app, &input, &output, dir);
     send();
     let first = tempfile::tempdir().unwrap();
     let (running, metrics) = start(first.path());
@@ -767,16 +776,7 @@ fn a_restore_from_nothing_starts_where_retention_left_the_changelog() {
         }
     }
     producer.flush(Duration::from_secs(30)).unwrap();
-    let start = |dir: &std::path::Path| {
-        let mut cfg = StreamsConfig::new(&app, &bootstrap(), dir);
-        cfg.guarantee = Guarantee::ExactlyOnce;
-        cfg.session_timeout = Duration::from_secs(6);
-        let metrics = EngineMetrics::unregistered();
-        let running = StreamsApp::new(windowed_count(&input, &output), cfg, metrics.clone())
-            .start()
-            .unwrap();
-        (running, metrics)
-    };
+    let start = |dir: &std::path::Path| start_count_exactly_once(&app, &input, &output, dir);
     let first = tempfile::tempdir().unwrap();
     let (running, metrics) = start(first.path());
     let deadline = Instant::now() + Duration::from_secs(60);
