@@ -343,6 +343,26 @@ impl std::fmt::Debug for TaskState {
 /// its sync and the manifest's — outweighs what it saves).
 const INGEST_MIN_RECORDS: usize = 4_096;
 
+/// The table file a restore writes for store `id` before ingesting it.
+fn ingest_path(dir: &Path, id: StoreId) -> PathBuf {
+    dir.join(format!("restore-{}.sst", id.0))
+}
+
+/// Removes table files a restore wrote but did not ingest (the process
+/// stopped in between): RocksDB does not know them.
+fn remove_unfinished_ingests(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with("restore-") && name.ends_with(".sst") {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
 impl TaskState {
     /// Opens (creating if needed) the database of a task in `dir` with one
     /// column family per store.
@@ -356,6 +376,7 @@ impl TaskState {
             .map(|s| ColumnFamilyDescriptor::new(&s.name, env.cf_options()));
         let db = DB::open_cf_descriptors(&env.db_options(), dir, cfs)
             .map_err(|source| rocks_error(dir, source))?;
+        remove_unfinished_ingests(dir);
         let loaded = Checkpoint::load(dir);
         let checkpoint = match &loaded {
             LoadedCheckpoint::Found(cp) => cp.clone(),
@@ -939,7 +960,7 @@ impl TaskState {
         id: StoreId,
         sorted: &[&(Vec<u8>, Option<Vec<u8>>)],
     ) -> Result<(), StateError> {
-        let path = self.dir.join(format!("restore-{}.sst", id.0));
+        let path = ingest_path(&self.dir, id);
         let mut writer = SstFileWriter::create(&self.cf_options);
         let written = (|| {
             writer.open(&path)?;
@@ -1401,6 +1422,9 @@ mod tests {
         };
         check(&st);
         drop(st);
+        // A file written and not ingested (the process stopped in between)
+        // is removed at the next open.
+        std::fs::write(ingest_path(dir.path(), kv), b"unfinished").unwrap();
         let st = TaskState::open(dir.path(), &specs(), &env).unwrap();
         check(&st);
         let leftover = std::fs::read_dir(dir.path())
@@ -1408,7 +1432,10 @@ mod tests {
             .filter_map(|e| e.ok())
             .filter(|e| e.file_name().to_string_lossy().starts_with("restore-"))
             .count();
-        assert_eq!(leftover, 0, "the ingested file was moved");
+        assert_eq!(
+            leftover, 0,
+            "the ingested file moved, the unfinished one removed"
+        );
     }
 
     /// A restore interrupted (a crash, a revocation) goes on from its last
