@@ -482,8 +482,6 @@ pub(crate) struct Driver {
     engine: Arc<Mutex<Engine>>,
     consumer: Arc<DriverConsumer>,
     topics: Vec<String>,
-    /// The internal topics among `topics`.
-    internal: HashSet<String>,
     /// Wake-ups from the consumer's and the partition queues (see `main_loop`).
     wake_rx: Receiver<()>,
     /// Completions of async calls (also a reason to wake).
@@ -514,17 +512,11 @@ impl Driver {
         let app = cfg.application_id.clone();
         let mut topic_sub = HashMap::new();
         let mut topics = Vec::new();
-        let mut internal = HashSet::new();
         for st in topology.subtopologies() {
             for t in st.source_topics(&app) {
                 topic_sub.insert(t.clone(), st.id);
                 topics.push(t);
             }
-            let read = st.sources.iter().flat_map(|s| &s.topics);
-            internal.extend(
-                read.filter(|t| matches!(t, crate::topology::SourceTopic::Internal { .. }))
-                    .map(|t| t.resolve(&app)),
-            );
         }
         let shared_producer = match cfg.guarantee {
             Guarantee::AtLeastOnce => Some(create_producer(&cfg, None)?),
@@ -606,7 +598,6 @@ impl Driver {
             engine,
             consumer: Arc::new(consumer),
             topics,
-            internal,
             wake_rx,
             completions: completions_rx,
         })
@@ -621,10 +612,11 @@ impl Driver {
         // whose assignor learnt of them late.
         let mut late = None;
         if failpoint::switched_on("late_internal_topics") {
+            let internal = self.internal_topics();
             let external: Vec<&str> = topics
                 .iter()
                 .copied()
-                .filter(|t| !self.internal.contains(*t))
+                .filter(|t| !internal.contains(*t))
                 .collect();
             self.consumer.subscribe(&external)?;
             late = Some(topics);
@@ -646,6 +638,21 @@ impl Driver {
         drop(engine);
         self.consumer.unsubscribe();
         result
+    }
+
+    /// The internal topics the topology reads.
+    fn internal_topics(&self) -> HashSet<String> {
+        let engine = self.engine.lock();
+        let app = &engine.cfg.application_id;
+        let read = engine
+            .topology
+            .subtopologies()
+            .iter()
+            .flat_map(|st| &st.sources);
+        read.flat_map(|s| &s.topics)
+            .filter(|t| matches!(t, crate::topology::SourceTopic::Internal { .. }))
+            .map(|t| t.resolve(app))
+            .collect()
     }
 
     /// Waits for work — a record or event in the consumer's queue, a record in a
