@@ -228,21 +228,27 @@ fn a_broker_killed_then_stalled_under_load_loses_no_task_and_bills_none_twice() 
     let mut app = p.start("broker-faults");
     let batch = |from: usize| tenant_tasks(1_200, 8, from);
     let readyz = |p: &Pipeline, app: &App| p.http(app, "/readyz");
+    // Unready counts only when the readiness names the broker as the reason:
+    // a rebalance the fault provokes (partitions lost, tasks restoring) also
+    // makes the instance unready, a moment before its probe notices.
     let becomes = |p: &Pipeline, app: &App, ready: bool, what: &str, within: u64| {
         let started = std::time::Instant::now();
         let body = eventually(Duration::from_secs(within), what, || {
             let (code, body) = readyz(p, app);
-            ((code == 200) == ready).then_some(body)
+            let reached = if ready {
+                code == 200
+            } else {
+                code != 200 && body.contains("did not answer")
+            };
+            reached.then_some(body)
         });
         eprintln!("{what} after {:?}: {body}", started.elapsed());
-        body
     };
     let mut tasks = batch(0);
     p.produce(&tasks);
     std::thread::sleep(Duration::from_secs(1));
     broker.kill();
-    let body = becomes(&p, &app, false, "unready with the broker down", 30);
-    assert!(body.contains("did not answer"), "{body}");
+    becomes(&p, &app, false, "unready with the broker down", 30);
     std::thread::sleep(Duration::from_secs(5));
     broker.restart();
     becomes(&p, &app, true, "ready after the restart", 120);
@@ -253,8 +259,7 @@ fn a_broker_killed_then_stalled_under_load_loses_no_task_and_bills_none_twice() 
     std::thread::sleep(Duration::from_secs(1));
     broker.stall();
     let stalled = std::time::Instant::now();
-    let body = becomes(&p, &app, false, "unready with the broker stalled", 30);
-    assert!(body.contains("did not answer"), "{body}");
+    becomes(&p, &app, false, "unready with the broker stalled", 30);
     std::thread::sleep(Duration::from_secs(30).saturating_sub(stalled.elapsed()));
     broker.resume();
     becomes(&p, &app, true, "ready after the stall", 120);
