@@ -423,10 +423,11 @@ fn a_store_without_changelog_filled_by_punctuation_never_stalls_its_task() {
     assert_eq!(metrics.records_out(), 500, "every record went through");
 }
 
-/// A per-key count, every update out as `key → count`.
-fn key_count(input: &str, output: &str) -> sluice_topology::Topology {
+/// A per-key count of `inputs` (one stream), every update out as
+/// `key → count`.
+fn key_count(inputs: &[&str], output: &str) -> sluice_topology::Topology {
     let b = StreamBuilder::new();
-    b.stream(&[input], StringCodec, StringCodec)
+    b.stream(inputs, StringCodec, StringCodec)
         .group_by_key()
         .emit_on_update()
         .count("counts")
@@ -460,7 +461,7 @@ fn run_key_count(app: &str, input: &str, output: &str, dir: &std::path::Path, un
     cfg.guarantee = Guarantee::ExactlyOnce;
     cfg.session_timeout = Duration::from_secs(6);
     let metrics = EngineMetrics::unregistered();
-    let running = StreamsApp::new(key_count(input, output), cfg, metrics.clone())
+    let running = StreamsApp::new(key_count(&[input], output), cfg, metrics.clone())
         .start()
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -490,7 +491,7 @@ fn an_instance_with_nothing_left_to_process_commits_held_outputs_early() {
     cfg.commit_interval = Some(interval);
     let metrics = EngineMetrics::unregistered();
     let started = Instant::now();
-    let running = StreamsApp::new(key_count(&input, &output), cfg, metrics.clone())
+    let running = StreamsApp::new(key_count(&[&input], &output), cfg, metrics.clone())
         .start()
         .unwrap();
     let producer = producer();
@@ -514,6 +515,115 @@ fn an_instance_with_nothing_left_to_process_commits_held_outputs_early() {
         readable_after < interval * 3 / 4,
         "the counts became readable {readable_after:?} after the start: held for the {interval:?} commit interval"
     );
+}
+
+/// Instances of one group running different topologies, as during a rolling
+/// update that adds an input topic (a task type) to a sub-topology: the
+/// group's assignor gives the topic only the newer instance reads to it
+/// alone, and the older one's topic to both, so the newer is given tasks
+/// of which the older runs the other partition. Such a task waits for its
+/// missing partition (never two instances run one task: at-least-once, two
+/// writers of one changelog) and does not hold the instance's readiness
+/// back; once the older instance leaves, it restores what the older one
+/// counted and counts the rest.
+#[test]
+fn a_task_assigned_without_all_its_partitions_waits_for_them() {
+    two_topologies_in_one_group(false);
+}
+
+/// The same with the newer instance first: it runs every task whole until
+/// the older one joins and takes half of the older topic's partitions.
+/// Those tasks close after their commit; the partitions of them that stay
+/// are read again from their commit once the others come back, not left
+/// assigned and unread.
+#[test]
+fn a_task_whose_partitions_are_revoked_in_part_waits_for_them() {
+    two_topologies_in_one_group(true);
+}
+
+fn two_topologies_in_one_group(newer_first: bool) {
+    let (a, b, output) = (unique("mix-a"), unique("mix-b"), unique("mix-out"));
+    let app = unique("mix-app");
+    create(&[(&a, 4), (&b, 4), (&output, 4)]);
+    let start = |inputs: &[&str], dir: &std::path::Path| {
+        let mut cfg = StreamsConfig::new(&app, &bootstrap(), dir);
+        cfg.guarantee = Guarantee::AtLeastOnce;
+        cfg.session_timeout = Duration::from_secs(6);
+        let metrics = EngineMetrics::unregistered();
+        let running = StreamsApp::new(key_count(inputs, &output), cfg, metrics.clone())
+            .start()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !running.status().is_ready() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(
+            running.status().is_ready(),
+            "{:?}",
+            running.status().state()
+        );
+        (running, metrics)
+    };
+    // 40 keys, key `k{j}` on partition j % 4 of both topics, 10 records of
+    // each key on each, in two halves.
+    let producer = producer();
+    let send = |from: i32| {
+        for topic in [&a, &b] {
+            for i in from..from + 200 {
+                let key = format!("k{}", i % 40);
+                producer
+                    .send(
+                        BaseRecord::<str, str>::to(topic)
+                            .key(&key)
+                            .payload("x")
+                            .partition(i % 4),
+                    )
+                    .map_err(|(e, _)| e)
+                    .unwrap();
+            }
+        }
+        producer.flush(Duration::from_secs(30)).unwrap();
+    };
+    let until = |n: &dyn Fn() -> u64, want: u64| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while n() < want && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // Then nothing more.
+        std::thread::sleep(Duration::from_secs(3));
+    };
+    let (older_dir, newer_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let ((older, older_metrics), (newer, newer_metrics), newer_alone) = if newer_first {
+        // The first half, the newer instance alone: every task whole.
+        let (newer, metrics) = start(&[&a, &b], newer_dir.path());
+        send(0);
+        until(&|| metrics.records_in(), 400);
+        assert_eq!(metrics.records_in(), 400);
+        (start(&[&a], older_dir.path()), (newer, metrics), 400)
+    } else {
+        let older = start(&[&a], older_dir.path());
+        let newer = start(&[&a, &b], newer_dir.path());
+        send(0);
+        (older, newer, 0)
+    };
+    send(200);
+    // Both instances read `a` (two partitions each); the newer alone reads
+    // `b`: its partitions whose `a` partition the older holds wait.
+    let older_half = if newer_first { 100 } else { 200 };
+    let counted = || older_metrics.records_in() + newer_metrics.records_in();
+    until(&counted, newer_alone + 3 * older_half);
+    assert_eq!(
+        (older_metrics.records_in(), newer_metrics.records_in()),
+        (older_half, newer_alone + 2 * older_half),
+        "each `a` record once; `b` only where the newer instance has the whole task"
+    );
+    older.shutdown();
+    older.join().unwrap();
+    let want: BTreeMap<String, u64> = (0..40).map(|k| (format!("k{k}"), 20)).collect();
+    let latest = latest_key_counts(&output, |m| m == &want);
+    newer.shutdown();
+    newer.join().unwrap();
+    assert_eq!(latest, want, "every key counted over both topics, once");
 }
 
 /// Offsets reset on purpose (as `kafka-consumer-groups --reset-offsets`

@@ -307,17 +307,22 @@ struct Restored {
     delivery: Arc<DeliveryState>,
 }
 
-/// A task being restored on a helper thread. Its records wait in its split
+/// A task being restored on a helper thread, or waiting for the rest of its
+/// input partitions before it restores. Its records wait in its split
 /// queues; those that reached the consumer's queue before the split (or all of
 /// them, for a partition whose queue could not be split) are buffered here, and
 /// such a partition is paused once the buffer holds the in-flight bound.
 struct PendingTask {
+    /// The restore thread; `None` while the task waits.
     handle: Option<JoinHandle<Result<Restored, RuntimeError>>>,
     cancel: Arc<AtomicBool>,
     buffered: Vec<OwnedMessage>,
     partitions: Vec<Tp>,
     /// Where reading each input topic starts.
     starts: HashMap<String, StartAt>,
+    /// Some of its input partitions are not here: it neither restores nor
+    /// runs until they are (see `Engine::start_restore`).
+    waiting: bool,
 }
 
 /// Everything the driver and the rebalance callbacks share.
@@ -454,7 +459,7 @@ impl ConsumerContext for DriverContext {
         if let Rebalance::Revoke(tpl) = rebalance {
             let incremental = self.incremental.load(Ordering::Relaxed);
             let mut engine = self.engine.lock();
-            if let Err(e) = engine.on_revoke(consumer, tpl, incremental) {
+            if let Err(e) = engine.on_revoke(consumer, tpl, incremental, self.reset) {
                 engine.fail(e);
             }
         }
@@ -699,7 +704,9 @@ impl Driver {
                 engine.drains += 1;
             }
             engine.tick(&self.consumer)?;
-            if let Some(all) = late.take_if(|_| !engine.tasks.is_empty()) {
+            if let Some(all) =
+                late.take_if(|_| !engine.tasks.is_empty() || !engine.pending.is_empty())
+            {
                 self.consumer.subscribe(&all)?;
             }
             if std::mem::take(&mut engine.rejoin) {
@@ -962,13 +969,21 @@ impl Engine {
             .tasks
             .with_label_values(&["running"])
             .set(self.running().count() as i64);
+        let waiting = self.pending.values().filter(|p| p.waiting).count();
         self.metrics
             .tasks
             .with_label_values(&["restoring"])
-            .set(self.pending.len() as i64);
+            .set((self.pending.len() - waiting) as i64);
+        self.metrics
+            .tasks
+            .with_label_values(&["waiting"])
+            .set(waiting as i64);
+        // A task waiting for partitions another instance holds does not
+        // hold this one's readiness back: that instance may be waiting for
+        // this one to be ready before it stops (a rolling update).
         let state = if !self.joined {
             AppState::Starting
-        } else if self.pending.is_empty() {
+        } else if self.pending.len() == waiting {
             AppState::Running
         } else {
             AppState::Restoring

@@ -16,6 +16,7 @@ impl Engine {
         consumer: &DriverConsumer,
         tpl: &TopicPartitionList,
         incremental: bool,
+        reset: Option<Offset>,
     ) -> Result<(), RuntimeError> {
         // An eager rebalance starts with every partition revoked; under an
         // incremental protocol an instance sees a rebalance as a change of its
@@ -58,12 +59,25 @@ impl Engine {
             .map(|(id, _)| *id)
             .collect();
         for id in pending {
-            if let Some(mut p) = self.pending.remove(&id) {
-                p.cancel.store(true, Ordering::SeqCst);
-                if let Some(h) = p.handle.take() {
-                    let _ = h.join();
-                }
+            let Some(mut p) = self.pending.remove(&id) else {
+                continue;
+            };
+            p.cancel.store(true, Ordering::SeqCst);
+            if let Some(h) = p.handle.take() {
+                let _ = h.join();
             }
+            // Partitions of it that stay here wait for the others to come
+            // back (their records were not read yet: none is lost).
+            p.partitions.retain(|tp| !revoked.contains(tp));
+            if p.partitions.is_empty() || self.fatal.is_some() {
+                continue;
+            }
+            tracing::warn!(task = %id, staying = ?p.partitions, "some of a pending task's partitions were revoked: it waits for them");
+            p.buffered
+                .retain(|m| !revoked.contains(&(m.topic().to_string(), m.partition())));
+            p.cancel = Arc::new(AtomicBool::new(false));
+            p.waiting = true;
+            self.pending.insert(id, p);
         }
         let ids: Vec<TaskId> = self
             .tasks
@@ -88,11 +102,22 @@ impl Engine {
         }
         self.drain(&ids)?;
         self.commit_tasks(consumer, &ids)?;
+        let mut staying: Vec<(TaskId, Vec<Tp>)> = Vec::new();
         for id in ids {
             if let Some(mut task) = self.tasks.remove(&id) {
                 if incremental {
-                    tracing::info!(task = %id, "task moved to another instance");
                     task.count_in(&self.metrics);
+                    let stay: Vec<Tp> = task
+                        .partitions
+                        .iter()
+                        .filter(|tp| !revoked.contains(*tp))
+                        .cloned()
+                        .collect();
+                    if stay.is_empty() {
+                        tracing::info!(task = %id, "task moved to another instance");
+                    } else {
+                        staying.push((id, stay));
+                    }
                     continue;
                 }
                 // Queued records are read again from the committed position.
@@ -102,8 +127,79 @@ impl Engine {
                 self.suspended.insert(id, task);
             }
         }
+        self.wait_again(consumer, staying, reset);
         self.publish_tasks();
         Ok(())
+    }
+
+    /// Some partitions of running tasks were revoked and others stay here
+    /// (never from an assignor given the same topics by every member: it
+    /// moves a task's partitions together). Those tasks closed after their
+    /// commit; the partitions that stay go back to their committed offsets
+    /// (what the task had read past them is read again) and wait, as a
+    /// task's partitions assigned without the others do, for the revoked
+    /// ones to come back.
+    fn wait_again(
+        &mut self,
+        consumer: &DriverConsumer,
+        staying: Vec<(TaskId, Vec<Tp>)>,
+        reset: Option<Offset>,
+    ) {
+        if staying.is_empty() {
+            return;
+        }
+        let mut tpl = TopicPartitionList::new();
+        for tp in staying.iter().flat_map(|(_, parts)| parts) {
+            tpl.add_partition(&tp.0, tp.1);
+        }
+        let orphaned = |reason: &str| {
+            tracing::warn!(
+                tasks = ?staying,
+                reason,
+                "partitions of tasks closed by a revocation stay here unread until they are revoked"
+            )
+        };
+        let committed = match consumer.committed_offsets(tpl, COMMITTED_LOOKUP_TIMEOUT) {
+            Ok(c) => c,
+            Err(e) => return orphaned(&format!("committed offsets not known: {e}")),
+        };
+        let mut seek = TopicPartitionList::new();
+        let mut starts: HashMap<Tp, StartAt> = HashMap::new();
+        for e in committed.elements() {
+            let (at, start) = match (e.error(), e.offset()) {
+                (Ok(()), Offset::Offset(o)) if o >= 0 => (Offset::Offset(o), StartAt::Committed(o)),
+                (Ok(()), Offset::Invalid) if reset.is_some() => {
+                    (reset.expect("checked"), StartAt::Reset)
+                }
+                other => return orphaned(&format!("committed offset of {}: {other:?}", e.topic())),
+            };
+            if seek
+                .add_partition_offset(e.topic(), e.partition(), at)
+                .is_err()
+            {
+                return orphaned("cannot list a position");
+            }
+            starts.insert((e.topic().to_string(), e.partition()), start);
+        }
+        match consumer.seek_partitions(seek, SEEK_TIMEOUT) {
+            Ok(done) => {
+                if let Some(e) = done.elements().iter().find(|e| e.error().is_err()) {
+                    return orphaned(&format!("seek of {}: {:?}", e.topic(), e.error()));
+                }
+            }
+            Err(e) => return orphaned(&format!("seek: {e}")),
+        }
+        for (id, parts) in staying {
+            tracing::warn!(task = %id, staying = ?parts, "some of a running task's partitions were revoked: it closed, and waits for them with the others");
+            let starts = parts
+                .iter()
+                .map(|tp| {
+                    let start = starts.get(tp).copied().unwrap_or(StartAt::Unknown);
+                    (tp.0.clone(), start)
+                })
+                .collect();
+            self.start_restore(id, parts, starts);
+        }
     }
 
     /// Closes tasks without committing: in-flight calls abandoned, an open
@@ -291,15 +387,21 @@ impl Engine {
     /// task was here.
     fn join_task(&mut self, id: TaskId, parts: &[Tp], starts: &HashMap<Tp, StartAt>) -> bool {
         let start = |tp: &Tp| starts.get(tp).copied().unwrap_or(StartAt::Unknown);
-        if let Some(p) = self.pending.get_mut(&id) {
+        if let Some(mut p) = self.pending.remove(&id) {
+            let what = if p.waiting { "waiting" } else { "restoring" };
             for tp in parts {
                 if p.partitions.contains(tp) {
                     continue;
                 }
-                tracing::info!(task = %id, topic = %tp.0, partition = tp.1, "partition joins its restoring task");
+                tracing::info!(task = %id, topic = %tp.0, partition = tp.1, "partition joins its {what} task");
                 p.starts.insert(tp.0.clone(), start(tp));
                 p.partitions.push(tp.clone());
             }
+            if p.waiting && self.missing_partitions(id, &p.partitions).is_empty() {
+                tracing::info!(task = %id, "task has all its input partitions: restoring");
+                self.begin_restore(id, &mut p);
+            }
+            self.pending.insert(id, p);
             return true;
         }
         let Some(task) = self.tasks.get_mut(&id) else {
@@ -409,6 +511,9 @@ pub(super) fn set_start_positions(
 
 /// How long the assignment waits for the committed offsets it looks up.
 pub(super) const COMMITTED_LOOKUP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long moving partitions back to their committed offsets may wait.
+const SEEK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long closing a task dirty waits for its transaction's abort: the
 /// abort only saves readers the wait for the transaction's timeout, and the

@@ -4,33 +4,71 @@
 use super::*;
 
 impl Engine {
+    /// Starts a task assigned here: its restore begins at once when all its
+    /// input partitions are here. A task with only some of them waits for
+    /// the others (they join it, see `join_task`): the group's assignor
+    /// hands a task's partitions over together only when every member
+    /// reads the same topics, and a member of a group whose instances run
+    /// different topologies (a rolling update adding an input topic, such
+    /// as a task type) can be given a task whose other partitions another
+    /// instance runs as that task. Two instances would then run one task
+    /// (exactly-once: each fencing the other; at-least-once: two writers of
+    /// one changelog).
     pub(super) fn start_restore(
         &mut self,
         id: TaskId,
         partitions: Vec<Tp>,
         starts: HashMap<String, StartAt>,
     ) {
-        let cancel = Arc::new(AtomicBool::new(false));
+        let mut p = PendingTask {
+            handle: None,
+            cancel: Arc::new(AtomicBool::new(false)),
+            buffered: Vec::new(),
+            partitions,
+            starts,
+            waiting: true,
+        };
+        let missing = self.missing_partitions(id, &p.partitions);
+        if missing.is_empty() {
+            self.begin_restore(id, &mut p);
+        } else {
+            tracing::warn!(
+                task = %id,
+                missing = ?missing,
+                "task assigned without all its input partitions: it waits for them \
+                 (instances running different topologies share the group?)"
+            );
+        }
+        self.pending.insert(id, p);
+    }
+
+    /// The input topics of task `id` whose partition is not in `have`.
+    pub(super) fn missing_partitions(&self, id: TaskId, have: &[Tp]) -> Vec<String> {
+        self.topology.subtopologies()[id.subtopology as usize]
+            .source_topics(&self.cfg.application_id)
+            .into_iter()
+            .filter(|t| {
+                !have
+                    .iter()
+                    .any(|(topic, p)| topic == t && *p == id.partition)
+            })
+            .collect()
+    }
+
+    /// Starts the restore thread of a pending task.
+    pub(super) fn begin_restore(&self, id: TaskId, p: &mut PendingTask) {
         let cfg = self.cfg.clone();
         let topology = self.topology.clone();
         let env = self.env.clone();
         let metrics = self.metrics.clone();
         let shared = self.shared_producer.clone();
-        let stop = cancel.clone();
-        let handle = std::thread::Builder::new()
+        let stop = p.cancel.clone();
+        p.handle = std::thread::Builder::new()
             .name(format!("sluice-restore-{id}"))
             .spawn(move || init_task(&cfg, &topology, &env, &metrics, shared, id, &stop))
             .ok();
-        self.pending.insert(
-            id,
-            PendingTask {
-                handle,
-                cancel,
-                buffered: Vec::new(),
-                partitions,
-                starts,
-            },
-        );
+        // A thread that could not start is reported by `check_restores`.
+        p.waiting = false;
     }
 
     /// Activates tasks whose restore finished.
@@ -38,7 +76,7 @@ impl Engine {
         let done: Vec<TaskId> = self
             .pending
             .iter()
-            .filter(|(_, p)| p.handle.as_ref().is_none_or(|h| h.is_finished()))
+            .filter(|(_, p)| !p.waiting && p.handle.as_ref().is_none_or(|h| h.is_finished()))
             .map(|(id, _)| *id)
             .collect();
         for id in done {
