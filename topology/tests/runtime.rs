@@ -10,7 +10,9 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
-use sluice_topology::runtime::{EngineMetrics, Guarantee, StreamsApp, StreamsConfig};
+use sluice_topology::runtime::{
+    EngineMetrics, GroupProtocol, Guarantee, StreamsApp, StreamsConfig,
+};
 use sluice_topology::{JsonCodec, StreamBuilder, StringCodec, TimeWindows, Windowed};
 
 fn bootstrap() -> String {
@@ -528,7 +530,22 @@ fn an_instance_with_nothing_left_to_process_commits_held_outputs_early() {
 /// counted and counts the rest.
 #[test]
 fn a_task_assigned_without_all_its_partitions_waits_for_them() {
-    two_topologies_in_one_group(false);
+    two_topologies_in_one_group(false, Guarantee::AtLeastOnce, GroupProtocol::Consumer);
+}
+
+/// The same under exactly-once (where two instances running one task
+/// would fence each other in turn).
+#[test]
+fn a_task_assigned_without_all_its_partitions_waits_for_them_exactly_once() {
+    two_topologies_in_one_group(false, Guarantee::ExactlyOnce, GroupProtocol::Consumer);
+}
+
+/// The same under the classic protocol's eager rebalances, the newer
+/// instance first: a suspended task given back without all its partitions
+/// does not resume, and waits.
+#[test]
+fn a_suspended_task_given_back_in_part_waits_for_the_rest() {
+    two_topologies_in_one_group(true, Guarantee::AtLeastOnce, GroupProtocol::Classic);
 }
 
 /// The same with the newer instance first: it runs every task whole until
@@ -538,16 +555,17 @@ fn a_task_assigned_without_all_its_partitions_waits_for_them() {
 /// assigned and unread.
 #[test]
 fn a_task_whose_partitions_are_revoked_in_part_waits_for_them() {
-    two_topologies_in_one_group(true);
+    two_topologies_in_one_group(true, Guarantee::AtLeastOnce, GroupProtocol::Consumer);
 }
 
-fn two_topologies_in_one_group(newer_first: bool) {
+fn two_topologies_in_one_group(newer_first: bool, guarantee: Guarantee, protocol: GroupProtocol) {
     let (a, b, output) = (unique("mix-a"), unique("mix-b"), unique("mix-out"));
     let app = unique("mix-app");
     create(&[(&a, 4), (&b, 4), (&output, 4)]);
     let start = |inputs: &[&str], dir: &std::path::Path| {
         let mut cfg = StreamsConfig::new(&app, &bootstrap(), dir);
-        cfg.guarantee = Guarantee::AtLeastOnce;
+        cfg.guarantee = guarantee;
+        cfg.group_protocol = protocol;
         cfg.session_timeout = Duration::from_secs(6);
         let metrics = EngineMetrics::unregistered();
         let running = StreamsApp::new(key_count(inputs, &output), cfg, metrics.clone())

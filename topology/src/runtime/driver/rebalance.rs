@@ -267,9 +267,11 @@ impl Engine {
     /// Where the suspended tasks among the newly assigned partitions go on
     /// reading: past every record each read (those still in flight there,
     /// e.g. held by an operator, stay its own), not at the group's committed
-    /// offset.
+    /// offset. A suspended task given back without all its input partitions does not
+    /// resume (see `on_assign`): its partitions start at their commit.
     pub(super) fn resume_positions(&self, tpl: &TopicPartitionList) -> HashMap<Tp, i64> {
         let mut at = HashMap::new();
+        let given = partitions_by_task(self, tpl);
         for e in tpl.elements() {
             let Some(id) = self.task_of(e.topic(), e.partition()) else {
                 continue;
@@ -277,6 +279,9 @@ impl Engine {
             let Some(task) = self.suspended.get(&id).filter(|t| !t.core.is_abandoned()) else {
                 continue;
             };
+            if !self.missing_partitions(id, &given[&id]).is_empty() {
+                continue;
+            }
             let Some(slot) = task.core.slot_of(e.topic()) else {
                 continue;
             };
@@ -349,13 +354,17 @@ impl Engine {
                 continue;
             }
             if let Some(mut task) = self.suspended.remove(&id) {
-                if !task.core.is_abandoned() {
+                // Given back whole (else it starts afresh, and waits):
+                // `resume_positions` set its partitions past every record it
+                // read only then.
+                if !task.core.is_abandoned() && self.missing_partitions(id, &parts).is_empty() {
                     // It goes on where it left off: `resume_positions` set
                     // its partitions to start past every record it read.
                     self.tasks.insert(id, task);
                     continue;
                 }
-                // Its abandoned records must be read again: start afresh.
+                // Its abandoned records must be read again, or it waits for
+                // partitions another instance holds: start afresh.
                 task.count_in(&self.metrics);
                 drop(task);
             }
@@ -421,6 +430,19 @@ impl Engine {
         }
         true
     }
+}
+
+/// The partitions of `tpl` by the task that reads them.
+fn partitions_by_task(engine: &Engine, tpl: &TopicPartitionList) -> HashMap<TaskId, Vec<Tp>> {
+    let mut by: HashMap<TaskId, Vec<Tp>> = HashMap::new();
+    for e in tpl.elements() {
+        if let Some(id) = engine.task_of(e.topic(), e.partition()) {
+            by.entry(id)
+                .or_default()
+                .push((e.topic().to_string(), e.partition()));
+        }
+    }
+    by
 }
 
 /// The group settings of the main consumer for the configured protocol. The
