@@ -166,12 +166,9 @@ impl Engine {
         let mut seek = TopicPartitionList::new();
         let mut starts: HashMap<Tp, StartAt> = HashMap::new();
         for e in committed.elements() {
-            let (at, start) = match (e.error(), e.offset()) {
-                (Ok(()), Offset::Offset(o)) if o >= 0 => (Offset::Offset(o), StartAt::Committed(o)),
-                (Ok(()), Offset::Invalid) if reset.is_some() => {
-                    (reset.expect("checked"), StartAt::Reset)
-                }
-                other => return orphaned(&format!("committed offset of {}: {other:?}", e.topic())),
+            let Some(at) = committed_start(&e, reset) else {
+                let answer = (e.error(), e.offset());
+                return orphaned(&format!("committed offset of {}: {answer:?}", e.topic()));
             };
             if seek
                 .add_partition_offset(e.topic(), e.partition(), at)
@@ -179,7 +176,7 @@ impl Engine {
             {
                 return orphaned("cannot list a position");
             }
-            starts.insert((e.topic().to_string(), e.partition()), start);
+            starts.insert((e.topic().to_string(), e.partition()), start_at(at));
         }
         match consumer.seek_partitions(seek, SEEK_TIMEOUT) {
             Ok(done) => {
@@ -309,22 +306,13 @@ impl Engine {
             self.queues.remove(&tp);
             self.unsplit.remove(&tp);
         }
-        let mut by_task: BTreeMap<TaskId, Vec<Tp>> = BTreeMap::new();
-        let mut starts: HashMap<Tp, StartAt> = HashMap::new();
-        for e in tpl.elements() {
-            if let Some(id) = self.task_of(e.topic(), e.partition()) {
-                let tp = (e.topic().to_string(), e.partition());
-                // Where `set_start_positions` put it: the committed offset,
-                // or the reset policy's end when the group has none.
-                let start = match e.offset() {
-                    Offset::Offset(o) => StartAt::Committed(o),
-                    Offset::Beginning | Offset::End => StartAt::Reset,
-                    _ => StartAt::Unknown,
-                };
-                starts.insert(tp.clone(), start);
-                by_task.entry(id).or_default().push(tp);
-            }
-        }
+        let by_task = partitions_by_task(self, tpl);
+        // Where `set_start_positions` put each partition.
+        let starts: HashMap<Tp, StartAt> = tpl
+            .elements()
+            .iter()
+            .map(|e| ((e.topic().to_string(), e.partition()), start_at(e.offset())))
+            .collect();
         // Tasks added to an instance that had joined already (an eager
         // rebalance was counted at its revocation; the first assignment is
         // the join, not a rebalance; partitions joining a task here move no
@@ -354,12 +342,10 @@ impl Engine {
                 continue;
             }
             if let Some(mut task) = self.suspended.remove(&id) {
-                // Given back whole (else it starts afresh, and waits):
-                // `resume_positions` set its partitions past every record it
-                // read only then.
                 if !task.core.is_abandoned() && self.missing_partitions(id, &parts).is_empty() {
-                    // It goes on where it left off: `resume_positions` set
-                    // its partitions to start past every record it read.
+                    // Given back whole, it goes on where it left off:
+                    // `resume_positions` set its partitions to start past
+                    // every record it read, as it does for a task given back whole.
                     self.tasks.insert(id, task);
                     continue;
                 }
@@ -432,9 +418,9 @@ impl Engine {
     }
 }
 
-/// The partitions of `tpl` by the task that reads them.
-fn partitions_by_task(engine: &Engine, tpl: &TopicPartitionList) -> HashMap<TaskId, Vec<Tp>> {
-    let mut by: HashMap<TaskId, Vec<Tp>> = HashMap::new();
+/// The partitions of `tpl` by the task that reads them, in task order.
+fn partitions_by_task(engine: &Engine, tpl: &TopicPartitionList) -> BTreeMap<TaskId, Vec<Tp>> {
+    let mut by: BTreeMap<TaskId, Vec<Tp>> = BTreeMap::new();
     for e in tpl.elements() {
         if let Some(id) = engine.task_of(e.topic(), e.partition()) {
             by.entry(id)
@@ -516,11 +502,9 @@ pub(super) fn set_start_positions(
         if resume.contains_key(&(e.topic().to_string(), e.partition())) {
             continue;
         }
-        let start = match (e.error(), e.offset()) {
-            (Ok(()), Offset::Offset(o)) if o >= 0 => Offset::Offset(o),
-            (Ok(()), Offset::Invalid) => reset,
-            // An error or an unexpected answer: leave every position to librdkafka.
-            _ => return,
+        // An error or an unexpected answer: leave every position to librdkafka.
+        let Some(start) = committed_start(&e, Some(reset)) else {
+            return;
         };
         starts.push((e.topic().to_string(), e.partition(), start));
     }
@@ -528,6 +512,31 @@ pub(super) fn set_start_positions(
         if tpl.set_partition_offset(&topic, partition, start).is_err() {
             tracing::debug!(topic, partition, "cannot set a start position");
         }
+    }
+}
+
+/// Where a partition starts given the group's answer `e` for its committed
+/// offset: there, or at `reset` when the group has none; `None` for an error,
+/// an unexpected answer, or no offset and no `reset`.
+fn committed_start(
+    e: &rdkafka::topic_partition_list::TopicPartitionListElem<'_>,
+    reset: Option<Offset>,
+) -> Option<Offset> {
+    match (e.error(), e.offset()) {
+        (Ok(()), Offset::Offset(o)) if o >= 0 => Some(Offset::Offset(o)),
+        (Ok(()), Offset::Invalid) => reset,
+        _ => None,
+    }
+}
+
+/// What a start position set in an assignment means for a task's offset
+/// tracker: the committed offset, the reset policy's end (the group had
+/// none), or not known.
+fn start_at(offset: Offset) -> StartAt {
+    match offset {
+        Offset::Offset(o) => StartAt::Committed(o),
+        Offset::Beginning | Offset::End => StartAt::Reset,
+        _ => StartAt::Unknown,
     }
 }
 
