@@ -278,6 +278,43 @@ fn a_transaction_call_that_never_returns_closes_its_task_dirty_and_counts_stay_e
     );
 }
 
+#[test]
+fn a_commit_still_timing_out_when_its_time_is_up_closes_its_task_dirty_and_counts_stay_exact() {
+    // The instance's first commit of a transaction fails retriably for good
+    // (as one does while the broker does not answer for longer than the
+    // transaction's timeout): its outcome is not known. The task is closed
+    // dirty and comes back with a new producer, which fences what is left;
+    // the instance carries on and every count is read once.
+    let ex = Example::windowed_count("eos-commit-timeout", "exactly-once", 2);
+    let (records, expected) = keyed_records(40_000, 200, 4, base_time());
+    produce(&bootstrap(), &ex.input, records).unwrap();
+    let dir = temp_dir();
+    let mut p = Proc::spawn_logged(
+        "timeout",
+        &ex.args(dir.path()),
+        &[("SLUICE_FAILPOINT", "eos_commit_timed_out:1")],
+        true,
+    );
+    let msgs = wait_outputs(&ex.output, &expected, Duration::from_secs(180));
+    let log = p.log().join("\n");
+    assert!(
+        log.contains("closing it dirty"),
+        "the commit closed its task dirty:\n{log}"
+    );
+    assert!(
+        p.child.try_wait().unwrap().is_none(),
+        "the instance keeps running"
+    );
+    let stats = p.stop();
+    assert_counts_equal(&latest_counts(&msgs).unwrap(), &expected);
+    assert_each_window_count_once(&msgs, &expected);
+    assert_eq!(stats["ok"], true, "{stats}\n{log}");
+    assert!(
+        stats["rebalances"].as_u64().unwrap_or(0) >= 1,
+        "the closed task made the instance rejoin: {stats}"
+    );
+}
+
 /// Starts instances A and B of an example and waits until they share its
 /// four tasks, both ready, before any data flows.
 fn two_instances(
@@ -928,6 +965,71 @@ fn restart_with_local_state_restores_only_the_changelog_tail() {
     });
     let a2 = a.stop();
     assert_eq!(a2["restored_records"].as_u64(), Some(tail as u64), "{a2}");
+}
+
+#[test]
+fn a_transaction_open_on_a_changelog_leaves_the_store_past_it_as_it_is() {
+    // Read committed, a changelog's end is its last stable offset: the first
+    // offset of a transaction on it not yet complete (after a broker restart
+    // or stall the markers of one can come late). An instance restarting on
+    // its local state, whose checkpoint is past that end while the log holds
+    // what the checkpoint says, keeps its store. Here another producer holds
+    // a transaction open on the changelog while the instance counts on;
+    // taken for a recreated changelog, the end would wipe the store and
+    // restore only what precedes the open transaction.
+    use rdkafka::producer::{BaseProducer, BaseRecord, Producer as _};
+    let ex = Example::windowed_count("open-txn", "exactly-once", 1);
+    let base = base_time();
+    let add = |expected: &mut BTreeMap<(i64, String), u64>, more: BTreeMap<(i64, String), u64>| {
+        for (k, n) in more {
+            *expected.entry(k).or_insert(0) += n;
+        }
+    };
+    let (first, mut expected) = keyed_records(1_000, 50, 1, base);
+    produce(&bootstrap(), &ex.input, first).unwrap();
+    let dir = temp_dir();
+    let mut a = ex.spawn("A1", dir.path());
+    wait_counts(&ex.output, &expected, Duration::from_secs(90));
+
+    let holder: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap())
+        .set("transactional.id", unique("holder"))
+        .create()
+        .unwrap();
+    holder.init_transactions(Duration::from_secs(30)).unwrap();
+    holder.begin_transaction().unwrap();
+    let changelog = format!("{}-counts-changelog", ex.app);
+    holder
+        .send(
+            BaseRecord::to(&changelog)
+                .partition(0)
+                .key("held")
+                .payload("held"),
+        )
+        .map_err(|(e, _)| e)
+        .unwrap();
+    holder.flush(Duration::from_secs(10)).unwrap();
+
+    let (second, more) = keyed_records(1_000, 50, 1, base);
+    produce(&bootstrap(), &ex.input, second).unwrap();
+    add(&mut expected, more);
+    wait_counts(&ex.output, &expected, Duration::from_secs(90));
+    let a1 = a.stop();
+    assert_eq!(a1["ok"], true, "{a1}");
+
+    // Within the open transaction's timeout: its end still holds.
+    let mut a = ex.spawn("A2", dir.path());
+    eventually(Duration::from_secs(30), "A ready again", || {
+        a.ready().then_some(())
+    });
+    let (third, more) = keyed_records(1_000, 50, 1, base);
+    produce(&bootstrap(), &ex.input, third).unwrap();
+    add(&mut expected, more);
+    let msgs = wait_outputs(&ex.output, &expected, Duration::from_secs(60));
+    assert_counts_equal(&latest_counts(&msgs).unwrap(), &expected);
+    let a2 = a.stop();
+    assert_eq!(a2["ok"], true, "{a2}");
+    drop(holder);
 }
 
 #[test]

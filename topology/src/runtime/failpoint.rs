@@ -37,9 +37,9 @@ pub(in crate::runtime) fn hang_point(name: &str) {
     }
 }
 
-/// A switch for tests: true at the first pass at point `name` when
-/// `SLUICE_FAILPOINT=<name>:1`, to take a path that forces a rare ordering of
-/// events (see its one caller).
+/// A switch for tests: true at the n-th pass at point `name` when
+/// `SLUICE_FAILPOINT=<name>:<n>`, to take a path that forces a rare ordering
+/// of events or a failure (see its callers).
 pub(in crate::runtime) fn switched_on(name: &str) -> bool {
     reached(name, false)
 }

@@ -8,6 +8,12 @@
 //! it goes on as long as it takes (a revocation cancels it), and advances the
 //! store's checkpoint as it goes, so a restore that is interrupted starts
 //! again near where it stopped rather than from the beginning.
+//!
+//! A checkpoint past the changelog's end wipes the store (restored in full)
+//! only when the log itself ends before it: the changelog was recreated or
+//! truncated. Read committed, the end can also be held below the checkpoint
+//! by a transaction on the changelog not yet complete (its markers written
+//! late after a broker restart or stall): the store is kept.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -136,13 +142,21 @@ pub(crate) fn restore_task(
         // by `auto.offset.reset`.
         if from > 0 {
             let (low, high) = watermarks(&consumer, topic, task.partition, cancel)?;
-            if from > high {
+            if from > high && log_end(cfg, &consumer, topic, task.partition, cancel)? < from {
                 // The changelog is shorter than what the store says it holds:
                 // it was recreated (or truncated). What is local cannot be
                 // trusted.
                 tracing::warn!(%task, topic, from, end = high, "checkpoint is past the changelog end; restoring in full");
                 state.wipe_store(*id)?;
                 from = 0;
+            } else if from > high {
+                // Read committed, the end is the last stable offset: the
+                // first offset of a transaction not yet complete on the
+                // changelog. The store's checkpoint only ever passes records
+                // whose transaction committed, and the log holds them: the
+                // store is kept, and nothing past the end can be read yet
+                // (as Kafka Streams' restore, which reads to the same end).
+                tracing::warn!(%task, topic, from, end = high, "the changelog's last stable offset is below the checkpoint (a transaction on it is not complete): the store stays at its checkpoint");
             }
             if from >= high {
                 state.restored_to(*id, from)?;
@@ -280,6 +294,29 @@ impl rdkafka::ClientContext for RestoreContext {
 }
 
 impl rdkafka::consumer::ConsumerContext for RestoreContext {}
+
+/// The end of a changelog partition's log, whatever the isolation level of
+/// `consumer`: under exactly-once it reads committed, and its end is the
+/// last stable offset, which an incomplete transaction holds back; the log's
+/// own end (its high watermark) is asked of a client reading uncommitted.
+fn log_end(
+    cfg: &StreamsConfig,
+    consumer: &BaseConsumer<RestoreContext>,
+    topic: &str,
+    partition: i32,
+    cancel: &AtomicBool,
+) -> Result<i64, RuntimeError> {
+    if cfg.guarantee != Guarantee::ExactlyOnce {
+        return Ok(watermarks(consumer, topic, partition, cancel)?.1);
+    }
+    let mut c = client_config(cfg);
+    c.set("group.id", format!("{}-restore", cfg.application_id))
+        .set("isolation.level", "read_uncommitted");
+    let uncommitted: BaseConsumer<RestoreContext> = c.create_with_context(RestoreContext)?;
+    let end = watermarks(&uncommitted, topic, partition, cancel)?.1;
+    close_in_background(uncommitted);
+    Ok(end)
+}
 
 /// The start and end of a changelog partition (the end as the consumer's
 /// isolation level sees it), asked again while it fails retriably.

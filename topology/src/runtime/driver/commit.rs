@@ -3,7 +3,7 @@
 //! at-least-once), then the local state.
 
 use super::*;
-use crate::runtime::failpoint::{failpoint, failpoint_at};
+use crate::runtime::failpoint::{failpoint, failpoint_at, switched_on};
 
 impl Engine {
     /// True when a task's producer was fenced by a newer one with its
@@ -68,15 +68,22 @@ impl Engine {
         for (id, result) in results {
             let Err(e) = result else { continue };
             let fenced = e.fenced() || self.producer_fenced(id);
-            let given_up = e.unanswered();
+            // A call that never returned, or one that still failed
+            // retriably when the transaction's time was up (the broker did
+            // not answer it): the transaction's outcome is not known, and
+            // the producer is not asked again.
+            let unanswered = e.unanswered();
+            let given_up = unanswered || e.retriable();
             match e {
                 // A delivery that failed inside the transaction (the broker
                 // refused a record, or it timed out) leaves the transaction
                 // to abort: as a migrated task, the task starts over. So
-                // does a producer given up on (a call that never returned).
+                // does a producer given up on. Either way what the task
+                // commits next starts from what its changelogs and the
+                // group hold, whatever became of this transaction.
                 e if fenced || given_up || e.task_migrated() || e.delivery_failed() => {
                     tracing::warn!(task = %id, error = %e, "task fenced or its transaction must abort: closing it dirty and rejoining");
-                    if given_up {
+                    if unanswered {
                         self.metrics.clients_given_up.inc();
                     }
                     if fenced || given_up {
@@ -509,6 +516,13 @@ fn broker_steps(
     }
     for c in commits.iter_mut() {
         c.step(|c| {
+            if switched_on("eos_commit_timed_out") {
+                // For the tests: a commit still timing out when the
+                // transaction's time is up (a broker that does not answer).
+                return Err(RuntimeError::Kafka(rdkafka::error::KafkaError::Flush(
+                    rdkafka::error::RDKafkaErrorCode::OperationTimedOut,
+                )));
+            }
             retrying("committing a transaction", deadline, || {
                 c.task
                     .producer
