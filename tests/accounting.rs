@@ -268,6 +268,7 @@ fn a_broker_killed_then_stalled_under_load_loses_no_task_and_bills_none_twice() 
     tasks.extend(last);
 
     let results = p.results(tasks.len(), Duration::from_secs(300));
+    report_missing(&p, &app, &tasks, &results);
     assert_each_answered_once(&tasks, &results);
     assert!(
         app.proc.child.try_wait().unwrap().is_none(),
@@ -322,6 +323,49 @@ fn rolling_restarts_a_new_instance_and_a_sigkill_keep_every_task_once_and_accoun
     assert_usage_equals_results(&p, &results, &default_windows(), UsageUpdates::OnCommit);
     for (mut app, _) in members.into_iter().chain([fourth]) {
         app.proc.stop();
+    }
+}
+
+/// Before a failing check of `results`: which tasks have none (per tenant,
+/// their first and last ids) and what the instance's metrics say of its
+/// tasks, partitions and operators.
+fn report_missing(p: &Pipeline, app: &App, tasks: &[Task], results: &[(TaskResult, OwnedMessage)]) {
+    let answered = count_by_task(results);
+    let mut missing: BTreeMap<String, Vec<&str>> = BTreeMap::new();
+    for t in tasks.iter().filter(|t| !answered.contains_key(&t.id)) {
+        missing.entry(t.tenant.clone()).or_default().push(&t.id);
+    }
+    if missing.is_empty() {
+        return;
+    }
+    for (tenant, ids) in &missing {
+        eprintln!(
+            "{tenant}: {} tasks without a result, {} .. {}",
+            ids.len(),
+            ids[0],
+            ids[ids.len() - 1]
+        );
+    }
+    let (_, metrics) = p.http(app, "/metrics");
+    for line in metrics.lines().filter(|l| {
+        !l.starts_with('#')
+            && [
+                "sluice_tasks",
+                "paused",
+                "in_flight",
+                "parked",
+                "quota_waiting",
+                "records_in",
+                "consumer_lag",
+                "batches_flushed",
+                "results_total",
+                "rebalances",
+                "abandoned",
+            ]
+            .iter()
+            .any(|k| l.contains(k))
+    }) {
+        eprintln!("metric {line}");
     }
 }
 
