@@ -225,7 +225,9 @@ pub fn eventually<T>(timeout: Duration, what: &str, mut f: impl FnMut() -> Optio
 }
 
 /// A broker of this test's own, stopped (and its log directory removed)
-/// when dropped.
+/// when dropped; with `SLUICE_KEEP_BROKER` set it is left running (resumed if
+/// stalled), its name and address printed, to inspect what a failing test
+/// left on it (`scripts/broker.sh stop <name>` ends it).
 pub struct OwnBroker {
     pub name: String,
     pub bootstrap: String,
@@ -304,6 +306,10 @@ impl Drop for OwnBroker {
     fn drop(&mut self) {
         // A stalled broker would not stop.
         self.try_signal("-CONT");
+        if std::env::var("SLUICE_KEEP_BROKER").is_ok() {
+            eprintln!("KEPT BROKER {} {}", self.name, self.bootstrap);
+            return;
+        }
         let _ = Command::new(broker_script())
             .args(["stop", &self.name])
             .status();
