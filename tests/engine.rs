@@ -244,34 +244,15 @@ fn a_transaction_call_that_never_returns_closes_its_task_dirty_and_counts_stay_e
     // the call's bound the task's producer is given up: the task is closed
     // dirty and comes back with a new producer, which fences the stuck
     // transaction; every count is read once, from the same instance.
-    let ex = Example::windowed_count("eos-stuck", "exactly-once", 2);
-    let (records, expected) = keyed_records(40_000, 200, 4, base_time());
-    produce(&bootstrap(), &ex.input, records).unwrap();
-    let dir = temp_dir();
-    let mut p = Proc::spawn_logged(
-        "stuck",
-        &ex.args(dir.path()),
-        &[("SLUICE_FAILPOINT", "eos_offsets_unanswered:2")],
-        true,
-    );
-    let msgs = wait_outputs(&ex.output, &expected, Duration::from_secs(180));
-    let log = p.log().join("\n");
+    let (log, stats) = count_through_a_commit_fault("eos-stuck", "eos_offsets_unanswered:2");
     assert!(
         log.contains("failpoint eos_offsets_unanswered reached"),
         "the call was stuck:\n{log}"
     );
     assert!(
-        log.contains("did not return within") && log.contains("closing it dirty"),
-        "the stuck call closed its task dirty:\n{log}"
+        log.contains("did not return within"),
+        "the stuck call was given up:\n{log}"
     );
-    assert!(
-        p.child.try_wait().unwrap().is_none(),
-        "the instance keeps running"
-    );
-    let stats = p.stop();
-    assert_counts_equal(&latest_counts(&msgs).unwrap(), &expected);
-    assert_each_window_count_once(&msgs, &expected);
-    assert_eq!(stats["ok"], true, "{stats}\n{log}");
     assert_eq!(
         stats["clients_given_up"], 1,
         "one producer given up on: {stats}"
@@ -285,21 +266,33 @@ fn a_commit_still_timing_out_when_its_time_is_up_closes_its_task_dirty_and_count
     // transaction's timeout): its outcome is not known. The task is closed
     // dirty and comes back with a new producer, which fences what is left;
     // the instance carries on and every count is read once.
-    let ex = Example::windowed_count("eos-commit-timeout", "exactly-once", 2);
+    let (_, stats) = count_through_a_commit_fault("eos-commit-timeout", "eos_commit_timed_out:1");
+    assert!(
+        stats["rebalances"].as_u64().unwrap_or(0) >= 1,
+        "the closed task made the instance rejoin: {stats}"
+    );
+}
+
+/// Runs an exactly-once windowed count over 40,000 records with the commit
+/// fault `failpoint` armed (`SLUICE_FAILPOINT`): the fault closes a task
+/// dirty, the instance keeps running, and every window's count is read once
+/// and right. Returns the instance's log and final stats.
+fn count_through_a_commit_fault(app: &str, failpoint: &str) -> (String, serde_json::Value) {
+    let ex = Example::windowed_count(app, "exactly-once", 2);
     let (records, expected) = keyed_records(40_000, 200, 4, base_time());
     produce(&bootstrap(), &ex.input, records).unwrap();
     let dir = temp_dir();
     let mut p = Proc::spawn_logged(
-        "timeout",
+        app,
         &ex.args(dir.path()),
-        &[("SLUICE_FAILPOINT", "eos_commit_timed_out:1")],
+        &[("SLUICE_FAILPOINT", failpoint)],
         true,
     );
     let msgs = wait_outputs(&ex.output, &expected, Duration::from_secs(180));
     let log = p.log().join("\n");
     assert!(
         log.contains("closing it dirty"),
-        "the commit closed its task dirty:\n{log}"
+        "the fault closed its task dirty:\n{log}"
     );
     assert!(
         p.child.try_wait().unwrap().is_none(),
@@ -309,10 +302,7 @@ fn a_commit_still_timing_out_when_its_time_is_up_closes_its_task_dirty_and_count
     assert_counts_equal(&latest_counts(&msgs).unwrap(), &expected);
     assert_each_window_count_once(&msgs, &expected);
     assert_eq!(stats["ok"], true, "{stats}\n{log}");
-    assert!(
-        stats["rebalances"].as_u64().unwrap_or(0) >= 1,
-        "the closed task made the instance rejoin: {stats}"
-    );
+    (log, stats)
 }
 
 /// Starts instances A and B of an example and waits until they share its
