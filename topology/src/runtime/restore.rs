@@ -134,6 +134,9 @@ pub(crate) fn restore_task(
     let mut tpl = TopicPartitionList::new();
     // Per changelog being restored: its store and the next offset to apply.
     let mut remaining: Vec<(String, StoreId, i64)> = Vec::new();
+    // A client reading uncommitted, made when a checkpoint is past a
+    // read-committed end (see below).
+    let mut uncommitted = None;
     for (id, topic) in stores {
         let mut from = state.restore_offset(*id);
         // With nothing local the store reads from the start, and needs no
@@ -142,21 +145,35 @@ pub(crate) fn restore_task(
         // by `auto.offset.reset`.
         if from > 0 {
             let (low, high) = watermarks(&consumer, topic, task.partition, cancel)?;
-            if from > high && log_end(cfg, &consumer, topic, task.partition, cancel)? < from {
-                // The changelog is shorter than what the store says it holds:
-                // it was recreated (or truncated). What is local cannot be
-                // trusted.
-                tracing::warn!(%task, topic, from, end = high, "checkpoint is past the changelog end; restoring in full");
-                state.wipe_store(*id)?;
-                from = 0;
-            } else if from > high {
-                // Read committed, the end is the last stable offset: the
-                // first offset of a transaction not yet complete on the
-                // changelog. The store's checkpoint only ever passes records
-                // whose transaction committed, and the log holds them: the
-                // store is kept, and nothing past the end can be read yet
-                // (as Kafka Streams' restore, which reads to the same end).
-                tracing::warn!(%task, topic, from, end = high, "the changelog's last stable offset is below the checkpoint (a transaction on it is not complete): the store stays at its checkpoint");
+            if from > high {
+                // Read committed (exactly-once), the end is the last stable
+                // offset: an incomplete transaction on the changelog holds it
+                // back. The log's own end tells a recreated changelog apart.
+                let log_end = match cfg.guarantee {
+                    Guarantee::ExactlyOnce => {
+                        let c = match &uncommitted {
+                            Some(c) => c,
+                            None => uncommitted.insert(create_uncommitted_client(cfg)?),
+                        };
+                        watermarks(c, topic, task.partition, cancel)?.1
+                    }
+                    Guarantee::AtLeastOnce => high,
+                };
+                if log_end < from {
+                    // The changelog is shorter than what the store says it
+                    // holds: it was recreated (or truncated). What is local
+                    // cannot be trusted.
+                    tracing::warn!(%task, topic, from, end = log_end, "checkpoint is past the changelog end; restoring in full");
+                    state.wipe_store(*id)?;
+                    from = 0;
+                } else {
+                    // The store's checkpoint only ever passes records whose
+                    // transaction committed, and the log holds them: the
+                    // store is kept, and nothing past the end can be read yet
+                    // (as Kafka Streams' restore, which reads to the same
+                    // end).
+                    tracing::warn!(%task, topic, from, end = high, log_end, "the changelog's last stable offset is below the checkpoint (a transaction on it is not complete): the store stays at its checkpoint");
+                }
             }
             if from >= high {
                 state.restored_to(*id, from)?;
@@ -168,6 +185,9 @@ pub(crate) fn restore_task(
         }
         tpl.add_partition_offset(topic, task.partition, Offset::Offset(from))?;
         remaining.push((topic.clone(), *id, from));
+    }
+    if let Some(c) = uncommitted {
+        close_in_background(c);
     }
     if remaining.is_empty() {
         // Nothing past the checkpoint: the consumer is not needed.
@@ -295,27 +315,16 @@ impl rdkafka::ClientContext for RestoreContext {
 
 impl rdkafka::consumer::ConsumerContext for RestoreContext {}
 
-/// The end of a changelog partition's log, whatever the isolation level of
-/// `consumer`: under exactly-once it reads committed, and its end is the
-/// last stable offset, which an incomplete transaction holds back; the log's
-/// own end (its high watermark) is asked of a client reading uncommitted.
-fn log_end(
+/// A client to ask a changelog's log end of (its high watermark): it reads
+/// uncommitted, where the restore consumer under exactly-once reads
+/// committed and sees the last stable offset as the end.
+fn create_uncommitted_client(
     cfg: &StreamsConfig,
-    consumer: &BaseConsumer<RestoreContext>,
-    topic: &str,
-    partition: i32,
-    cancel: &AtomicBool,
-) -> Result<i64, RuntimeError> {
-    if cfg.guarantee != Guarantee::ExactlyOnce {
-        return Ok(watermarks(consumer, topic, partition, cancel)?.1);
-    }
+) -> Result<BaseConsumer<RestoreContext>, RuntimeError> {
     let mut c = client_config(cfg);
     c.set("group.id", format!("{}-restore", cfg.application_id))
         .set("isolation.level", "read_uncommitted");
-    let uncommitted: BaseConsumer<RestoreContext> = c.create_with_context(RestoreContext)?;
-    let end = watermarks(&uncommitted, topic, partition, cancel)?.1;
-    close_in_background(uncommitted);
-    Ok(end)
+    Ok(c.create_with_context(RestoreContext)?)
 }
 
 /// The start and end of a changelog partition (the end as the consumer's
