@@ -207,12 +207,19 @@ mod tests {
                 .send(BaseRecord::<str, str>::to("t").key(&key).payload("v"))
                 .unwrap();
         }
+        // A report's event leaves the out-queue (`in_flight_count`) only
+        // after its callback returned, so the two are waited for together.
         let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        while producer.context().0.load(Ordering::SeqCst) < 5 {
-            assert!(std::time::Instant::now() < deadline, "reports not served");
+        while producer.context().0.load(Ordering::SeqCst) < 5 || producer.in_flight_count() > 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "reports not served: {} of 5, {} still in the out-queue",
+                producer.context().0.load(Ordering::SeqCst),
+                producer.in_flight_count()
+            );
             std::thread::sleep(Duration::from_millis(10));
         }
-        assert_eq!(producer.in_flight_count(), 0);
+        assert_eq!(producer.context().0.load(Ordering::SeqCst), 5);
         // Joins the thread and destroys the client (a hang fails the test).
         drop(producer);
     }
