@@ -13,7 +13,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use std::time::{Duration, Instant};
 
-use sluice::examples::{async_windowed_count, windowed_count};
+use sluice::cli::example::{async_windowed_count, windowed_count};
 use sluice::kafka::{create_topics, produce, OutRecord};
 use sluice_topology::runtime::{
     AppState, EngineMetrics, Guarantee, RunningApp, StreamsApp, StreamsConfig,

@@ -2,7 +2,7 @@
 //! same broker, the same data and the same two jobs, in one run.
 //!
 //! The jobs are the ones `make bench-engine` and `make bench-usage` measure:
-//! the windowed per-key count (`sluice::examples::windowed_count`: 1-minute
+//! the windowed per-key count (`sluice::cli::example::windowed_count`: 1-minute
 //! tumbling windows, an hour's grace, the latest count of each updated window
 //! written once per commit) and the per-tenant accounting (`account` with its
 //! default windows of 1 minute, 1 hour, 1 day and 30 days, every updated
@@ -59,13 +59,13 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError as RdKafkaError;
 use rdkafka::message::Timestamp;
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
-use sluice::accounting::{
+use sluice::cli::example::windowed_count;
+use sluice::envelope::TaskResult;
+use sluice::kafka::{create_topics, produce, OutRecord};
+use sluice::steps::account::{
     default_windows, AccountStreamExt, Accounting, AccountingSettings, TenantUsage, UsageRecord,
     WindowUsage,
 };
-use sluice::envelope::TaskResult;
-use sluice::examples::windowed_count;
-use sluice::kafka::{create_topics, produce, OutRecord};
 use sluice_topology::runtime::metrics::names;
 use sluice_topology::runtime::{
     AppState, EngineMetrics, Guarantee, RunningApp, StreamsApp, StreamsConfig,

@@ -21,9 +21,9 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use std::time::{Duration, Instant};
 
-use sluice::accounting::{default_windows, AccountStreamExt, Accounting, AccountingSettings};
 use sluice::envelope::TaskResult;
 use sluice::kafka::{create_topics, produce, OutRecord};
+use sluice::steps::account::{default_windows, AccountStreamExt, Accounting, AccountingSettings};
 use sluice_topology::runtime::{AppState, EngineMetrics, Guarantee, StreamsApp, StreamsConfig};
 use sluice_topology::{JsonCodec, SourceOptions, StreamBuilder, StringCodec};
 

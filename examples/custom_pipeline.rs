@@ -15,8 +15,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use sluice::pipeline::prelude::*;
-use sluice::pipeline::Steps;
+use sluice::steps::prelude::*;
+use sluice::steps::Steps;
 use sluice_topology::{JsonCodec, StringCodec, Topology, TopologyError};
 
 /// What the custom sink writes per task.
@@ -88,10 +88,10 @@ async fn main() -> anyhow::Result<()> {
     };
     let config = sluice::config::Config::load(config.as_ref())?;
     let regions = BTreeMap::from([("acme".to_string(), "eu-west".to_string())]);
-    sluice::app::run_pipeline(
+    sluice::cli::run::run_pipeline(
         config,
         |steps| topology(steps, &answers, regions),
-        sluice::app::signals(),
+        sluice::cli::run::signals(),
     )
     .await?;
     Ok(())

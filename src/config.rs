@@ -10,11 +10,12 @@ use serde::{Deserialize, Serialize};
 use sluice_topology::runtime::{ClaimKey, GroupProtocol, Guarantee, KeyPartitioner, StreamsConfig};
 use sluice_topology::RocksSettings;
 
-use crate::accounting::pricing::Price;
-use crate::accounting::{default_windows, Budgets, Quotas, UsageUpdates, WindowSpec};
-use crate::llm::{LlmConfig, PromptConfig};
-use crate::pipeline::BatchingConfig;
-use crate::route::{FeatureWeights, Router, Tier};
+use crate::llm::LlmConfig;
+use crate::steps::account::pricing::Price;
+use crate::steps::account::{default_windows, Budgets, Quotas, UsageUpdates, WindowSpec};
+use crate::steps::invoke_llm::prompt::PromptConfig;
+use crate::steps::route::{FeatureWeights, Router, Tier};
+use crate::steps::BatchingConfig;
 
 pub use crate::error::ConfigError;
 
@@ -1408,7 +1409,7 @@ output = 600000
         let c = load(&format!("{MINIMAL}{month}"), &[]).unwrap();
         assert_eq!(
             c.accounting.windows[0].calendar,
-            Some(crate::accounting::Calendar::Month)
+            Some(crate::steps::account::Calendar::Month)
         );
         let both = month.replace("calendar", "size_ms = 1000\ncalendar");
         let err = load(&format!("{MINIMAL}{both}"), &[]).unwrap_err();

@@ -13,7 +13,7 @@ pub fn parse_error_body(body: &[u8]) -> (Option<String>, Option<String>, String)
 /// header as the operator reads it (see `operator::billed_before`):
 /// `(input, output, cached, cache write, cost µ$)`.
 pub fn billed_before(headers: &[(String, Vec<u8>)]) -> (u64, u64, u64, u64, i64) {
-    let (u, cost) = crate::operator::billed_before(&headers.to_vec());
+    let (u, cost) = crate::steps::invoke_llm::billed_before(&headers.to_vec());
     (
         u.prompt_tokens,
         u.completion_tokens,
@@ -35,5 +35,5 @@ pub fn with_billed(
         cached_tokens: cached,
         cache_write_tokens: cache_write,
     };
-    crate::operator::with_billed(&headers.to_vec(), usage, cost)
+    crate::steps::invoke_llm::with_billed(&headers.to_vec(), usage, cost)
 }

@@ -1,28 +1,28 @@
 //! Sluice: a stateful stream processor for LLM workloads on Kafka.
 //!
 //! The engine lives in the `sluice-topology` and `sluice-state` crates; this crate holds
-//! everything specific to LLM workloads, built on their public API, plus the command-line
-//! tools.
+//! everything specific to LLM workloads, built on their public API, in wings:
+//!
+//! - [`steps`]: the pipeline's DSL steps in the order a task takes them (source, route,
+//!   delay, batch, invoke_llm, account, results), each with its configuration section;
+//! - [`llm`]: the provider client (limiter, breaker, retries, transport);
+//! - [`envelope`]: the JSON records on the external topics;
+//! - [`http`]: the HTTP listener, its auth, forwarding between instances, usage queries;
+//! - [`cli`]: one room per subcommand (`run`, `gateway`, `dlq`, `demo`, `usage`, …);
+//! - [`sim`]: the simulated provider;
+//!
+//! and beside them [`config`] (composes the sections), [`kafka`] (client helpers for the
+//! command-line tools), [`trace`] (result spans) and [`error`].
 
-pub mod accounting;
-pub mod app;
+pub mod cli;
 pub mod config;
-pub mod demo;
-pub mod dlq;
 pub mod envelope;
 pub mod error;
-pub mod examples;
 #[doc(hidden)]
 pub mod fuzzing;
-pub mod gateway;
 pub mod http;
 pub mod kafka;
 pub mod llm;
-pub mod metrics_catalog;
-pub mod operator;
-pub mod pipeline;
-pub mod route;
 pub mod sim;
+pub mod steps;
 pub mod trace;
-pub mod usage;
-pub mod work;

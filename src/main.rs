@@ -31,16 +31,16 @@ enum Command {
     },
     /// Prints a tenant's current usage windows, asked of any running
     /// instance (it forwards to the one holding the tenant).
-    Usage(sluice::usage::UsageArgs),
+    Usage(sluice::cli::usage::UsageArgs),
     /// Inspects and replays dead letters.
-    Dlq(sluice::dlq::DlqArgs),
+    Dlq(sluice::cli::dlq::DlqArgs),
     /// Runs the demo on a local broker with the simulated provider.
-    Demo(sluice::demo::DemoArgs),
+    Demo(sluice::cli::demo::DemoArgs),
     /// Runs the simulated OpenAI-compatible provider.
     SimProvider(sluice::sim::SimArgs),
     /// Runs an engine example topology (used by the engine's tests).
     #[command(hide = true)]
-    Example(sluice::examples::ExampleArgs),
+    Example(sluice::cli::example::ExampleArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -94,14 +94,18 @@ fn main() -> ExitCode {
     let result: Result<(), (u8, String)> = runtime.block_on(async move {
         let fail = |e: anyhow::Error| (1, format!("{e:#}"));
         match cli.command {
-            Command::Run(a) => sluice::app::run(&a.config).await.map_err(|e| match e {
-                sluice::app::RunError::Config(c) => (EXIT_CONFIG, c.to_string()),
+            Command::Run(a) => sluice::cli::run::run(&a.config).await.map_err(|e| match e {
+                sluice::cli::run::RunError::Config(c) => (EXIT_CONFIG, c.to_string()),
                 other => fail(other.into()),
             }),
-            Command::Gateway(a) => sluice::gateway::run(&a.config).await.map_err(|e| match e {
-                sluice::app::RunError::Config(c) => (EXIT_CONFIG, c.to_string()),
-                other => fail(other.into()),
-            }),
+            Command::Gateway(a) => {
+                sluice::cli::gateway::run(&a.config)
+                    .await
+                    .map_err(|e| match e {
+                        sluice::cli::run::RunError::Config(c) => (EXIT_CONFIG, c.to_string()),
+                        other => fail(other.into()),
+                    })
+            }
             Command::TokenHash => {
                 let mut token = String::new();
                 std::io::stdin()
@@ -119,29 +123,30 @@ fn main() -> ExitCode {
             } => {
                 let cfg = sluice::config::Config::load(&a.config)
                     .map_err(|c| (EXIT_CONFIG, c.to_string()))?;
-                let created = tokio::task::spawn_blocking(move || sluice::app::create_topics(&cfg))
-                    .await
-                    .map_err(|e| fail(e.into()))?
-                    .map_err(|e| fail(e.into()))?;
+                let created =
+                    tokio::task::spawn_blocking(move || sluice::cli::run::create_topics(&cfg))
+                        .await
+                        .map_err(|e| fail(e.into()))?
+                        .map_err(|e| fail(e.into()))?;
                 for t in created {
                     println!("{t}");
                 }
                 Ok(())
             }
-            Command::Usage(args) => sluice::usage::run_cli(args)
+            Command::Usage(args) => sluice::cli::usage::run_cli(args)
                 .await
                 .map_err(|e| fail(e.into())),
-            Command::Dlq(args) => sluice::dlq::run(args).await.map_err(|e| match e {
-                sluice::dlq::DlqError::Config(c) => (EXIT_CONFIG, c.to_string()),
-                sluice::dlq::DlqError::Usage(u) => (EXIT_CONFIG, u),
+            Command::Dlq(args) => sluice::cli::dlq::run(args).await.map_err(|e| match e {
+                sluice::cli::dlq::DlqError::Config(c) => (EXIT_CONFIG, c.to_string()),
+                sluice::cli::dlq::DlqError::Usage(u) => (EXIT_CONFIG, u),
                 other => fail(other.into()),
             }),
-            Command::Demo(args) => sluice::demo::run(args).await.map_err(fail),
+            Command::Demo(args) => sluice::cli::demo::run(args).await.map_err(fail),
             Command::SimProvider(args) => sluice::sim::run(args).await.map_err(|e| match e {
                 sluice::sim::SimError::Config(c) => (EXIT_CONFIG, c.to_string()),
                 other => fail(other.into()),
             }),
-            Command::Example(args) => sluice::examples::run_example(args).await.map_err(fail),
+            Command::Example(args) => sluice::cli::example::run_example(args).await.map_err(fail),
         }
     });
     match result {

@@ -11,14 +11,14 @@ use common::pipeline::*;
 use common::{bootstrap, eventually, OwnBroker};
 use rdkafka::message::OwnedMessage;
 use rdkafka::Message;
-use sluice::accounting::{
+use sluice::envelope::TaskResult;
+use sluice::http::usage::TenantUsageReport;
+use sluice::kafka::{produce, read_topics, OutRecord};
+use sluice::sim::SimConfig;
+use sluice::steps::account::{
     default_windows, AlertRecord, ModelUsage, TenantUsage, UsageRecord, UsageUpdates, WindowSpec,
     WindowUsage,
 };
-use sluice::envelope::TaskResult;
-use sluice::kafka::{produce, read_topics, OutRecord};
-use sluice::sim::SimConfig;
-use sluice::usage::TenantUsageReport;
 
 type WindowKey = (String, String, i64);
 
@@ -195,7 +195,7 @@ fn usage_windows_equal_the_sum_of_their_results(updates: UsageUpdates) {
     p.produce(&tasks);
     let results = p.results(tasks.len(), Duration::from_secs(180));
     assert_each_answered_once(&tasks, &results);
-    let windows = sluice::accounting::default_windows();
+    let windows = sluice::steps::account::default_windows();
     assert_usage_equals_results(&p, &results, &windows, updates);
     app.proc.stop();
 }
@@ -444,7 +444,7 @@ fn usage_survives_two_sigkills(extra: &str, two_instances: bool) {
     let results = p.results(tasks.len(), Duration::from_secs(300));
     assert_each_answered_once(&tasks, &results);
     assert_results_bill_what_the_provider_billed_at_least(&p, &results);
-    let windows = sluice::accounting::default_windows();
+    let windows = sluice::steps::account::default_windows();
     assert_usage_equals_results(&p, &results, &windows, UsageUpdates::OnCommit);
     let tenants: Vec<String> = (0..50).map(|i| format!("tenant-{i}")).collect();
     assert_stores_equal_results(&p, &restarted, &results, &tenants);
@@ -584,7 +584,7 @@ fn usage_is_exact_after_a_crash_once_changelogs_were_written() {
     assert_usage_equals_results(
         &p,
         &results,
-        &sluice::accounting::default_windows(),
+        &sluice::steps::account::default_windows(),
         UsageUpdates::OnCommit,
     );
     app.proc.stop();

@@ -12,8 +12,8 @@ use rand::Rng;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, OwnedMessage};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
-use sluice::demo::latest_counts;
-use sluice::examples::Echo;
+use sluice::cli::demo::latest_counts;
+use sluice::cli::example::Echo;
 use sluice::kafka::{create_topics, produce, read_topics, OutRecord};
 
 const MINUTE: i64 = 60_000;

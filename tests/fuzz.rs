@@ -31,10 +31,10 @@ use serde_json::Value;
 use sluice::config::Config;
 use sluice::envelope::{decode_task, EnvelopeLimits, PoisonError, TenantRules};
 use sluice::http::auth::ApiTokens;
-use sluice::llm::prompt::{split_batch_answer, BatchSplitError};
 use sluice::llm::ratelimit::{parse_reset_duration, MAX_WAIT};
 use sluice::llm::wire::parse_chat_body;
 use sluice::llm::{ErrorClass, LlmError, PermanentKind, RateLimitInfo};
+use sluice::steps::invoke_llm::prompt::{split_batch_answer, BatchSplitError};
 use sluice::trace::TraceParent;
 use sluice_state::{decode_window_key, encode_window_key, Checkpoint, LoadedCheckpoint};
 use sluice_state::{StateError, StoredValue};
@@ -1284,7 +1284,9 @@ fn check_usage(bytes: &[u8]) -> Result<(), String> {
             }
         }
     };
-    if let Ok(url) = sluice::usage::usage_url(&case.base, &case.tenant, case.window.as_deref()) {
+    if let Ok(url) =
+        sluice::http::usage::usage_url(&case.base, &case.tenant, case.window.as_deref())
+    {
         // The tenant stays one path segment: no `/`, `..` or `?` in it
         // reaches another endpoint.
         let segments: Vec<String> = url

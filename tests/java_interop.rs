@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use common::pipeline::*;
 use common::{bootstrap, eventually, sluice_bin, unique};
+use sluice::http::usage::TenantUsageReport;
 use sluice::sim::SimConfig;
-use sluice::usage::TenantUsageReport;
 use sluice_topology::runtime::KeyPartitioner;
 
 const TASKS: usize = 120;

@@ -1192,7 +1192,7 @@ fn a_users_own_pipeline_filters_and_enriches_before_the_call_and_sinks_every_res
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let regions = BTreeMap::from([("acme".to_string(), "eu-west".to_string())]);
     let topic = answers.clone();
-    let app = p.rt.spawn(sluice::app::run_pipeline(
+    let app = p.rt.spawn(sluice::cli::run::run_pipeline(
         config,
         move |steps| custom_pipeline::topology(steps, &topic, regions),
         async move {

@@ -1,7 +1,7 @@
 //! The Grafana dashboard (`helm/sluice/files/dashboard.json`) and the metrics
 //! reference (`docs/metrics.md`) name only metrics Sluice exports, and the
 //! reference names every one of them. The exported names come from the
-//! code: `sluice::metrics_catalog::register_all` registers the app's metric
+//! code: `sluice::cli::metrics_catalog::register_all` registers the app's metric
 //! families into a fresh registry and reads their names back. No broker.
 
 use std::collections::BTreeSet;
@@ -12,7 +12,7 @@ use prometheus::Registry;
 const HISTOGRAM_SUFFIXES: [&str; 3] = ["_bucket", "_sum", "_count"];
 
 fn exported() -> BTreeSet<String> {
-    let names = sluice::metrics_catalog::register_all(&Registry::new())
+    let names = sluice::cli::metrics_catalog::register_all(&Registry::new())
         .expect("the app's metrics register into a fresh registry");
     assert!(
         names.len() > 30,

@@ -11,10 +11,10 @@ use std::time::Duration;
 use common::pipeline::*;
 use common::{eventually, sluice_bin};
 use rdkafka::message::OwnedMessage;
-use sluice::accounting::{default_windows, ModelUsage};
 use sluice::envelope::TaskResult;
+use sluice::http::usage::{TenantUsageReport, WindowUsage};
 use sluice::sim::SimConfig;
-use sluice::usage::{TenantUsageReport, WindowUsage};
+use sluice::steps::account::{default_windows, ModelUsage};
 use sluice_topology::runtime::KeyPartitioner;
 
 /// Nothing beyond the fixture's config: its producer partitions tasks with

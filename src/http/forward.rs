@@ -10,10 +10,18 @@
 use std::time::Duration;
 
 use axum::http::HeaderMap;
+use serde::{Deserialize, Serialize};
 use sluice_topology::runtime::{Queries, QueryError};
 
 /// Marks a request one instance forwarded to another.
 pub const FORWARDED_HEADER: &str = "x-sluice-forwarded";
+
+/// The body of an answer that is not a report.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// What went wrong, for people.
+    pub reason: String,
+}
 
 /// Where the partition of a key is held.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -149,7 +157,7 @@ impl Forwarder {
 /// else its status.
 pub async fn reason_of(host: &str, resp: reqwest::Response) -> String {
     let code = resp.status();
-    resp.json::<crate::usage::ErrorBody>()
+    resp.json::<ErrorBody>()
         .await
         .map(|b| b.reason)
         .unwrap_or_else(|_| format!("{host} answered {code}"))

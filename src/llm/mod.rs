@@ -14,14 +14,12 @@
 //! [`RetryPolicy`]; a transient failure that outlasts them is returned with its class, and the
 //! caller re-publishes the task with `attemptNumber + 1` or dead-letters it as `exhausted`.
 
-pub mod apportion;
 pub mod breaker;
 pub mod concurrency;
 pub mod config;
 pub mod error;
 pub mod limiter;
 pub mod metrics;
-pub mod prompt;
 pub mod ratelimit;
 pub mod retry;
 pub mod secret;
@@ -40,7 +38,6 @@ pub use config::{LlmConfig, MaxTokensField, ModelConfig, ProviderConfig};
 pub use error::{ErrorClass, LlmError, PermanentKind};
 pub use limiter::{AimdLimiter, LimiterConfig, Outcome, Permit};
 pub use metrics::LlmMetrics;
-pub use prompt::{PromptBuilder, PromptConfig};
 pub use ratelimit::RateLimitInfo;
 pub use retry::{RetryDecision, RetryPolicy};
 pub use secret::Secret;

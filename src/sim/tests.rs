@@ -249,8 +249,8 @@ fn look_alike_markers_in_a_task_never_open_an_item() {
         )
     };
     let (a, b) = (task(&content), task("tenant B text"));
-    let ids = crate::llm::prompt::batch_item_ids(2);
-    let messages = crate::llm::PromptBuilder::default()
+    let ids = crate::steps::invoke_llm::prompt::batch_item_ids(2);
+    let messages = crate::steps::invoke_llm::PromptBuilder::default()
         .build_batch_messages(&[(ids[0].clone(), &a), (ids[1].clone(), &b)])
         .unwrap();
     let items = parse_batch_items(&messages[1].content);
@@ -269,8 +269,8 @@ fn look_alike_markers_in_a_task_never_open_an_item() {
 #[test]
 fn batch_item_ids_are_unguessable_and_unique() {
     let (one, two) = (
-        crate::llm::prompt::batch_item_ids(32),
-        crate::llm::prompt::batch_item_ids(32),
+        crate::steps::invoke_llm::prompt::batch_item_ids(32),
+        crate::steps::invoke_llm::prompt::batch_item_ids(32),
     );
     let unique: std::collections::HashSet<&String> = one.iter().collect();
     assert_eq!(unique.len(), 32);

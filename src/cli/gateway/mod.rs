@@ -36,7 +36,7 @@ use prometheus::Registry;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use sluice_topology::runtime::{AppStatus, EngineMetrics, KeyPartitioner, Queries, StreamsApp};
 
-use crate::app::RunError;
+use crate::cli::run::RunError;
 use crate::config::{Config, ConfigError};
 use crate::envelope::{EnvelopeLimits, TenantRules};
 use crate::http::auth::ApiTokens;
@@ -544,7 +544,7 @@ pub struct ExpectedBody {
 /// Loads the config and runs the gateway until SIGTERM/SIGINT.
 pub async fn run(config_path: &Path) -> Result<(), RunError> {
     let config = Config::load(config_path)?;
-    run_until(config, crate::app::signals()).await
+    run_until(config, crate::cli::run::signals()).await
 }
 
 /// The task topics' partition counts, which must equal the results
@@ -685,7 +685,8 @@ pub async fn run_until(
         registry,
         quotas_hard: {
             let q = &config.accounting.quotas;
-            let hard = |q: &crate::accounting::Quota| q.mode == crate::accounting::QuotaMode::Hard;
+            let hard =
+                |q: &crate::steps::account::Quota| q.mode == crate::steps::account::QuotaMode::Hard;
             config.accounting.enabled
                 && (q.default.iter().any(hard) || q.tenants.values().any(hard))
         },
@@ -701,7 +702,7 @@ pub async fn run_until(
     });
     tracing::info!(%bound, "gateway listening");
     println!("LISTENING {bound}");
-    let result = crate::app::wait(&app, shutdown).await;
+    let result = crate::cli::run::wait(&app, shutdown).await;
     app.shutdown();
     let joined = tokio::task::spawn_blocking(move || app.join()).await?;
     http.abort();

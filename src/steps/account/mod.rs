@@ -45,7 +45,7 @@ use sluice_topology::{
 };
 
 use crate::envelope::{TaskEnvelope, TaskResult, HEADER_DUPLICATE, QUOTA_EXCEEDED};
-use crate::route::DowngradeHook;
+use crate::steps::route::DowngradeHook;
 pub use quota::{Admission, Amount, Quota, QuotaGate, QuotaMode, Quotas, Reservations};
 
 /// A window size and how long its windows are kept.

@@ -10,8 +10,8 @@ use sluice_topology::{OutputRecord, TopologyTestDriver};
 use crate::config::Config;
 use crate::envelope::TaskResult;
 use crate::llm::LlmClient;
-use crate::operator::Health;
 use crate::sim::{SimConfig, SimHandle};
+use crate::steps::health::Health;
 
 struct Setup {
     _rt: tokio::runtime::Runtime,
@@ -84,9 +84,9 @@ cached = 75000
     let config = Config::from_toml_with_env(&text, []).unwrap();
     let registry = Registry::new();
     let client = LlmClient::from_config(&config.llm, &registry).unwrap();
-    let steps = crate::app::steps(
+    let steps = crate::cli::run::steps(
         &config,
-        crate::app::TaskPartitions::Unknown,
+        crate::cli::run::TaskPartitions::Unknown,
         client,
         &registry,
         Health::default(),
@@ -494,7 +494,7 @@ fn cached_tokens_are_priced_at_the_cached_rate_to_the_micro_dollar() {
     assert_eq!(r.cost_micros, 368);
     // The window updates go out at the commit.
     s.driver.commit().unwrap();
-    let usage: Vec<crate::accounting::UsageRecord> = s
+    let usage: Vec<crate::steps::account::UsageRecord> = s
         .driver
         .read_output("ai.usage.tenant")
         .iter()
@@ -652,11 +652,11 @@ fn a_batch_bills_each_task_its_own_answer_and_sums_to_the_calls_cost() {
     assert_eq!(sum(|r| r.input_tokens), stats.prompt_tokens);
     assert_eq!(sum(|r| r.output_tokens), stats.completion_tokens);
     assert_eq!(sum(|r| r.cached_tokens), stats.cached_tokens);
-    let price = crate::accounting::pricing::Price {
+    let price = crate::steps::account::pricing::Price {
         cached: Some(75_000),
-        ..crate::accounting::pricing::Price::new(150_000, 600_000)
+        ..crate::steps::account::pricing::Price::new(150_000, 600_000)
     };
-    let call = crate::accounting::pricing::cost_micros(
+    let call = crate::steps::account::pricing::cost_micros(
         &price,
         &crate::llm::Usage {
             prompt_tokens: stats.prompt_tokens,

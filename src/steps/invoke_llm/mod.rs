@@ -29,11 +29,12 @@
 //! inputs they answer, so after a crash the input is answered again exactly
 //! when its answer did not commit.
 
+pub mod apportion;
 mod call;
-pub mod health;
 pub mod metrics;
 mod output;
 mod policy;
+pub mod prompt;
 mod trap;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -45,18 +46,47 @@ use sluice_topology::{
     Data, Headers, InFlight, ProcessError, Processor, ProcessorContext, Punctuation, Record,
 };
 
-use crate::accounting::pricing::{apportion_cost, cost_micros, Price};
-use crate::accounting::{Accounting, Admission, Amount, QuotaGate, Reservations};
 use crate::envelope::{DlqCategory, Route, TaskResult};
-use crate::llm::{ChatRequest, LlmClient, PromptBuilder, Usage};
+use crate::llm::{ChatRequest, LlmClient, Usage};
+use crate::steps::account::pricing::{apportion_cost, cost_micros, Price};
+use crate::steps::account::{Accounting, Admission, Amount, QuotaGate, Reservations};
+use crate::steps::batch::{Batch, BatchItem};
+pub use crate::steps::health::Health;
+use crate::steps::route::Routed;
 use crate::trace::Tracer;
-use crate::work::{BatchItem, LlmInput, Routed, Work};
 pub use call::CallDone;
-pub use health::Health;
 pub use metrics::OperatorMetrics;
+pub use prompt::{PromptBuilder, PromptConfig};
 
 pub use crate::envelope::{HEADER_BILLED, HEADER_DUPLICATE, HEADER_REPLAY_OF, QUOTA_EXCEEDED};
 
+/// What `invoke_llm` accepts: a routed task, or a micro-batch of them.
+pub trait LlmInput: Data {
+    /// The tasks, one or several.
+    fn into_work(self) -> Work;
+}
+
+/// The tasks of one `invoke_llm` input record (taken apart at once, never
+/// stored, so the variants' sizes do not matter).
+#[allow(clippy::large_enum_variant)]
+pub enum Work {
+    /// One task: the current record.
+    One(Routed),
+    /// A batch: each item holds its own input record.
+    Batch(Batch),
+}
+
+impl LlmInput for Routed {
+    fn into_work(self) -> Work {
+        Work::One(self)
+    }
+}
+
+impl LlmInput for Batch {
+    fn into_work(self) -> Work {
+        Work::Batch(self)
+    }
+}
 /// The most tokens, or micro-dollars, a [`HEADER_BILLED`] figure may name: a
 /// header naming more (written by no Sluice: a million calls of a million
 /// tokens is 2^40) is not read, so no record can carry sums that wrap around
@@ -163,7 +193,7 @@ pub struct LlmSettings {
     pub max_output_tokens: BTreeMap<String, u32>,
     /// The per-tenant accounts `account` keeps after this step: hard quotas
     /// are enforced against them before each call (see
-    /// [`crate::accounting::quota`]).
+    /// [`crate::steps::account::quota`]).
     pub accounting: Option<Accounting>,
 }
 

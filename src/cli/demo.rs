@@ -23,11 +23,11 @@ use rdkafka::Message;
 use sluice_topology::Windowed;
 use tokio::io::AsyncBufReadExt;
 
-use crate::accounting::UsageRecord;
 use crate::config::Config;
 use crate::envelope::TaskResult;
 use crate::kafka::{produce, read_topics, OutRecord};
 use crate::sim::SimConfig;
+use crate::steps::account::UsageRecord;
 
 /// Arguments of `sluice demo`.
 #[derive(Args, Debug, Clone)]
@@ -168,7 +168,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let config = Config::from_toml_with_env(&text, std::iter::empty())?;
     std::fs::write(&config_path, &text)?;
     let topics = config.topics.clone();
-    tokio::task::spawn_blocking(move || crate::app::create_topics(&config)).await??;
+    tokio::task::spawn_blocking(move || crate::cli::run::create_topics(&config)).await??;
     println!(
         "demo: simulated provider at {} (5% server errors, lognormal latency)",
         sim.base_url()
@@ -340,7 +340,7 @@ cost alerts (from {}):",
     for m in &alerts {
         if let Some(Ok(a)) = m
             .payload()
-            .map(serde_json::from_slice::<crate::accounting::AlertRecord>)
+            .map(serde_json::from_slice::<crate::steps::account::AlertRecord>)
         {
             println!(
                 "  {:<10} window {:<4} {:>4.0} % of {} µ$ (spent {} µ$)",
@@ -354,7 +354,7 @@ cost alerts (from {}):",
     }
     let refused: Vec<&TaskResult> = results
         .iter()
-        .filter(|r| r.error_code.as_deref() == Some(crate::operator::QUOTA_EXCEEDED))
+        .filter(|r| r.error_code.as_deref() == Some(crate::steps::invoke_llm::QUOTA_EXCEEDED))
         .collect();
     let capped_tokens: u64 = results
         .iter()

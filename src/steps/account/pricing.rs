@@ -119,7 +119,7 @@ pub fn apportion_cost(price: &Price, shares: &[Usage]) -> Vec<i64> {
         })
         .collect();
     let total = cost_micros(price, &whole).max(0) as u64;
-    crate::llm::apportion::apportion(total, &weights)
+    crate::steps::invoke_llm::apportion::apportion(total, &weights)
         .into_iter()
         .map(|c| c as i64)
         .collect()

@@ -8,13 +8,13 @@ use super::output;
 use super::policy::{self, Action};
 use super::trap::Verdict;
 use super::{idempotency_key, in_flight_key, now_ms, Ctx, Failure, Item, LlmProcessor};
-use crate::accounting::{Admission, Amount};
 use crate::envelope::DlqCategory;
-use crate::llm::apportion::apportion_batch_usage;
-use crate::llm::prompt::{self, split_batch_answer, BatchSplitError};
 use crate::llm::{
     CallFailure, CallOutcome, ChatRequest, ErrorClass, PermanentKind, ResponseFormat, Usage,
 };
+use crate::steps::account::{Admission, Amount};
+use crate::steps::invoke_llm::apportion::apportion_batch_usage;
+use crate::steps::invoke_llm::prompt::{self, split_batch_answer, BatchSplitError};
 
 /// One provider call: a task, or a micro-batch of tasks.
 pub(super) struct Job {
@@ -215,8 +215,9 @@ impl LlmProcessor {
     fn reroute(&mut self, ctx: &mut Ctx<'_>, mut job: Job) -> Option<Job> {
         let client = &self.step.0.client;
         let fallbacks = &self.step.settings().fallbacks;
-        let Some(fallback) = crate::route::fallback(fallbacks, &job.model, |m| client.is_open(m))
-            .map(str::to_string)
+        let Some(fallback) =
+            crate::steps::route::fallback(fallbacks, &job.model, |m| client.is_open(m))
+                .map(str::to_string)
         else {
             let fault = format!("breaker:{}", job.model);
             self.hold(ctx, &fault, "circuit open and no fallback model", job);

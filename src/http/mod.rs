@@ -1,10 +1,11 @@
 //! The HTTP listener: `/metrics` (Prometheus text), `/healthz`, `/readyz`,
-//! and the interactive query `/v1/tenants/{id}/usage` (see [`crate::usage`]),
+//! and the interactive query `/v1/tenants/{id}/usage` (see [`crate::http::usage`]),
 //! behind bearer tokens (see [`auth`]).
 
 pub mod auth;
 pub mod forward;
 pub mod unread;
+pub mod usage;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -17,8 +18,9 @@ use axum::{Json, Router};
 use prometheus::{Encoder, Registry, TextEncoder};
 use sluice_topology::runtime::{AppState, AppStatus};
 
-use crate::operator::Health;
-use crate::usage::{ErrorBody, Lookup, UsageError, UsageQueries};
+use crate::http::forward::ErrorBody;
+use crate::http::usage::{Lookup, UsageError, UsageQueries};
+use crate::steps::health::Health;
 
 /// What the endpoints read.
 #[derive(Clone)]

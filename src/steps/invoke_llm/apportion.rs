@@ -6,7 +6,7 @@
 //! the provider billed. The largest-remainder method does this with every
 //! share within one token of its proportional value.
 
-use super::Usage;
+use crate::llm::Usage;
 
 /// Splits `total` over items in proportion to `weights`: each item gets the
 /// floor of its proportional value, and the tokens left over go one each to

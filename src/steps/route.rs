@@ -16,7 +16,18 @@ use prometheus::{IntCounterVec, Opts, Registry};
 use serde::{Deserialize, Serialize};
 
 use crate::envelope::{Route, TaskEnvelope};
-use crate::work::{Routed, Task};
+use crate::steps::source::Task;
+
+/// A task with the model that answers it.
+#[derive(Clone, Debug)]
+pub struct Routed {
+    /// The task.
+    pub task: Task,
+    /// The model to call.
+    pub model: String,
+    /// Tier and reason, recorded in the result.
+    pub route: Route,
+}
 
 /// A score range and the model that serves it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

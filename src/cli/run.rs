@@ -8,19 +8,20 @@ use std::time::Duration;
 use prometheus::Registry;
 use sluice_topology::runtime::{EngineMetrics, Queries, RunningApp, StreamsApp};
 
-use crate::accounting::{Accounting, AccountingSettings};
 use crate::config::{Config, ConfigError, Repartition};
 use crate::envelope::{EnvelopeLimits, TenantRules};
+use crate::http::usage::UsageQueries;
 use crate::http::{bind, serve, HttpState};
-use crate::llm::{LlmClient, PromptBuilder};
-use crate::operator::{Health, LlmSettings, LlmStep, OperatorMetrics};
-use crate::pipeline::{
+use crate::llm::LlmClient;
+use crate::steps::account::{Accounting, AccountingSettings};
+use crate::steps::invoke_llm::prompt::PromptBuilder;
+use crate::steps::invoke_llm::{Health, LlmSettings, LlmStep, OperatorMetrics};
+use crate::steps::route::RouteStep;
+use crate::steps::{
     default_topology, BatchMetrics, Batching, ByTenant, KeyCheck, Misplaced, Owners, ResultsSink,
     Steps, TaskSource, TaskTopic,
 };
-use crate::route::RouteStep;
 use crate::trace::Tracer;
-use crate::usage::UsageQueries;
 use sluice_topology::{Topology, TopologyError};
 
 /// How `sluice run` ended badly.

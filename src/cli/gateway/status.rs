@@ -29,8 +29,8 @@ use sluice_topology::{
 use tokio::sync::oneshot;
 
 use super::metrics::GatewayMetrics;
-use crate::accounting::{Quotas, WindowSpec};
 use crate::envelope::{decode_task, normalise_tenant, EnvelopeLimits, TaskResult};
+use crate::steps::account::{Quotas, WindowSpec};
 
 /// The status store: (tenant, task id) → [`StoredStatus`].
 pub const STATUS_STORE: &str = "gateway-status";

@@ -5,7 +5,7 @@
 //! between the steps:
 //!
 //! ```ignore
-//! use sluice::pipeline::prelude::*;
+//! use sluice::steps::prelude::*;
 //!
 //! let b = StreamBuilder::new();
 //! tasks(&b, &source)?                // decoded tasks; poison → the topic's dead-letter topic
@@ -22,37 +22,44 @@
 //! holds them, so a crash loses nothing and, under exactly-once, counts
 //! nothing twice.
 
+pub mod account;
 pub mod batch;
-mod delay;
-mod results;
-mod source;
+pub mod delay;
+pub mod health;
+pub mod invoke_llm;
+pub mod results;
+pub mod route;
+pub mod source;
 
 use sluice_topology::{Data, KStream, StreamBuilder, Topology, TopologyError};
 
-use crate::accounting::{AccountStreamExt, Accounting};
 use crate::envelope::TaskResult;
-use crate::operator::{LlmProcessor, LlmStep};
-use crate::route::RouteStep;
-pub use crate::work::{Batch, BatchItem, LlmInput, RawKey, Routed, Task, Work};
+use crate::steps::account::{AccountStreamExt, Accounting};
+use crate::steps::invoke_llm::{LlmProcessor, LlmStep};
+use crate::steps::route::RouteStep;
+pub use batch::{Batch, BatchItem};
 pub use batch::{BatchMetrics, Batching, BatchingConfig, MicroBatcher};
 pub use delay::RetryWait;
+pub use invoke_llm::{LlmInput, Work};
 pub use results::{ResultsSink, ResultsWriter};
+pub use route::Routed;
 pub use source::{
     tasks, ByTenant, KeyCheck, Misplaced, Owners, TaskSource, TaskTopic, MISPLACED_METRIC,
 };
+pub use source::{RawKey, Task};
 
 /// What a pipeline needs in scope: the builder and the extension traits.
 pub mod prelude {
     pub use super::{
         tasks, BatchStreamExt, ResultStreamExt, RoutedStreamExt, TaskSource, TaskStreamExt,
     };
-    pub use crate::accounting::AccountStreamExt;
+    pub use crate::steps::account::AccountStreamExt;
     pub use sluice_topology::{KStream, Record, StreamBuilder};
 }
 
 /// `route` on a stream of tasks.
 pub trait TaskStreamExt<K> {
-    /// Picks each task's model (see [`crate::route`]).
+    /// Picks each task's model (see [`crate::steps::route`]).
     fn route(&self, step: &RouteStep) -> KStream<K, Routed>;
 }
 

@@ -20,9 +20,32 @@ use sluice_topology::{
     StreamBuilder, Topology, TopologyError,
 };
 
-use super::{RawKey, Task};
 use crate::envelope::{decode_task, DlqCategory, EnvelopeLimits, TaskEnvelope};
-use crate::operator::Health;
+use crate::steps::health::Health;
+
+/// Kafka key of a task record (its tenant id), as read.
+pub type RawKey = Option<Vec<u8>>;
+
+/// A decoded, validated task, with what re-publishing it needs.
+#[derive(Clone, Debug)]
+pub struct Task {
+    /// The envelope (`tenantId` filled in).
+    pub envelope: TaskEnvelope,
+    /// The topic it was read from (re-published there with the next attempt).
+    pub topic: String,
+    /// Its Kafka key as read (a re-published task keeps it).
+    pub key: RawKey,
+    /// When it was read, ms since the epoch (results report processing time
+    /// from here).
+    pub received_ms: i64,
+}
+
+impl Task {
+    /// The tenant the task is accounted to.
+    pub fn tenant(&self) -> &str {
+        self.envelope.tenant().unwrap_or_default()
+    }
+}
 
 /// A task topic and its dead-letter topic.
 #[derive(Clone, Debug)]

@@ -1,5 +1,5 @@
 //! The catalogue of the metric families Sluice exports: [`register_all`]
-//! registers them the way [`crate::app::run_pipeline`] does (engine metrics,
+//! registers them the way [`crate::cli::run::run_pipeline`] does (engine metrics,
 //! the LLM client's, then every step of the default pipeline with every
 //! optional part on) and returns their names, read back from the registry.
 //!
@@ -22,12 +22,12 @@
 use prometheus::{IntGauge, Registry};
 use sluice_topology::runtime::metrics::{names as engine, EngineMetrics};
 
+use crate::cli::gateway::metrics::names as gateway;
 use crate::config::Config;
-use crate::gateway::metrics::names as gateway;
 use crate::llm::metrics::names as llm;
 use crate::llm::LlmClient;
-use crate::operator::metrics::names as operator;
-use crate::operator::Health;
+use crate::steps::health::Health;
+use crate::steps::invoke_llm::metrics::names as operator;
 
 /// A configuration with every part that registers metrics switched on
 /// (accounting, batching, routing); nothing in it is contacted.
@@ -102,9 +102,9 @@ fn named_families() -> Vec<&'static str> {
         operator::RESERVATIONS,
         operator::QUOTA_WAITING,
         // route.
-        crate::route::ROUTE_DECISIONS,
+        crate::steps::route::ROUTE_DECISIONS,
         // tasks.
-        crate::pipeline::MISPLACED_METRIC,
+        crate::steps::MISPLACED_METRIC,
         // account (the name is a literal in `Accounting::registered`).
         "sluice_alerts_emitted_total",
         // gateway.
@@ -118,7 +118,7 @@ fn err(message: impl Into<String>) -> prometheus::Error {
 }
 
 /// Registers every metric family of the app into `registry`, as
-/// [`crate::app::run_pipeline`] does, and returns their names, sorted.
+/// [`crate::cli::run::run_pipeline`] does, and returns their names, sorted.
 ///
 /// Fails if registering fails (e.g. `registry` already holds one of them),
 /// or if a registered family's name cannot be read back (see the module
@@ -130,15 +130,15 @@ pub fn register_all(registry: &Registry) -> prometheus::Result<Vec<String>> {
     let engine_metrics = EngineMetrics::register(registry)?;
     let client = LlmClient::from_config(&config.llm, registry)
         .map_err(|e| err(format!("llm client: {e}")))?;
-    let steps = crate::app::steps(
+    let steps = crate::cli::run::steps(
         &config,
-        crate::app::TaskPartitions::Unknown,
+        crate::cli::run::TaskPartitions::Unknown,
         client,
         registry,
         Health::default(),
     )?;
     // `sluice gateway`'s own (on its own listener).
-    let gateway_metrics = crate::gateway::metrics::GatewayMetrics::register(registry)?;
+    let gateway_metrics = crate::cli::gateway::metrics::GatewayMetrics::register(registry)?;
     drop((engine_metrics, steps, gateway_metrics));
 
     let collectors = collector_count(registry)?;

@@ -10,8 +10,8 @@ use std::collections::{BTreeMap, HashSet};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::wire::{ChatRequest, Message, ResponseFormat};
 use crate::envelope::TaskEnvelope;
+use crate::llm::wire::{ChatRequest, Message, ResponseFormat};
 
 /// The fixed line prefixes of the prompt contract (also parsed by the simulator).
 pub mod lines {

@@ -27,11 +27,31 @@ use std::time::Duration;
 
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts, Registry};
 use serde::{Deserialize, Serialize};
-use sluice_topology::{ProcessError, Processor, ProcessorContext, Record};
+use sluice_topology::{Headers, InFlight, ProcessError, Processor, ProcessorContext, Record};
 
 use crate::envelope::Priority;
-use crate::llm::PromptBuilder;
-use crate::work::{Batch, BatchItem, Routed};
+use crate::steps::invoke_llm::prompt::PromptBuilder;
+use crate::steps::route::Routed;
+
+/// Tasks that share one provider call (or a task alone).
+#[derive(Clone)]
+pub struct Batch {
+    /// The batch's id, recorded in its results (`None` for a task alone).
+    pub id: Option<String>,
+    /// Its tasks, in arrival order.
+    pub items: Vec<BatchItem>,
+}
+
+/// A task in a batch, holding its input record in flight.
+#[derive(Clone)]
+pub struct BatchItem {
+    /// The task.
+    pub task: Routed,
+    /// Its record's headers (trace context).
+    pub headers: Headers,
+    /// Its input record, finished when the last clone is dropped.
+    pub held: InFlight,
+}
 
 /// `[batching]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

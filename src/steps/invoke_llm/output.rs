@@ -7,7 +7,7 @@
 use serde_json::Value;
 
 use crate::envelope::TaskEnvelope;
-use crate::llm::prompt::{strip_fence, task_types};
+use crate::steps::invoke_llm::prompt::{strip_fence, task_types};
 
 /// A result's `errorCode` for an answer outside the task's contract.
 pub(crate) const INVALID_OUTPUT: &str = "invalid_output";
