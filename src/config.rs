@@ -1,21 +1,36 @@
 //! The `sluice run` configuration: a TOML file plus `SLUICE_<SECTION>__<KEY>`
 //! environment overrides (e.g. `SLUICE_KAFKA__BOOTSTRAP_SERVERS`). Unknown keys
 //! are rejected and every problem names its key; the CLI exits with code 2.
+//!
+//! This module only composes: each section's type and its own checks live
+//! beside the part that uses it (`[kafka]` in [`crate::kafka`], `[tasks]` in
+//! [`crate::steps::source`], `[routing]` in [`crate::steps::route`],
+//! `[batching]` in [`crate::steps::batch`], `[prompts]` in
+//! [`crate::steps::invoke_llm::prompt`], `[accounting]` in
+//! [`crate::steps::account::config`], `[llm]` in [`crate::llm::config`],
+//! `[http]` in [`crate::http::config`], `[tracing]` in [`crate::trace`],
+//! `[gateway]` in [`crate::cli::gateway::config`]); here are `[app]`,
+//! `[topics]` and `[prices]`, loading, the environment overrides, and the
+//! checks across sections.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use sluice_topology::runtime::{ClaimKey, GroupProtocol, Guarantee, KeyPartitioner, StreamsConfig};
+use sluice_topology::runtime::{Guarantee, StreamsConfig};
 use sluice_topology::RocksSettings;
 
+use crate::cli::gateway::config::GatewaySection;
+use crate::http::config::HttpSection;
+use crate::kafka::KafkaSection;
 use crate::llm::LlmConfig;
+use crate::steps::account::config::AccountingSection;
 use crate::steps::account::pricing::Price;
-use crate::steps::account::{default_windows, Budgets, Quotas, UsageUpdates, WindowSpec};
+use crate::steps::batch::BatchingConfig;
 use crate::steps::invoke_llm::prompt::PromptConfig;
-use crate::steps::route::{FeatureWeights, Router, Tier};
-use crate::steps::BatchingConfig;
+use crate::steps::route::{Router, RoutingSection};
+use crate::steps::source::TasksSection;
 
 pub use crate::error::ConfigError;
 
@@ -109,106 +124,9 @@ impl Default for AppSection {
     }
 }
 
-/// `[kafka]`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct KafkaSection {
-    /// Bootstrap servers, comma-separated.
-    pub bootstrap_servers: String,
-    /// The consumer group protocol: `consumer` (KIP-848, brokers 4.0 and
-    /// later; incremental rebalances) or `classic` (eager rebalances).
-    #[serde(default = "default_group_protocol")]
-    pub group_protocol: GroupProtocol,
-    /// Static membership: this instance's `group.instance.id` (the Helm chart
-    /// sets the pod's name). An instance restarting under the same id within
-    /// the session timeout gets its partitions back without a rebalance.
-    #[serde(default)]
-    pub group_instance_id: Option<String>,
-    /// Consumer group session timeout, ms (the classic protocol's; under the
-    /// consumer protocol the broker's `group.consumer.session.timeout.ms`
-    /// decides).
-    #[serde(default = "default_session_timeout_ms")]
-    pub session_timeout_ms: u64,
-    /// Maximum time between polls, ms.
-    #[serde(default = "default_max_poll_interval_ms")]
-    pub max_poll_interval_ms: u64,
-    /// Transaction timeout, ms (exactly-once).
-    #[serde(default = "default_transaction_timeout_ms")]
-    pub transaction_timeout_ms: u64,
-    /// Extra librdkafka properties for every client Sluice creates (the
-    /// engine's, the start-up checks', `sluice topics create`'s), e.g.
-    /// `security.protocol`, `sasl.mechanism`, `ssl.ca.location`. A key
-    /// ending in `_file` names a file whose contents (trimmed) become the
-    /// property without the suffix, e.g. `"sasl.password_file" =
-    /// "/run/secrets/kafka-password"` sets `sasl.password`; the file is read
-    /// at start-up.
-    #[serde(default)]
-    pub client: sluice_topology::redact::Properties,
-}
-
-/// Suffix of a `[kafka.client]` key whose value is read from a file.
-const FILE_SUFFIX: &str = "_file";
-
-impl KafkaSection {
-    /// The bootstrap servers and client properties every client gets.
-    pub fn cluster(&self) -> crate::kafka::Cluster {
-        crate::kafka::Cluster {
-            bootstrap: self.bootstrap_servers.clone(),
-            client: self.client.clone(),
-        }
-    }
-
-    /// Replaces each `<property>_file` of `[kafka.client]` by `<property>`
-    /// holding the file's contents, trimmed.
-    fn read_secret_files(&mut self) -> Result<(), ConfigError> {
-        let files: Vec<(String, String)> = self
-            .client
-            .iter()
-            .filter(|(k, _)| k.ends_with(FILE_SUFFIX))
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        for (key, path) in files {
-            let name = format!("kafka.client.\"{key}\"");
-            let property = key.trim_end_matches(FILE_SUFFIX).to_string();
-            if property.is_empty() {
-                return Err(ConfigError::new(name, "names no property"));
-            }
-            if self.client.contains_key(&property) {
-                return Err(ConfigError::new(
-                    name,
-                    format!("set either {property} or {key}, not both"),
-                ));
-            }
-            let text = std::fs::read_to_string(&path)
-                .map_err(|e| ConfigError::new(name.clone(), format!("cannot read {path}: {e}")))?;
-            let value = text.trim();
-            if value.is_empty() {
-                return Err(ConfigError::new(name, format!("{path} is empty")));
-            }
-            self.client.remove(&key);
-            self.client.insert(property, value.to_string());
-        }
-        Ok(())
-    }
-}
-
-fn default_group_protocol() -> GroupProtocol {
-    GroupProtocol::Consumer
-}
-
 /// What the default drain timeout adds to the longest model timeout: the
 /// answer's handling and the batch window.
 pub const DRAIN_MARGIN_MS: u64 = 5_000;
-
-fn default_session_timeout_ms() -> u64 {
-    10_000
-}
-fn default_max_poll_interval_ms() -> u64 {
-    300_000
-}
-fn default_transaction_timeout_ms() -> u64 {
-    60_000
-}
 
 /// `[topics]`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -268,353 +186,27 @@ impl TopicsSection {
     }
 }
 
-/// `[accounting]`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct AccountingSection {
-    /// Whether completed results are accounted per tenant.
-    pub enabled: bool,
-    /// Tumbling window sizes and their retention.
-    pub windows: Vec<WindowSpec>,
-    /// Cost budgets per window name, micro-dollars (a default and per tenant).
-    pub budgets: Budgets,
-    /// When window updates go to the usage topic: `on_commit` (the latest
-    /// state of each window updated, once per commit) or `on_update` (one
-    /// record per result and window).
-    pub usage_updates: UsageUpdates,
-    /// Fractions of a budget that raise an alert, rising.
-    pub thresholds: Vec<f64>,
-    /// Token and cost quotas per window (a default and per tenant), hard or
-    /// soft.
-    pub quotas: Quotas,
-    /// Route a tenant's tiered tasks one tier down once its cost passes this
-    /// fraction of a budget (off when unset; a soft quota crossed always does).
-    pub downgrade_at: Option<f64>,
-}
+/// The smallest valid configuration: an unreachable broker, one provider
+/// (`sim`, where nothing listens) and one priced model (`small`). The
+/// configuration tests, the command-line tests and the metrics catalogue
+/// start from it and add what they test.
+#[doc(hidden)]
+pub const MINIMAL: &str = r#"
+[kafka]
+bootstrap_servers = "127.0.0.1:1"
 
-impl Default for AccountingSection {
-    fn default() -> Self {
-        AccountingSection {
-            enabled: true,
-            windows: default_windows(),
-            budgets: Budgets::default(),
-            usage_updates: UsageUpdates::default(),
-            thresholds: vec![0.5, 0.8, 1.0],
-            quotas: Quotas::default(),
-            downgrade_at: None,
-        }
-    }
-}
+[[llm.providers]]
+name = "sim"
+base_url = "http://127.0.0.1:1/v1"
 
-/// `[tasks]`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct TasksSection {
-    /// Largest task record accepted, bytes; larger ones are dead-lettered.
-    pub max_bytes: usize,
-    /// Deliveries of a task (re-published with `attemptNumber + 1` after a
-    /// transient failure) before it is dead-lettered as `exhausted`.
-    pub max_attempts: u32,
-    /// Backoff of a re-published attempt: attempt `n` is not called before a
-    /// time drawn uniformly (full jitter) from zero to
-    /// `retry_backoff_ms × 2^(n − 2)`, at most `retry_backoff_max_ms`.
-    pub retry_backoff_ms: u64,
-    /// The longest backoff of a re-published attempt, ms; also the longest a
-    /// task waits for any `notBefore` it carries.
-    pub retry_backoff_max_ms: u64,
-    /// How long completed task ids are remembered for idempotency, hours.
-    pub idempotency_ttl_hours: u64,
-    /// While intake is held (bad credentials, open breaker without fallback),
-    /// how often one held task probes the provider, ms.
-    pub probe_interval_ms: u64,
-    /// Consecutive calls of one model refused with the same `400` that make
-    /// it a configuration fault (a parameter or template the model rejects):
-    /// its tasks are held instead of dead-lettered. 0 dead-letters every
-    /// `400` at once.
-    pub bad_request_trap_after: u32,
-    /// How long a task refused with a `400` waits for its model's run to
-    /// decide (another answer: dead-lettered; the run reaching
-    /// `bad_request_trap_after`: held), ms.
-    pub bad_request_wait_ms: u64,
-    /// How the services publishing tasks partition them by tenant:
-    /// `murmur2` (Java clients, Kafka Streams, librdkafka's `murmur2_random`)
-    /// or `crc32` (librdkafka's default `consistent_random`: Python, Go, .NET,
-    /// Node clients left at their default). Usage queries find the instance
-    /// holding a tenant's accounts with it.
-    pub partitioner: KeyPartitioner,
-    /// How each tenant keeps one owner (the task holding its accounts and
-    /// quotas) whatever the producers do: `auto` checks every task's key
-    /// and partition against its tenant under `partitioner` and sends a
-    /// task that does not match through an internal topic keyed by tenant
-    /// (every task when the task topics' partition counts differ);
-    /// `always` sends every task through it; `never` dead-letters a task
-    /// whose key or partition does not match (`wrong_key`).
-    pub repartition: Repartition,
-    /// What a tenant id must match once normalised (trimmed, ASCII letters
-    /// lower-cased); a task whose tenant does not is dead-lettered
-    /// `invalid_tenant`.
-    pub tenant_pattern: String,
-    /// The tenants accepted (empty: any matching `tenant_pattern`); a task of
-    /// another tenant is dead-lettered `unknown_tenant`.
-    pub tenants: Vec<String>,
-}
+[[llm.models]]
+name = "small"
+provider = "sim"
 
-/// `[tasks] repartition`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Repartition {
-    /// The tasks whose key or partition does not match their tenant (all
-    /// of them when the task topics' partition counts differ).
-    #[default]
-    Auto,
-    /// Every task.
-    Always,
-    /// None: a task whose key or partition does not match its tenant is
-    /// dead-lettered `wrong_key`.
-    Never,
-}
-
-impl Default for TasksSection {
-    fn default() -> Self {
-        TasksSection {
-            max_bytes: 1024 * 1024,
-            max_attempts: 5,
-            retry_backoff_ms: 30_000,
-            retry_backoff_max_ms: 300_000,
-            idempotency_ttl_hours: 7 * 24,
-            probe_interval_ms: 2_000,
-            bad_request_trap_after: 5,
-            bad_request_wait_ms: 10_000,
-            partitioner: KeyPartitioner::Murmur2,
-            repartition: Repartition::Auto,
-            tenant_pattern: crate::envelope::DEFAULT_TENANT_PATTERN.into(),
-            tenants: Vec::new(),
-        }
-    }
-}
-
-/// `[routing]`.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct RoutingSection {
-    /// Model for tasks no other rule covers (default: the first model).
-    pub default_model: Option<String>,
-    /// Model per task type.
-    pub by_task_type: BTreeMap<String, String>,
-    /// Fallback model per model, used while a model's breaker is open (followed
-    /// model to model: a fallback chain).
-    pub fallbacks: BTreeMap<String, String>,
-    /// Complexity tiers by rising `max_score` (empty: no complexity routing).
-    pub tiers: Vec<Tier>,
-    /// How the complexity of a task without `payload.complexity` is computed.
-    pub features: FeatureWeights,
-    /// Whether a task's own `payload.model` and `payload.complexity` are
-    /// honoured. Off by default: a producer could otherwise pick the dearest
-    /// model for every task.
-    pub allow_task_overrides: bool,
-}
-
-/// `[http]`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct HttpSection {
-    /// Address of the metrics/health/query listener (loopback by default;
-    /// the Helm chart listens on every interface, behind its NetworkPolicy).
-    pub listen: String,
-    /// The URL other instances reach this one's listener at (e.g.
-    /// `http://sluice-0.sluice-headless:8080`): queries for tenants this
-    /// instance holds are forwarded there. The Helm chart sets it per pod
-    /// (`SLUICE_HTTP__ADVERTISED_URL`). Default: `http://<listen address>`,
-    /// unless that is a wildcard address (`0.0.0.0`, `[::]`); then other
-    /// instances cannot forward queries here.
-    pub advertised_url: Option<String>,
-    /// Bearer tokens of the query API (`/v1/...`): a file of lines
-    /// `<token> <scope>`, the scope `admin` (every tenant) or
-    /// `tenant:<id>` (that tenant only). Unset: the query API answers 401 to
-    /// everyone. `/healthz`, `/readyz` and `/metrics` need no token.
-    pub tokens_file: Option<PathBuf>,
-    /// A secret the instances share (at least 32 bytes): each signs its
-    /// claim on `<app id>-instances` (which partitions it holds, where it
-    /// listens) with it, and queries are forwarded only to instances whose
-    /// claims it signed. Unset: any claim on that topic is believed, so
-    /// only its ACLs keep others from diverting queries and their tokens.
-    pub claims_key_file: Option<PathBuf>,
-}
-
-impl Default for HttpSection {
-    fn default() -> Self {
-        HttpSection {
-            listen: "127.0.0.1:8080".into(),
-            advertised_url: None,
-            tokens_file: None,
-            claims_key_file: None,
-        }
-    }
-}
-
-impl HttpSection {
-    /// The URL this instance advertises once its listener is bound to
-    /// `bound` (see [`HttpSection::advertised_url`]).
-    pub fn advertised(&self, bound: std::net::SocketAddr) -> Option<String> {
-        advertised(self.advertised_url.as_deref(), bound)
-    }
-
-    /// The query API's tokens (none without `tokens_file`: the API then
-    /// answers 401 to everyone).
-    pub fn tokens(&self) -> Result<crate::http::auth::ApiTokens, ConfigError> {
-        match &self.tokens_file {
-            None => Ok(Default::default()),
-            Some(path) => crate::http::auth::ApiTokens::load(path)
-                .map_err(|e| ConfigError::new("http.tokens_file", e)),
-        }
-    }
-
-    /// The key instance claims are signed with (none without
-    /// `claims_key_file`).
-    pub fn claims_key(&self) -> Result<Option<ClaimKey>, ConfigError> {
-        let Some(path) = &self.claims_key_file else {
-            return Ok(None);
-        };
-        let bytes = std::fs::read(path).map_err(|e| {
-            ConfigError::new(
-                "http.claims_key_file",
-                format!("cannot read {}: {e}", path.display()),
-            )
-        })?;
-        ClaimKey::new(&bytes)
-            .map(Some)
-            .map_err(|e| ConfigError::new("http.claims_key_file", e))
-    }
-
-    fn validate(&self) -> Result<(), ConfigError> {
-        self.tokens()?;
-        self.claims_key()?;
-        check_listen_and_url("http", &self.listen, self.advertised_url.as_deref())
-    }
-}
-
-/// The URL an instance advertises: `configured`, else `http://<bound>`
-/// unless that is a wildcard address.
-fn advertised(configured: Option<&str>, bound: std::net::SocketAddr) -> Option<String> {
-    match configured {
-        Some(url) => Some(url.trim_end_matches('/').to_string()),
-        None if bound.ip().is_unspecified() => None,
-        None => Some(format!("http://{bound}")),
-    }
-}
-
-/// Checks a section's `listen` address and `advertised_url`.
-fn check_listen_and_url(section: &str, listen: &str, url: Option<&str>) -> Result<(), ConfigError> {
-    if listen.parse::<std::net::SocketAddr>().is_err() {
-        return Err(ConfigError::new(
-            format!("{section}.listen"),
-            "must be an address like 127.0.0.1:8080",
-        ));
-    }
-    if let Some(url) = url {
-        let ok = reqwest::Url::parse(url).is_ok_and(|u| {
-            matches!(u.scheme(), "http" | "https")
-                && u.host().is_some()
-                && u.query().is_none()
-                && u.fragment().is_none()
-        });
-        if !ok {
-            return Err(ConfigError::new(
-                format!("{section}.advertised_url"),
-                "must be an http(s) URL like http://sluice-0.sluice:8080",
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// `[gateway]`: the HTTP task gateway, `sluice gateway` (see
-/// `src/gateway`). It reads the same file as `sluice run` (topics, tasks,
-/// tokens, quotas) and runs as its own stream application,
-/// `<app id>-gateway`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct GatewaySection {
-    /// Address of the gateway's listener.
-    pub listen: String,
-    /// The URL other gateway instances reach this one at (status reads are
-    /// forwarded to the instance holding the task's tenant). Default:
-    /// `http://<listen address>` unless that is a wildcard address.
-    pub advertised_url: Option<String>,
-    /// Directory of the gateway's state (its task status store). Default:
-    /// `<app.state_dir>/gateway`.
-    pub state_dir: Option<PathBuf>,
-    /// Largest request body, bytes (a larger one: 413).
-    pub max_body_bytes: usize,
-    /// Most tasks in one `POST /v1/tasks:batch`.
-    pub max_batch: usize,
-    /// A tenant with this many tasks accepted and not yet answered gets 429
-    /// for new ones (0: no bound).
-    pub max_backlog_per_tenant: u64,
-    /// Period of the keep-alive comments of an event stream, ms.
-    pub keepalive_ms: u64,
-    /// Longest `wait` of a status read (long polling), ms.
-    pub max_wait_ms: u64,
-    /// How long a task's status is kept after its last change, hours.
-    pub status_ttl_hours: u64,
-    /// How long the status table's fetches may wait at the broker for
-    /// 64 KiB of records, ms (0: every fetch answered as soon as any
-    /// record is there). Every accepted task is read back; answering a
-    /// fetch per few records costs the broker more than the records do.
-    pub fetch_wait_ms: u64,
-}
-
-impl Default for GatewaySection {
-    fn default() -> Self {
-        GatewaySection {
-            listen: "127.0.0.1:8090".into(),
-            advertised_url: None,
-            state_dir: None,
-            max_body_bytes: 1024 * 1024,
-            max_batch: 100,
-            max_backlog_per_tenant: 10_000,
-            keepalive_ms: 15_000,
-            max_wait_ms: 30_000,
-            status_ttl_hours: 7 * 24,
-            fetch_wait_ms: 10,
-        }
-    }
-}
-
-impl GatewaySection {
-    /// The URL this gateway advertises once bound to `bound`.
-    pub fn advertised(&self, bound: std::net::SocketAddr) -> Option<String> {
-        advertised(self.advertised_url.as_deref(), bound)
-    }
-
-    fn validate(&self) -> Result<(), ConfigError> {
-        check_listen_and_url("gateway", &self.listen, self.advertised_url.as_deref())?;
-        for (key, value) in [
-            ("gateway.max_body_bytes", self.max_body_bytes as u64),
-            ("gateway.max_batch", self.max_batch as u64),
-            ("gateway.keepalive_ms", self.keepalive_ms),
-            ("gateway.max_wait_ms", self.max_wait_ms),
-            ("gateway.status_ttl_hours", self.status_ttl_hours),
-        ] {
-            if value == 0 {
-                return Err(ConfigError::new(key, "must be at least 1"));
-            }
-        }
-        if self.fetch_wait_ms > GATEWAY_FETCH_WAIT_MAX_MS {
-            return Err(ConfigError::new(
-                "gateway.fetch_wait_ms",
-                format!(
-                    "must be at most {GATEWAY_FETCH_WAIT_MAX_MS} (a result reaches its readers \
-                     up to this much later)"
-                ),
-            ));
-        }
-        Ok(())
-    }
-}
-
-/// The longest `[gateway] fetch_wait_ms`.
-const GATEWAY_FETCH_WAIT_MAX_MS: u64 = 1000;
+[prices.small]
+input = 150000
+output = 600000
+"#;
 
 /// Environment variables with this prefix and a `__` override config keys.
 pub const ENV_PREFIX: &str = "SLUICE_";
@@ -683,15 +275,23 @@ impl Config {
         Ok(cfg)
     }
 
-    /// Semantic checks across keys.
+    /// Checks of every section, then across sections.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.tracing.validate()?;
-        if self.kafka.bootstrap_servers.trim().is_empty() {
-            return Err(ConfigError::new(
-                "kafka.bootstrap_servers",
-                "must not be empty",
-            ));
-        }
+        self.kafka.validate()?;
+        self.validate_app()?;
+        self.validate_topics()?;
+        self.tasks.validate()?;
+        self.llm.validate()?;
+        self.routing.validate(|m| self.knows_model(m))?;
+        self.batching.validate(&self.topics.task_types)?;
+        self.validate_prices()?;
+        self.accounting.validate()?;
+        self.http.validate()?;
+        self.gateway.validate()
+    }
+
+    fn validate_app(&self) -> Result<(), ConfigError> {
         if self.app.id.is_empty()
             || !self
                 .app
@@ -717,12 +317,6 @@ impl Config {
                 format!("must be between 1 and {max}"),
             ));
         }
-        if self.topics.replication_factor < 1 && self.topics.replication_factor != -1 {
-            return Err(ConfigError::new(
-                "topics.replication_factor",
-                "must be at least 1, or -1 for the cluster's default",
-            ));
-        }
         if self.drain_timeout_ms() >= self.kafka.max_poll_interval_ms {
             // A revocation drains inside the rebalance, which must end within
             // max.poll.interval.ms (the broker's rebalance timeout).
@@ -735,18 +329,14 @@ impl Config {
                 ),
             ));
         }
-        if let Some(id) = &self.kafka.group_instance_id {
-            if id.trim().is_empty() || id.chars().any(char::is_whitespace) {
-                return Err(ConfigError::new(
-                    "kafka.group_instance_id",
-                    "must be a non-empty id without spaces",
-                ));
-            }
-        }
-        if self.kafka.session_timeout_ms >= self.kafka.max_poll_interval_ms {
+        Ok(())
+    }
+
+    fn validate_topics(&self) -> Result<(), ConfigError> {
+        if self.topics.replication_factor < 1 && self.topics.replication_factor != -1 {
             return Err(ConfigError::new(
-                "kafka.session_timeout_ms",
-                "must be below kafka.max_poll_interval_ms",
+                "topics.replication_factor",
+                "must be at least 1, or -1 for the cluster's default",
             ));
         }
         if self.topics.task_types.is_empty() {
@@ -766,106 +356,26 @@ impl Config {
                 ));
             }
         }
-        if self.tasks.max_attempts == 0 {
-            return Err(ConfigError::new("tasks.max_attempts", "must be at least 1"));
-        }
-        let rules = crate::envelope::TenantRules::new(&self.tasks.tenant_pattern, &[])
-            .map_err(|e| ConfigError::new("tasks.tenant_pattern", e.to_string()))?;
-        for (i, t) in self.tasks.tenants.iter().enumerate() {
-            rules.check(t).map_err(|_| {
-                ConfigError::new(
-                    format!("tasks.tenants[{i}]"),
-                    "does not match tasks.tenant_pattern",
-                )
-            })?;
-        }
-        if self.tasks.retry_backoff_max_ms < self.tasks.retry_backoff_ms
-            || self.tasks.retry_backoff_max_ms > 86_400_000
-        {
-            return Err(ConfigError::new(
-                "tasks.retry_backoff_max_ms",
-                "must be at least tasks.retry_backoff_ms and at most a day (86400000)",
-            ));
-        }
-        if self.llm.models.is_empty() {
-            return Err(ConfigError::new(
-                "llm.models",
-                "must define at least one model",
-            ));
-        }
-        let providers: Vec<&str> = self.llm.providers.iter().map(|p| p.name.as_str()).collect();
-        for (i, m) in self.llm.models.iter().enumerate() {
-            if !providers.contains(&m.provider.as_str()) {
+        Ok(())
+    }
+
+    /// Every model priced, every price a model's. Costs are exact sums of
+    /// integers: a model without a price would count as free without anyone
+    /// noticing.
+    fn validate_prices(&self) -> Result<(), ConfigError> {
+        for m in &self.llm.models {
+            if !self.prices.contains_key(&m.name) {
                 return Err(ConfigError::new(
-                    format!("llm.models[{i}].provider"),
-                    format!("unknown provider {}", m.provider),
-                ));
-            }
-            m.limiter.validate().map_err(|(key, message)| {
-                ConfigError::new(format!("llm.models[{i}].limiter.{key}"), message)
-            })?;
-            m.limiter.concurrency.validate().map_err(|(key, message)| {
-                ConfigError::new(
-                    format!("llm.models[{i}].limiter.concurrency.{key}"),
-                    message,
-                )
-            })?;
-        }
-        let known = |m: &str| self.knows_model(m);
-        if let Some(m) = &self.routing.default_model {
-            if !known(m) {
-                return Err(ConfigError::new(
-                    "routing.default_model",
-                    format!("unknown model {m}"),
+                    format!("prices.{}", m.name),
+                    "every model needs a price (input and output micro-dollars per million tokens; cached and cache_write optional)",
                 ));
             }
         }
-        for (t, m) in &self.routing.by_task_type {
-            if !known(m) {
-                return Err(ConfigError::new(
-                    format!("routing.by_task_type.{t}"),
-                    format!("unknown model {m}"),
-                ));
-            }
-        }
-        for (from, to) in &self.routing.fallbacks {
-            if !known(from) {
-                return Err(ConfigError::new(
-                    format!("routing.fallbacks.{from}"),
-                    format!("unknown model {from}"),
-                ));
-            }
-            if !known(to) {
-                return Err(ConfigError::new(
-                    format!("routing.fallbacks.{from}"),
-                    format!("unknown model {to}"),
-                ));
-            }
-        }
-        self.validate_tiers()?;
-        self.validate_batching()?;
-        self.validate_accounting()?;
         for m in self.prices.keys() {
-            if !known(m) {
+            if !self.knows_model(m) {
                 return Err(ConfigError::new(
                     format!("prices.{m}"),
                     format!("unknown model {m}"),
-                ));
-            }
-        }
-        self.http.validate()?;
-        self.gateway.validate()?;
-        for (i, p) in self.llm.providers.iter().enumerate() {
-            p.resolve_api_key()
-                .map_err(|e| ConfigError::new(format!("llm.providers[{i}]"), e.to_string()))?;
-            if !(1..=crate::llm::config::MAX_HTTP2_STREAMS).contains(&p.http2_max_streams) {
-                return Err(ConfigError::new(
-                    format!("llm.providers[{i}].http2_max_streams"),
-                    format!(
-                        "must be 1 to {}, got {}",
-                        crate::llm::config::MAX_HTTP2_STREAMS,
-                        p.http2_max_streams
-                    ),
                 ));
             }
         }
@@ -919,227 +429,7 @@ impl Config {
 
     /// The routing rules (see [`Router`]).
     pub fn router(&self) -> Router {
-        Router {
-            default_model: self
-                .routing
-                .default_model
-                .clone()
-                .unwrap_or_else(|| self.llm.models[0].name.clone()),
-            by_task_type: self.routing.by_task_type.clone(),
-            tiers: self.routing.tiers.clone(),
-            fallbacks: self.routing.fallbacks.clone(),
-            features: self.routing.features.clone(),
-            allow_task_overrides: self.routing.allow_task_overrides,
-        }
-    }
-
-    fn validate_accounting(&self) -> Result<(), ConfigError> {
-        // Costs are exact sums of integers: a model without a price would
-        // count as free without anyone noticing.
-        for m in &self.llm.models {
-            if !self.prices.contains_key(&m.name) {
-                return Err(ConfigError::new(
-                    format!("prices.{}", m.name),
-                    "every model needs a price (input and output micro-dollars per million tokens; cached and cache_write optional)",
-                ));
-            }
-        }
-        let windows = &self.accounting.windows;
-        for (i, w) in windows.iter().enumerate() {
-            let key = |field: &str| format!("accounting.windows[{i}].{field}");
-            if w.name.is_empty()
-                || !w.name.chars().all(|c| c.is_ascii_alphanumeric())
-                || windows[..i].iter().any(|o| o.name == w.name)
-            {
-                return Err(ConfigError::new(
-                    key("name"),
-                    "must be a unique, non-empty name of letters and digits",
-                ));
-            }
-            match (w.calendar, w.size_ms) {
-                (None, s) if s <= 0 => {
-                    return Err(ConfigError::new(
-                        key("size_ms"),
-                        "must be positive (or set calendar = \"month\")",
-                    ))
-                }
-                (Some(_), s) if s != 0 => {
-                    return Err(ConfigError::new(
-                        key("size_ms"),
-                        "must be unset for a calendar window",
-                    ))
-                }
-                _ => {}
-            }
-            if w.retention_ms < w.longest_ms() {
-                return Err(ConfigError::new(
-                    key("retention_ms"),
-                    "must be at least the window size",
-                ));
-            }
-        }
-        let t = &self.accounting.thresholds;
-        if t.len() > 16
-            || t.iter().any(|x| !(x.is_finite() && *x > 0.0))
-            || t.windows(2).any(|p| p[0] >= p[1])
-        {
-            return Err(ConfigError::new(
-                "accounting.thresholds",
-                "at most 16 positive fractions, rising",
-            ));
-        }
-        let budgets = &self.accounting.budgets;
-        let named = std::iter::once(("default".to_string(), &budgets.default)).chain(
-            budgets
-                .tenants
-                .iter()
-                .map(|(tenant, b)| (format!("tenants.{tenant}"), b)),
-        );
-        for (at, b) in named {
-            for (window, micros) in b {
-                let key = format!("accounting.budgets.{at}.{window}");
-                if !windows.iter().any(|w| &w.name == window) {
-                    return Err(ConfigError::new(key, "not a window in accounting.windows"));
-                }
-                if *micros <= 0 {
-                    return Err(ConfigError::new(key, "must be positive (micro-dollars)"));
-                }
-            }
-        }
-        if let Some(f) = self.accounting.downgrade_at {
-            if !(f.is_finite() && f > 0.0) {
-                return Err(ConfigError::new(
-                    "accounting.downgrade_at",
-                    "must be a positive fraction of a budget",
-                ));
-            }
-        }
-        let quotas = &self.accounting.quotas;
-        let named = quotas
-            .default
-            .iter()
-            .map(|q| ("default".to_string(), q))
-            .chain(
-                quotas
-                    .tenants
-                    .iter()
-                    .map(|(t, q)| (format!("tenants.{t}"), q)),
-            );
-        for (at, q) in named {
-            let key = |field: &str| format!("accounting.quotas.{at}.{field}");
-            if !self.accounting.enabled {
-                return Err(ConfigError::new(
-                    "accounting.enabled",
-                    "quotas need accounting (their windows are its windows)",
-                ));
-            }
-            if !windows.iter().any(|w| w.name == q.window) {
-                return Err(ConfigError::new(
-                    key("window"),
-                    "not a window in accounting.windows",
-                ));
-            }
-            if q.tokens.is_none() && q.cost_micros.is_none() {
-                return Err(ConfigError::new(
-                    key("tokens"),
-                    "a quota needs tokens, cost_micros or both",
-                ));
-            }
-            if q.tokens == Some(0) {
-                return Err(ConfigError::new(key("tokens"), "must be positive"));
-            }
-            if q.cost_micros.is_some_and(|c| c <= 0) {
-                return Err(ConfigError::new(key("cost_micros"), "must be positive"));
-            }
-        }
-        Ok(())
-    }
-
-    fn validate_batching(&self) -> Result<(), ConfigError> {
-        let b = &self.batching;
-        if !(1..=60_000).contains(&b.window_ms) {
-            return Err(ConfigError::new(
-                "batching.window_ms",
-                "must be between 1 and 60000",
-            ));
-        }
-        if b.max_items == 0 {
-            return Err(ConfigError::new("batching.max_items", "must be at least 1"));
-        }
-        if b.max_item_tokens == 0 || b.max_tokens < b.max_item_tokens {
-            return Err(ConfigError::new(
-                "batching.max_tokens",
-                "must be at least batching.max_item_tokens, which must be at least 1",
-            ));
-        }
-        for (i, t) in b.exclude_task_types.iter().enumerate() {
-            if !self.topics.task_types.contains(t) {
-                return Err(ConfigError::new(
-                    format!("batching.exclude_task_types[{i}]"),
-                    format!("{t} is not in topics.task_types"),
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    fn validate_tiers(&self) -> Result<(), ConfigError> {
-        let tiers = &self.routing.tiers;
-        let mut last = 0.0;
-        for (i, t) in tiers.iter().enumerate() {
-            let key = |field: &str| format!("routing.tiers[{i}].{field}");
-            if t.name.trim().is_empty() || tiers[..i].iter().any(|o| o.name == t.name) {
-                return Err(ConfigError::new(key("name"), "empty or repeated tier name"));
-            }
-            if !self.knows_model(&t.model) {
-                return Err(ConfigError::new(
-                    key("model"),
-                    format!("unknown model {}", t.model),
-                ));
-            }
-            if !(t.max_score > last && t.max_score <= 1.0) {
-                return Err(ConfigError::new(
-                    key("max_score"),
-                    "must rise from tier to tier, within (0, 1]",
-                ));
-            }
-            last = t.max_score;
-        }
-        if !tiers.is_empty() && last < 1.0 {
-            return Err(ConfigError::new(
-                format!("routing.tiers[{}].max_score", tiers.len() - 1),
-                "the last tier must reach 1.0",
-            ));
-        }
-        let f = &self.routing.features;
-        let unit = |v: f64| (0.0..=1.0).contains(&v);
-        for (t, v) in &f.type_complexity {
-            if !unit(*v) {
-                return Err(ConfigError::new(
-                    format!("routing.features.type_complexity.{t}"),
-                    "must be within [0, 1]",
-                ));
-            }
-        }
-        if !unit(f.default_type_complexity) {
-            return Err(ConfigError::new(
-                "routing.features.default_type_complexity",
-                "must be within [0, 1]",
-            ));
-        }
-        for (name, w) in [
-            ("type_weight", f.type_weight),
-            ("size_weight", f.size_weight),
-            ("structure_weight", f.structure_weight),
-        ] {
-            if !(w.is_finite() && w >= 0.0) {
-                return Err(ConfigError::new(
-                    format!("routing.features.{name}"),
-                    "must be a non-negative number",
-                ));
-            }
-        }
-        Ok(())
+        self.routing.router(&self.llm.models[0].name)
     }
 
     /// Whether `model` names a configured model.
@@ -1170,61 +460,27 @@ fn set_path(table: &mut toml::Table, path: &[String], value: toml::Value) -> Res
     Ok(())
 }
 
+/// What the configuration tests of every section share.
 #[cfg(test)]
-mod tests {
-    use super::*;
+pub(crate) mod tests_support {
+    use super::{Config, ConfigError};
 
-    const MINIMAL: &str = r#"
-[kafka]
-bootstrap_servers = "localhost:9092"
-
-[[llm.providers]]
-name = "sim"
-base_url = "http://127.0.0.1:8089/v1"
-
-[[llm.models]]
-name = "small"
-provider = "sim"
-
-[prices.small]
-input = 150000
-output = 600000
-"#;
-
-    fn load(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
+    /// Parses `text` with the environment overrides `env` (name, value).
+    pub(crate) fn load(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
         Config::from_toml_with_env(
             text,
             env.iter().map(|(k, v)| (k.to_string(), v.to_string())),
         )
     }
+}
 
-    #[test]
-    fn a_claims_key_file_must_be_readable_and_long_enough() {
-        let dir = tempfile::tempdir().unwrap();
-        let with = |path: &std::path::Path| {
-            load(
-                MINIMAL,
-                &[("SLUICE_HTTP__CLAIMS_KEY_FILE", path.to_str().unwrap())],
-            )
-        };
-        let short = dir.path().join("short");
-        std::fs::write(&short, "only sixteen byt\n").unwrap();
-        let e = with(&short).unwrap_err();
-        assert_eq!(e.key, "http.claims_key_file");
-        assert!(e.message.contains("at least 32"), "{}", e.message);
-        let e = with(&dir.path().join("missing")).unwrap_err();
-        assert_eq!(e.key, "http.claims_key_file");
-        let good = dir.path().join("key");
-        std::fs::write(&good, "0123456789abcdef0123456789abcdef\n").unwrap();
-        let c = with(&good).unwrap();
-        assert!(c.http.claims_key().unwrap().is_some());
-        assert!(load(MINIMAL, &[])
-            .unwrap()
-            .http
-            .claims_key()
-            .unwrap()
-            .is_none());
-    }
+#[cfg(test)]
+mod tests {
+    use sluice_topology::runtime::{GroupProtocol, KeyPartitioner};
+
+    use super::*;
+
+    use super::tests_support::load;
 
     #[test]
     fn the_drain_follows_the_longest_model_timeout_unless_set() {
@@ -1514,16 +770,16 @@ type_complexity = { classify = 0.1 }
         std::fs::write(&file, "pw-file\n").unwrap();
         let text = MINIMAL
             .replace(
-                "bootstrap_servers = \"localhost:9092\"\n",
+                "bootstrap_servers = \"127.0.0.1:1\"\n",
                 &format!(
-                    "bootstrap_servers = \"localhost:9092\"\nclient = {{ \"sasl.username\" = \"svc\", \
+                    "bootstrap_servers = \"127.0.0.1:1\"\nclient = {{ \"sasl.username\" = \"svc\", \
                      \"sasl.password_file\" = \"{}\", \"ssl.key.pem\" = \"pw-pem\" }}\n",
                     file.display()
                 ),
             )
             .replace(
-                "base_url = \"http://127.0.0.1:8089/v1\"\n",
-                "base_url = \"http://127.0.0.1:8089/v1\"\nproxy = \"http://me:pw-proxy@proxy:3128\"\n\
+                "base_url = \"http://127.0.0.1:1/v1\"\n",
+                "base_url = \"http://127.0.0.1:1/v1\"\nproxy = \"http://me:pw-proxy@proxy:3128\"\n\
                  headers = { \"x-api-key\" = \"pw-header\", \"OpenAI-Project\" = \"proj-1\" }\n\
                  query = { \"api-version\" = \"2024-06-01\", \"key\" = \"pw-query\" }\n",
             )
@@ -1554,7 +810,7 @@ type_complexity = { classify = 0.1 }
                 assert!(!shown.contains(secret), "{secret} in {shown}");
             }
             // What helps a reader stays.
-            assert!(shown.contains("localhost:9092"), "{shown}");
+            assert!(shown.contains("127.0.0.1:1"), "{shown}");
         }
         let shown = format!("{c:?}");
         for harmless in ["\"svc\"", "proj-1", "2024-06-01", "proxy:3128"] {
@@ -1570,8 +826,8 @@ type_complexity = { classify = 0.1 }
         let with = |client: &str| {
             load(
                 &MINIMAL.replace(
-                    "bootstrap_servers = \"localhost:9092\"\n",
-                    &format!("bootstrap_servers = \"localhost:9092\"\n{client}\n"),
+                    "bootstrap_servers = \"127.0.0.1:1\"\n",
+                    &format!("bootstrap_servers = \"127.0.0.1:1\"\n{client}\n"),
                 ),
                 &[],
             )
@@ -1661,39 +917,13 @@ type_complexity = { classify = 0.1 }
     }
 
     #[test]
-    fn the_advertised_url_is_an_http_url_or_follows_the_listener() {
-        let bound: std::net::SocketAddr = "127.0.0.1:4321".parse().unwrap();
-        let c = load(MINIMAL, &[]).unwrap();
-        assert_eq!(c.http.advertised_url, None);
-        assert_eq!(
-            c.http.advertised(bound).as_deref(),
-            Some("http://127.0.0.1:4321")
-        );
-        assert_eq!(c.http.advertised("0.0.0.0:8080".parse().unwrap()), None);
-        let c = load(
-            MINIMAL,
-            &[(
-                "SLUICE_HTTP__ADVERTISED_URL",
-                "http://sluice-0.sluice-headless.ns.svc.cluster.local:8080/",
-            )],
-        )
-        .unwrap();
-        assert_eq!(
-            c.http.advertised(bound).as_deref(),
-            Some("http://sluice-0.sluice-headless.ns.svc.cluster.local:8080")
-        );
-        for bad in ["sluice-0:8080", "ftp://x", "http://x/?a=1", "not a url"] {
-            let err = load(MINIMAL, &[("SLUICE_HTTP__ADVERTISED_URL", bad)]).unwrap_err();
-            assert_eq!(err.key, "http.advertised_url", "{bad}: {err}");
-        }
-    }
-
-    #[test]
     fn http2_streams_out_of_range_name_the_key() {
         for bad in ["0", "100001"] {
             let text = MINIMAL.replace(
-                "base_url = \"http://127.0.0.1:8089/v1\"",
-                &format!("base_url = \"http://127.0.0.1:8089/v1\"\nhttp2 = true\nhttp2_max_streams = {bad}"),
+                "base_url = \"http://127.0.0.1:1/v1\"",
+                &format!(
+                    "base_url = \"http://127.0.0.1:1/v1\"\nhttp2 = true\nhttp2_max_streams = {bad}"
+                ),
             );
             let err = load(&text, &[]).unwrap_err();
             assert_eq!(
@@ -1702,8 +932,8 @@ type_complexity = { classify = 0.1 }
             );
         }
         let text = MINIMAL.replace(
-            "base_url = \"http://127.0.0.1:8089/v1\"",
-            "base_url = \"http://127.0.0.1:8089/v1\"\nhttp2 = true",
+            "base_url = \"http://127.0.0.1:1/v1\"",
+            "base_url = \"http://127.0.0.1:1/v1\"\nhttp2 = true",
         );
         let c = load(&text, &[]).unwrap();
         assert!(c.llm.providers[0].http2);
@@ -1711,28 +941,10 @@ type_complexity = { classify = 0.1 }
     }
 
     #[test]
-    fn the_gateway_fetch_wait_is_bounded_and_names_its_key() {
-        assert_eq!(load(MINIMAL, &[]).unwrap().gateway.fetch_wait_ms, 10);
-        for (value, ok) in [("0", true), ("1000", true), ("1001", false)] {
-            let text = format!("{MINIMAL}\n[gateway]\nfetch_wait_ms = {value}\n");
-            match load(&text, &[]) {
-                Ok(c) => {
-                    assert!(ok, "{value} accepted");
-                    assert_eq!(c.gateway.fetch_wait_ms.to_string(), value);
-                }
-                Err(e) => {
-                    assert!(!ok, "{value}: {e}");
-                    assert_eq!(e.key, "gateway.fetch_wait_ms");
-                }
-            }
-        }
-    }
-
-    #[test]
     fn missing_api_key_env_names_the_provider() {
         let text = MINIMAL.replace(
-            "base_url = \"http://127.0.0.1:8089/v1\"",
-            "base_url = \"http://127.0.0.1:8089/v1\"\napi_key_env = \"SLUICE_TEST_NO_SUCH_KEY\"",
+            "base_url = \"http://127.0.0.1:1/v1\"",
+            "base_url = \"http://127.0.0.1:1/v1\"\napi_key_env = \"SLUICE_TEST_NO_SUCH_KEY\"",
         );
         let err = load(&text, &[]).unwrap_err();
         assert_eq!(err.key, "llm.providers[0]");

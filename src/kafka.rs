@@ -4,6 +4,7 @@
 //! topics hold when a read starts (from the beginning or a time). Each takes a [`Cluster`]: the bootstrap
 //! servers and the client properties (`[kafka.client]`: security protocol,
 //! SASL, TLS) every client gets; a bare bootstrap address converts to one.
+//! Also the `[kafka]` configuration section ([`KafkaSection`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
@@ -16,7 +17,132 @@ use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::message::{BorrowedMessage, DeliveryResult, Header, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{BaseRecord, Producer, ProducerContext};
 use rdkafka::{Message, Offset, TopicPartitionList};
-use sluice_topology::runtime::PolledProducer;
+use serde::{Deserialize, Serialize};
+use sluice_topology::runtime::{GroupProtocol, PolledProducer};
+
+use crate::error::ConfigError;
+
+/// `[kafka]`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaSection {
+    /// Bootstrap servers, comma-separated.
+    pub bootstrap_servers: String,
+    /// The consumer group protocol: `consumer` (KIP-848, brokers 4.0 and
+    /// later; incremental rebalances) or `classic` (eager rebalances).
+    #[serde(default = "default_group_protocol")]
+    pub group_protocol: GroupProtocol,
+    /// Static membership: this instance's `group.instance.id` (the Helm chart
+    /// sets the pod's name). An instance restarting under the same id within
+    /// the session timeout gets its partitions back without a rebalance.
+    #[serde(default)]
+    pub group_instance_id: Option<String>,
+    /// Consumer group session timeout, ms (the classic protocol's; under the
+    /// consumer protocol the broker's `group.consumer.session.timeout.ms`
+    /// decides).
+    #[serde(default = "default_session_timeout_ms")]
+    pub session_timeout_ms: u64,
+    /// Maximum time between polls, ms.
+    #[serde(default = "default_max_poll_interval_ms")]
+    pub max_poll_interval_ms: u64,
+    /// Transaction timeout, ms (exactly-once).
+    #[serde(default = "default_transaction_timeout_ms")]
+    pub transaction_timeout_ms: u64,
+    /// Extra librdkafka properties for every client Sluice creates (the
+    /// engine's, the start-up checks', `sluice topics create`'s), e.g.
+    /// `security.protocol`, `sasl.mechanism`, `ssl.ca.location`. A key
+    /// ending in `_file` names a file whose contents (trimmed) become the
+    /// property without the suffix, e.g. `"sasl.password_file" =
+    /// "/run/secrets/kafka-password"` sets `sasl.password`; the file is read
+    /// at start-up.
+    #[serde(default)]
+    pub client: sluice_topology::redact::Properties,
+}
+
+/// Suffix of a `[kafka.client]` key whose value is read from a file.
+const FILE_SUFFIX: &str = "_file";
+
+impl KafkaSection {
+    /// The bootstrap servers and client properties every client gets.
+    pub fn cluster(&self) -> Cluster {
+        Cluster {
+            bootstrap: self.bootstrap_servers.clone(),
+            client: self.client.clone(),
+        }
+    }
+
+    /// Checks of the section's own keys.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.bootstrap_servers.trim().is_empty() {
+            return Err(ConfigError::new(
+                "kafka.bootstrap_servers",
+                "must not be empty",
+            ));
+        }
+        if let Some(id) = &self.group_instance_id {
+            if id.trim().is_empty() || id.chars().any(char::is_whitespace) {
+                return Err(ConfigError::new(
+                    "kafka.group_instance_id",
+                    "must be a non-empty id without spaces",
+                ));
+            }
+        }
+        if self.session_timeout_ms >= self.max_poll_interval_ms {
+            return Err(ConfigError::new(
+                "kafka.session_timeout_ms",
+                "must be below kafka.max_poll_interval_ms",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Replaces each `<property>_file` of `[kafka.client]` by `<property>`
+    /// holding the file's contents, trimmed.
+    pub(crate) fn read_secret_files(&mut self) -> Result<(), ConfigError> {
+        let files: Vec<(String, String)> = self
+            .client
+            .iter()
+            .filter(|(k, _)| k.ends_with(FILE_SUFFIX))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for (key, path) in files {
+            let name = format!("kafka.client.\"{key}\"");
+            let property = key.trim_end_matches(FILE_SUFFIX).to_string();
+            if property.is_empty() {
+                return Err(ConfigError::new(name, "names no property"));
+            }
+            if self.client.contains_key(&property) {
+                return Err(ConfigError::new(
+                    name,
+                    format!("set either {property} or {key}, not both"),
+                ));
+            }
+            let text = std::fs::read_to_string(&path)
+                .map_err(|e| ConfigError::new(name.clone(), format!("cannot read {path}: {e}")))?;
+            let value = text.trim();
+            if value.is_empty() {
+                return Err(ConfigError::new(name, format!("{path} is empty")));
+            }
+            self.client.remove(&key);
+            self.client.insert(property, value.to_string());
+        }
+        Ok(())
+    }
+}
+
+fn default_group_protocol() -> GroupProtocol {
+    GroupProtocol::Consumer
+}
+
+fn default_session_timeout_ms() -> u64 {
+    10_000
+}
+fn default_max_poll_interval_ms() -> u64 {
+    300_000
+}
+fn default_transaction_timeout_ms() -> u64 {
+    60_000
+}
 
 /// A record to produce.
 #[derive(Clone, Debug, Default)]

@@ -4,6 +4,7 @@
 
 mod common;
 
+use sluice::config::MINIMAL as VALID;
 use std::process::Command;
 
 fn run_with_config(text: &str) -> (Option<i32>, String) {
@@ -25,23 +26,6 @@ fn sluice_with_config(command: &[&str], text: &str) -> (Option<i32>, String) {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
-
-const VALID: &str = r#"
-[kafka]
-bootstrap_servers = "127.0.0.1:1"
-
-[[llm.providers]]
-name = "sim"
-base_url = "http://127.0.0.1:1/v1"
-
-[[llm.models]]
-name = "small"
-provider = "sim"
-
-[prices.small]
-input = 150000
-output = 600000
-"#;
 
 #[test]
 fn kafka_client_settings_reach_the_start_up_checks_and_topic_creation() {

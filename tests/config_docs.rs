@@ -17,24 +17,8 @@
 //! `llm.models[].limiter.initial_rps`), or the key's own heading.
 
 use sluice::config::Config;
+use sluice::config::MINIMAL as BASE;
 use toml::Value;
-
-const BASE: &str = r#"
-[kafka]
-bootstrap_servers = "localhost:9092"
-
-[[llm.providers]]
-name = "sim"
-base_url = "http://127.0.0.1:8089/v1"
-
-[[llm.models]]
-name = "small"
-provider = "sim"
-
-[prices.small]
-input = 150000
-output = 600000
-"#;
 
 const PROBE: &str = "__sluice_doc_probe__";
 const ENTRY: &str = "__sluice_doc_entry__";

@@ -319,26 +319,7 @@ fn replay_completes_dead_lettered_tasks_once_and_a_second_replay_adds_nothing() 
 fn bad_flags_fail_naming_the_flag() {
     let dir = temp_dir();
     let config = dir.path().join("sluice.toml");
-    std::fs::write(
-        &config,
-        r#"
-[kafka]
-bootstrap_servers = "127.0.0.1:1"
-
-[[llm.providers]]
-name = "sim"
-base_url = "http://127.0.0.1:1/v1"
-
-[[llm.models]]
-name = "small"
-provider = "sim"
-
-[prices.small]
-input = 150000
-output = 600000
-"#,
-    )
-    .unwrap();
+    std::fs::write(&config, sluice::config::MINIMAL).unwrap();
     let config = config.display().to_string();
     for (args, flag) in [
         (&["inspect", "--category", "exausted"][..], "--category"),

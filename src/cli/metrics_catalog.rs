@@ -29,25 +29,10 @@ use crate::llm::LlmClient;
 use crate::steps::health::Health;
 use crate::steps::invoke_llm::metrics::names as operator;
 
-/// A configuration with every part that registers metrics switched on
-/// (accounting, batching, routing); nothing in it is contacted.
-const CATALOG_CONFIG: &str = r#"
-[kafka]
-bootstrap_servers = "unused:9092"
-
-[[llm.providers]]
-name = "catalog"
-base_url = "http://127.0.0.1:9"
-
-[[llm.models]]
-name = "catalog"
-provider = "catalog"
-
-[prices.catalog]
-input = 1
-output = 1
-cached = 1
-
+/// The parts of a configuration that register metrics, all switched on
+/// (accounting, batching; routing is always on), added to
+/// [`crate::config::MINIMAL`]; nothing in it is contacted.
+const CATALOG_PARTS: &str = r#"
 [accounting]
 enabled = true
 
@@ -124,7 +109,8 @@ fn err(message: impl Into<String>) -> prometheus::Error {
 /// or if a registered family's name cannot be read back (see the module
 /// documentation).
 pub fn register_all(registry: &Registry) -> prometheus::Result<Vec<String>> {
-    let config = Config::from_toml_with_env(CATALOG_CONFIG, [])
+    let text = format!("{}{CATALOG_PARTS}", crate::config::MINIMAL);
+    let config = Config::from_toml_with_env(&text, [])
         .map_err(|e| err(format!("catalog config: {}: {}", e.key, e.message)))?;
     // The same calls, in the same order, as `run_pipeline`.
     let engine_metrics = EngineMetrics::register(registry)?;

@@ -8,7 +8,7 @@ use std::time::Duration;
 use prometheus::Registry;
 use sluice_topology::runtime::{EngineMetrics, Queries, RunningApp, StreamsApp};
 
-use crate::config::{Config, ConfigError, Repartition};
+use crate::config::{Config, ConfigError};
 use crate::envelope::{EnvelopeLimits, TenantRules};
 use crate::http::usage::UsageQueries;
 use crate::http::{bind, serve, HttpState};
@@ -17,6 +17,7 @@ use crate::steps::account::{Accounting, AccountingSettings};
 use crate::steps::invoke_llm::prompt::PromptBuilder;
 use crate::steps::invoke_llm::{Health, LlmSettings, LlmStep, OperatorMetrics};
 use crate::steps::route::RouteStep;
+use crate::steps::source::Repartition;
 use crate::steps::{
     default_topology, BatchMetrics, Batching, ByTenant, KeyCheck, Misplaced, Owners, ResultsSink,
     Steps, TaskSource, TaskTopic,
@@ -504,3 +505,6 @@ pub fn create_topics(config: &Config) -> Result<Vec<String>, crate::kafka::Kafka
     crate::kafka::create_topics_rf(config.kafka.cluster(), &specs, t.replication_factor)?;
     Ok(defs.into_iter().map(|(n, _)| n).collect())
 }
+
+#[cfg(test)]
+mod tests;

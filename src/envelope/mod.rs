@@ -11,47 +11,10 @@ use std::collections::BTreeMap;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
+pub use crate::llm::Priority;
 pub use decode::{
     decode_task, normalise_tenant, EnvelopeLimits, PoisonError, TenantRules, DEFAULT_TENANT_PATTERN,
 };
-
-/// Scheduling priority of a task; `high` is served first, `batch` last but never starved.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize,
-)]
-#[serde(rename_all = "lowercase")]
-pub enum Priority {
-    /// Interactive work.
-    High,
-    /// The default.
-    #[default]
-    Normal,
-    /// Bulk work that may wait.
-    Batch,
-}
-
-impl Priority {
-    /// Every priority, highest first.
-    pub const ALL: [Priority; 3] = [Priority::High, Priority::Normal, Priority::Batch];
-
-    /// The wire name (`high`, `normal`, `batch`), also used as a metric label.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Priority::High => "high",
-            Priority::Normal => "normal",
-            Priority::Batch => "batch",
-        }
-    }
-
-    /// Dense index (0 = high) for per-priority arrays.
-    pub fn index(self) -> usize {
-        match self {
-            Priority::High => 0,
-            Priority::Normal => 1,
-            Priority::Batch => 2,
-        }
-    }
-}
 
 fn default_attempt() -> u32 {
     1

@@ -3,6 +3,7 @@
 //! behind bearer tokens (see [`auth`]).
 
 pub mod auth;
+pub mod config;
 pub mod forward;
 pub mod unread;
 pub mod usage;

@@ -11,6 +11,7 @@ use super::error::LlmError;
 use super::limiter::LimiterConfig;
 use super::retry::RetryPolicy;
 use super::secret::Secret;
+use crate::error::ConfigError;
 
 fn default_connect_timeout_ms() -> u64 {
     5_000
@@ -266,6 +267,52 @@ pub struct LlmConfig {
     /// In-operator retry budget for transient failures.
     #[serde(default)]
     pub retry: RetryPolicy,
+}
+
+impl LlmConfig {
+    /// Checks of the section's own keys: at least one model, each on a
+    /// configured provider with valid limiter settings; each provider's key
+    /// found and its HTTP/2 stream limit in range.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.models.is_empty() {
+            return Err(ConfigError::new(
+                "llm.models",
+                "must define at least one model",
+            ));
+        }
+        let providers: Vec<&str> = self.providers.iter().map(|p| p.name.as_str()).collect();
+        for (i, m) in self.models.iter().enumerate() {
+            if !providers.contains(&m.provider.as_str()) {
+                return Err(ConfigError::new(
+                    format!("llm.models[{i}].provider"),
+                    format!("unknown provider {}", m.provider),
+                ));
+            }
+            m.limiter.validate().map_err(|(key, message)| {
+                ConfigError::new(format!("llm.models[{i}].limiter.{key}"), message)
+            })?;
+            m.limiter.concurrency.validate().map_err(|(key, message)| {
+                ConfigError::new(
+                    format!("llm.models[{i}].limiter.concurrency.{key}"),
+                    message,
+                )
+            })?;
+        }
+        for (i, p) in self.providers.iter().enumerate() {
+            p.resolve_api_key()
+                .map_err(|e| ConfigError::new(format!("llm.providers[{i}]"), e.to_string()))?;
+            if !(1..=MAX_HTTP2_STREAMS).contains(&p.http2_max_streams) {
+                return Err(ConfigError::new(
+                    format!("llm.providers[{i}].http2_max_streams"),
+                    format!(
+                        "must be 1 to {MAX_HTTP2_STREAMS}, got {}",
+                        p.http2_max_streams
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

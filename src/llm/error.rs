@@ -5,9 +5,8 @@
 use std::time::Duration;
 
 use super::ratelimit::RateLimitInfo;
-use crate::envelope::DlqCategory;
 
-/// Why a request that reached the provider cannot succeed as is; maps to a DLQ category.
+/// Why a request that reached the provider cannot succeed as is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PermanentKind {
     /// Malformed or unsupported request.
@@ -19,12 +18,12 @@ pub enum PermanentKind {
 }
 
 impl PermanentKind {
-    /// The dead-letter category.
-    pub fn dlq_category(self) -> DlqCategory {
+    /// A bounded label (`bad_request`, `content_policy`, `too_large`).
+    pub fn as_str(self) -> &'static str {
         match self {
-            PermanentKind::BadRequest => DlqCategory::BadRequest,
-            PermanentKind::ContentPolicy => DlqCategory::ContentPolicy,
-            PermanentKind::TooLarge => DlqCategory::TooLarge,
+            PermanentKind::BadRequest => "bad_request",
+            PermanentKind::ContentPolicy => "content_policy",
+            PermanentKind::TooLarge => "too_large",
         }
     }
 }
@@ -191,7 +190,7 @@ impl LlmError {
                 _ => "transient",
             },
             ErrorClass::RateLimited { .. } => "rate_limited",
-            ErrorClass::Permanent(k) => k.dlq_category().as_str(),
+            ErrorClass::Permanent(k) => k.as_str(),
             ErrorClass::Config => "config",
             ErrorClass::Malformed => "malformed",
             ErrorClass::CircuitOpen => "circuit_open",

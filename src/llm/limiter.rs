@@ -57,7 +57,7 @@ use tokio::time::Instant;
 
 use super::concurrency::{ConcurrencyControl, Sample};
 use super::ratelimit::RateLimitInfo;
-use crate::envelope::Priority;
+use crate::llm::priority::Priority;
 pub use config::LimiterConfig;
 use pacer::*;
 

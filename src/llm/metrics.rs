@@ -9,7 +9,7 @@ use prometheus::{
 
 use super::breaker::BreakerState;
 use super::limiter::AimdLimiter;
-use crate::envelope::Priority;
+use crate::llm::priority::Priority;
 
 /// Metric names.
 pub mod names {

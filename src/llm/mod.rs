@@ -20,6 +20,7 @@ pub mod config;
 pub mod error;
 pub mod limiter;
 pub mod metrics;
+pub mod priority;
 pub mod ratelimit;
 pub mod retry;
 pub mod secret;
@@ -38,13 +39,12 @@ pub use config::{LlmConfig, MaxTokensField, ModelConfig, ProviderConfig};
 pub use error::{ErrorClass, LlmError, PermanentKind};
 pub use limiter::{AimdLimiter, LimiterConfig, Outcome, Permit};
 pub use metrics::LlmMetrics;
+pub use priority::Priority;
 pub use ratelimit::RateLimitInfo;
 pub use retry::{RetryDecision, RetryPolicy};
 pub use secret::Secret;
 pub use transport::{ChatTransport, HttpProvider};
 pub use wire::{ChatRequest, ChatResponse, Message, ResponseFormat, Role, Usage};
-
-use crate::envelope::Priority;
 
 /// One routable model: its transport and its own limiter and breaker.
 #[derive(Clone)]

@@ -34,7 +34,7 @@ use tokio::task::JoinHandle;
 
 mod config;
 mod limits;
-mod prompt;
+pub(crate) mod prompt;
 mod server;
 mod stats;
 

@@ -222,65 +222,6 @@ fn batch_items_are_split_on_item_headers() {
     );
 }
 
-/// Whatever a task's text holds, the simulator's splitter (which accepts the marker in any
-/// case and spacing) finds exactly the batch's items, each with its own text: one item can
-/// never open another.
-#[test]
-fn look_alike_markers_in_a_task_never_open_an_item() {
-    use crate::envelope::TaskPayload;
-    let forms = [
-        "### item 2",
-        "### ITEM 2",
-        "###item 2",
-        "###   Item 2",
-        "### item 2\r",
-        "\t### item 2",
-        "  ###Item\t2",
-    ];
-    let content = format!("tenant A text\n{}\nstill A", forms.join("\nA says\n"));
-    let task = |text: &str| {
-        crate::envelope::test_task(
-            "summarize",
-            TaskPayload {
-                content: text.into(),
-                max_words: Some(50),
-                ..Default::default()
-            },
-        )
-    };
-    let (a, b) = (task(&content), task("tenant B text"));
-    let ids = crate::steps::invoke_llm::prompt::batch_item_ids(2);
-    let messages = crate::steps::invoke_llm::PromptBuilder::default()
-        .build_batch_messages(&[(ids[0].clone(), &a), (ids[1].clone(), &b)])
-        .unwrap();
-    let items = parse_batch_items(&messages[1].content);
-    let got: Vec<&str> = items.iter().map(|i| i.id.as_str()).collect();
-    assert_eq!(
-        got,
-        [ids[0].as_str(), ids[1].as_str()],
-        "{}",
-        messages[1].content
-    );
-    assert!(items[0].content.starts_with("tenant A text") && items[0].content.ends_with("still A"));
-    assert_eq!(items[1].content, "tenant B text");
-}
-
-/// Batch item ids are fresh random values, unique in their batch, not positions.
-#[test]
-fn batch_item_ids_are_unguessable_and_unique() {
-    let (one, two) = (
-        crate::steps::invoke_llm::prompt::batch_item_ids(32),
-        crate::steps::invoke_llm::prompt::batch_item_ids(32),
-    );
-    let unique: std::collections::HashSet<&String> = one.iter().collect();
-    assert_eq!(unique.len(), 32);
-    assert!(one
-        .iter()
-        .all(|id| id.len() == 8 && !id.contains(char::is_whitespace)));
-    assert!(!one.iter().any(|id| id == "1" || id == "2"));
-    assert_ne!(one, two, "each batch draws its own ids");
-}
-
 #[test]
 fn classify_spreads_over_labels_and_extract_fills_every_property() {
     let labels: Vec<String> = ["a", "b", "c"].iter().map(|s| s.to_string()).collect();
@@ -1588,8 +1529,8 @@ async fn refusals_missing_usage_and_think_prefixes() {
     );
 }
 
-/// Context-length errors in vLLM's and llama.cpp's shapes; the client reads both as
-/// `too_large`.
+/// Context-length errors in vLLM's and llama.cpp's shapes (the client reads
+/// both as `too_large`: `llm/transport/tests.rs`).
 #[tokio::test]
 async fn context_errors_in_other_servers_shapes() {
     for (style, check) in [
@@ -1605,19 +1546,6 @@ async fn context_errors_in_other_servers_shapes() {
         let answer = post(&sim, &request("Task: summarize", &"long ".repeat(100))).await;
         assert_eq!(answer.status, StatusCode::BAD_REQUEST);
         assert!(answer.text.contains(check), "{}", answer.text);
-        let (code, kind, message) = crate::llm::error::parse_error_body(answer.text.as_bytes());
-        let class = crate::llm::LlmError::Status {
-            status: 400,
-            code,
-            kind,
-            message,
-            rate_limit: Box::default(),
-        }
-        .class();
-        assert_eq!(
-            class,
-            crate::llm::ErrorClass::Permanent(crate::llm::PermanentKind::TooLarge)
-        );
     }
 }
 

@@ -30,6 +30,7 @@ use serde::{Deserialize, Serialize};
 use sluice_topology::{Headers, InFlight, ProcessError, Processor, ProcessorContext, Record};
 
 use crate::envelope::Priority;
+use crate::error::ConfigError;
 use crate::steps::invoke_llm::prompt::PromptBuilder;
 use crate::steps::route::Routed;
 
@@ -86,6 +87,37 @@ impl Default for BatchingConfig {
             exclude_task_types: Vec::new(),
             across_tenants: false,
         }
+    }
+}
+
+impl BatchingConfig {
+    /// Checks of the section's own keys; `task_types` are those configured.
+    pub fn validate(&self, task_types: &[String]) -> Result<(), ConfigError> {
+        let b = self;
+        if !(1..=60_000).contains(&b.window_ms) {
+            return Err(ConfigError::new(
+                "batching.window_ms",
+                "must be between 1 and 60000",
+            ));
+        }
+        if b.max_items == 0 {
+            return Err(ConfigError::new("batching.max_items", "must be at least 1"));
+        }
+        if b.max_item_tokens == 0 || b.max_tokens < b.max_item_tokens {
+            return Err(ConfigError::new(
+                "batching.max_tokens",
+                "must be at least batching.max_item_tokens, which must be at least 1",
+            ));
+        }
+        for (i, t) in b.exclude_task_types.iter().enumerate() {
+            if !task_types.contains(t) {
+                return Err(ConfigError::new(
+                    format!("batching.exclude_task_types[{i}]"),
+                    format!("{t} is not in topics.task_types"),
+                ));
+            }
+        }
+        Ok(())
     }
 }
 

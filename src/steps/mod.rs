@@ -178,6 +178,3 @@ pub fn default_topology(steps: &Steps) -> Result<Topology, TopologyError> {
     }
     b.build()
 }
-
-#[cfg(test)]
-mod tests;

@@ -16,6 +16,7 @@ use prometheus::{IntCounterVec, Opts, Registry};
 use serde::{Deserialize, Serialize};
 
 use crate::envelope::{Route, TaskEnvelope};
+use crate::error::ConfigError;
 use crate::steps::source::Task;
 
 /// A task with the model that answers it.
@@ -27,6 +28,140 @@ pub struct Routed {
     pub model: String,
     /// Tier and reason, recorded in the result.
     pub route: Route,
+}
+
+/// `[routing]`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RoutingSection {
+    /// Model for tasks no other rule covers (default: the first model).
+    pub default_model: Option<String>,
+    /// Model per task type.
+    pub by_task_type: BTreeMap<String, String>,
+    /// Fallback model per model, used while a model's breaker is open (followed
+    /// model to model: a fallback chain).
+    pub fallbacks: BTreeMap<String, String>,
+    /// Complexity tiers by rising `max_score` (empty: no complexity routing).
+    pub tiers: Vec<Tier>,
+    /// How the complexity of a task without `payload.complexity` is computed.
+    pub features: FeatureWeights,
+    /// Whether a task's own `payload.model` and `payload.complexity` are
+    /// honoured. Off by default: a producer could otherwise pick the dearest
+    /// model for every task.
+    pub allow_task_overrides: bool,
+}
+
+impl RoutingSection {
+    /// Checks of the section's own keys; `known` says whether a name is a
+    /// configured model.
+    pub fn validate(&self, known: impl Fn(&str) -> bool) -> Result<(), ConfigError> {
+        if let Some(m) = &self.default_model {
+            if !known(m) {
+                return Err(ConfigError::new(
+                    "routing.default_model",
+                    format!("unknown model {m}"),
+                ));
+            }
+        }
+        for (t, m) in &self.by_task_type {
+            if !known(m) {
+                return Err(ConfigError::new(
+                    format!("routing.by_task_type.{t}"),
+                    format!("unknown model {m}"),
+                ));
+            }
+        }
+        for (from, to) in &self.fallbacks {
+            if !known(from) {
+                return Err(ConfigError::new(
+                    format!("routing.fallbacks.{from}"),
+                    format!("unknown model {from}"),
+                ));
+            }
+            if !known(to) {
+                return Err(ConfigError::new(
+                    format!("routing.fallbacks.{from}"),
+                    format!("unknown model {to}"),
+                ));
+            }
+        }
+        self.validate_tiers(known)
+    }
+
+    fn validate_tiers(&self, known: impl Fn(&str) -> bool) -> Result<(), ConfigError> {
+        let tiers = &self.tiers;
+        let mut last = 0.0;
+        for (i, t) in tiers.iter().enumerate() {
+            let key = |field: &str| format!("routing.tiers[{i}].{field}");
+            if t.name.trim().is_empty() || tiers[..i].iter().any(|o| o.name == t.name) {
+                return Err(ConfigError::new(key("name"), "empty or repeated tier name"));
+            }
+            if !known(&t.model) {
+                return Err(ConfigError::new(
+                    key("model"),
+                    format!("unknown model {}", t.model),
+                ));
+            }
+            if !(t.max_score > last && t.max_score <= 1.0) {
+                return Err(ConfigError::new(
+                    key("max_score"),
+                    "must rise from tier to tier, within (0, 1]",
+                ));
+            }
+            last = t.max_score;
+        }
+        if !tiers.is_empty() && last < 1.0 {
+            return Err(ConfigError::new(
+                format!("routing.tiers[{}].max_score", tiers.len() - 1),
+                "the last tier must reach 1.0",
+            ));
+        }
+        let f = &self.features;
+        let unit = |v: f64| (0.0..=1.0).contains(&v);
+        for (t, v) in &f.type_complexity {
+            if !unit(*v) {
+                return Err(ConfigError::new(
+                    format!("routing.features.type_complexity.{t}"),
+                    "must be within [0, 1]",
+                ));
+            }
+        }
+        if !unit(f.default_type_complexity) {
+            return Err(ConfigError::new(
+                "routing.features.default_type_complexity",
+                "must be within [0, 1]",
+            ));
+        }
+        for (name, w) in [
+            ("type_weight", f.type_weight),
+            ("size_weight", f.size_weight),
+            ("structure_weight", f.structure_weight),
+        ] {
+            if !(w.is_finite() && w >= 0.0) {
+                return Err(ConfigError::new(
+                    format!("routing.features.{name}"),
+                    "must be a non-negative number",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The routing rules (see [`Router`]); `first_model` answers what no
+    /// rule covers unless `default_model` is set.
+    pub fn router(&self, first_model: &str) -> Router {
+        Router {
+            default_model: self
+                .default_model
+                .clone()
+                .unwrap_or_else(|| first_model.to_string()),
+            by_task_type: self.by_task_type.clone(),
+            tiers: self.tiers.clone(),
+            fallbacks: self.fallbacks.clone(),
+            features: self.features.clone(),
+            allow_task_overrides: self.allow_task_overrides,
+        }
+    }
 }
 
 /// A score range and the model that serves it.

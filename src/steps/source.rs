@@ -14,13 +14,17 @@ use std::sync::Arc;
 use chrono::Utc;
 use parking_lot::Mutex;
 use prometheus::{IntCounterVec, Opts, Registry};
+use serde::{Deserialize, Serialize};
 use sluice_topology::runtime::KeyPartitioner;
 use sluice_topology::{
     BytesCodec, KStream, ProcessError, Processor, ProcessorContext, Record, SourceOptions,
     StreamBuilder, Topology, TopologyError,
 };
 
-use crate::envelope::{decode_task, DlqCategory, EnvelopeLimits, TaskEnvelope};
+use crate::envelope::{
+    decode_task, DlqCategory, EnvelopeLimits, TaskEnvelope, TenantRules, DEFAULT_TENANT_PATTERN,
+};
+use crate::error::ConfigError;
 use crate::steps::health::Health;
 
 /// Kafka key of a task record (its tenant id), as read.
@@ -44,6 +48,121 @@ impl Task {
     /// The tenant the task is accounted to.
     pub fn tenant(&self) -> &str {
         self.envelope.tenant().unwrap_or_default()
+    }
+}
+
+/// `[tasks]`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TasksSection {
+    /// Largest task record accepted, bytes; larger ones are dead-lettered.
+    pub max_bytes: usize,
+    /// Deliveries of a task (re-published with `attemptNumber + 1` after a
+    /// transient failure) before it is dead-lettered as `exhausted`.
+    pub max_attempts: u32,
+    /// Backoff of a re-published attempt: attempt `n` is not called before a
+    /// time drawn uniformly (full jitter) from zero to
+    /// `retry_backoff_ms × 2^(n − 2)`, at most `retry_backoff_max_ms`.
+    pub retry_backoff_ms: u64,
+    /// The longest backoff of a re-published attempt, ms; also the longest a
+    /// task waits for any `notBefore` it carries.
+    pub retry_backoff_max_ms: u64,
+    /// How long completed task ids are remembered for idempotency, hours.
+    pub idempotency_ttl_hours: u64,
+    /// While intake is held (bad credentials, open breaker without fallback),
+    /// how often one held task probes the provider, ms.
+    pub probe_interval_ms: u64,
+    /// Consecutive calls of one model refused with the same `400` that make
+    /// it a configuration fault (a parameter or template the model rejects):
+    /// its tasks are held instead of dead-lettered. 0 dead-letters every
+    /// `400` at once.
+    pub bad_request_trap_after: u32,
+    /// How long a task refused with a `400` waits for its model's run to
+    /// decide (another answer: dead-lettered; the run reaching
+    /// `bad_request_trap_after`: held), ms.
+    pub bad_request_wait_ms: u64,
+    /// How the services publishing tasks partition them by tenant:
+    /// `murmur2` (Java clients, Kafka Streams, librdkafka's `murmur2_random`)
+    /// or `crc32` (librdkafka's default `consistent_random`: Python, Go, .NET,
+    /// Node clients left at their default). Usage queries find the instance
+    /// holding a tenant's accounts with it.
+    pub partitioner: KeyPartitioner,
+    /// How each tenant keeps one owner (the task holding its accounts and
+    /// quotas) whatever the producers do: `auto` checks every task's key
+    /// and partition against its tenant under `partitioner` and sends a
+    /// task that does not match through an internal topic keyed by tenant
+    /// (every task when the task topics' partition counts differ);
+    /// `always` sends every task through it; `never` dead-letters a task
+    /// whose key or partition does not match (`wrong_key`).
+    pub repartition: Repartition,
+    /// What a tenant id must match once normalised (trimmed, ASCII letters
+    /// lower-cased); a task whose tenant does not is dead-lettered
+    /// `invalid_tenant`.
+    pub tenant_pattern: String,
+    /// The tenants accepted (empty: any matching `tenant_pattern`); a task of
+    /// another tenant is dead-lettered `unknown_tenant`.
+    pub tenants: Vec<String>,
+}
+
+/// `[tasks] repartition`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Repartition {
+    /// The tasks whose key or partition does not match their tenant (all
+    /// of them when the task topics' partition counts differ).
+    #[default]
+    Auto,
+    /// Every task.
+    Always,
+    /// None: a task whose key or partition does not match its tenant is
+    /// dead-lettered `wrong_key`.
+    Never,
+}
+
+impl Default for TasksSection {
+    fn default() -> Self {
+        TasksSection {
+            max_bytes: 1024 * 1024,
+            max_attempts: 5,
+            retry_backoff_ms: 30_000,
+            retry_backoff_max_ms: 300_000,
+            idempotency_ttl_hours: 7 * 24,
+            probe_interval_ms: 2_000,
+            bad_request_trap_after: 5,
+            bad_request_wait_ms: 10_000,
+            partitioner: KeyPartitioner::Murmur2,
+            repartition: Repartition::Auto,
+            tenant_pattern: DEFAULT_TENANT_PATTERN.into(),
+            tenants: Vec::new(),
+        }
+    }
+}
+
+impl TasksSection {
+    /// Checks of the section's own keys.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.max_attempts == 0 {
+            return Err(ConfigError::new("tasks.max_attempts", "must be at least 1"));
+        }
+        let rules = TenantRules::new(&self.tenant_pattern, &[])
+            .map_err(|e| ConfigError::new("tasks.tenant_pattern", e.to_string()))?;
+        for (i, t) in self.tenants.iter().enumerate() {
+            rules.check(t).map_err(|_| {
+                ConfigError::new(
+                    format!("tasks.tenants[{i}]"),
+                    "does not match tasks.tenant_pattern",
+                )
+            })?;
+        }
+        if self.retry_backoff_max_ms < self.retry_backoff_ms
+            || self.retry_backoff_max_ms > 86_400_000
+        {
+            return Err(ConfigError::new(
+                "tasks.retry_backoff_max_ms",
+                "must be at least tasks.retry_backoff_ms and at most a day (86400000)",
+            ));
+        }
+        Ok(())
     }
 }
 

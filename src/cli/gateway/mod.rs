@@ -21,6 +21,7 @@
 //! partition number, where this gateway's status table finds both.
 
 mod api;
+pub mod config;
 pub mod metrics;
 pub mod status;
 pub mod submit;
@@ -98,7 +99,7 @@ impl Refusal {
 
 /// One gateway instance's shared state.
 pub struct Gateway {
-    config: crate::config::GatewaySection,
+    config: config::GatewaySection,
     tokens: ApiTokens,
     rules: SubmitRules,
     queries: Queries,

@@ -11,8 +11,8 @@ use rand::{Rng, SeedableRng};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
-use crate::envelope::Priority;
 use crate::llm::limiter::{AimdLimiter, LimiterConfig, Outcome};
+use crate::llm::Priority;
 use crate::llm::RateLimitInfo;
 
 fn service(tokens: u32) -> Duration {

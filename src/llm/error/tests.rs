@@ -66,10 +66,7 @@ fn classification_by_status_and_code() {
         "too_large"
     );
     assert_eq!(LlmError::Timeout(Duration::ZERO).code(), "timeout");
-    assert_eq!(
-        PermanentKind::ContentPolicy.dlq_category(),
-        DlqCategory::ContentPolicy
-    );
+    assert_eq!(PermanentKind::ContentPolicy.as_str(), "content_policy");
 }
 
 #[test]

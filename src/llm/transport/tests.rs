@@ -374,3 +374,34 @@ async fn http2_calls_share_connections_each_within_its_stream_limit() {
     assert_eq!(stats.served_ok, 250);
     assert_eq!(p.http2_connections(), None);
 }
+
+/// The context-length errors of vLLM's and llama.cpp's servers, as the
+/// simulator answers them, are `too_large` to the client.
+#[tokio::test]
+async fn context_errors_in_other_servers_shapes_are_too_large() {
+    for style in [
+        crate::sim::ContextErrorStyle::Vllm,
+        crate::sim::ContextErrorStyle::LlamaCpp,
+    ] {
+        let sim = crate::sim::start(
+            crate::sim::SimConfig {
+                context_length: Some(10),
+                context_error_style: style,
+                ..Default::default()
+            },
+            "127.0.0.1:0".parse().unwrap(),
+        )
+        .await
+        .unwrap();
+        let p = provider(&sim.base_url(), None);
+        let mut req = request("sim-small");
+        req.messages[1] = Message::user("long ".repeat(100));
+        let err = p.chat(&req).await.expect_err("over the context");
+        assert_eq!(
+            err.class(),
+            ErrorClass::Permanent(PermanentKind::TooLarge),
+            "{style:?}: {err:?}"
+        );
+        sim.shutdown().await;
+    }
+}

@@ -28,6 +28,7 @@
 //! re-emitted to a redelivered task carry `sluice.duplicate` and are not
 //! counted again.
 
+pub mod config;
 pub mod pricing;
 pub mod quota;
 

@@ -385,9 +385,7 @@ impl LlmProcessor {
                 self.call_singly(ctx, job.items, model);
                 Ok(())
             }
-            Action::DeadLetter(kind) => {
-                self.fail_job(ctx, job, kind.dlq_category(), &message, attempts)
-            }
+            Action::DeadLetter(category) => self.fail_job(ctx, job, category, &message, attempts),
             Action::HoldModel { fault, not_before } => {
                 // Never a task failure: the model's jobs wait (a rejected
                 // key until fixed; a Retry-After longer than a call may wait,

@@ -17,6 +17,7 @@
 
 use std::time::Duration;
 
+use crate::envelope::DlqCategory;
 use crate::llm::{ErrorClass, PermanentKind};
 
 /// What becomes of a failed call's tasks.
@@ -28,8 +29,8 @@ pub(super) enum Action {
     /// Which task of the batch the provider refused is unknown: each is
     /// called alone.
     CallEachAlone,
-    /// The task fails for good under this kind.
-    DeadLetter(PermanentKind),
+    /// The task fails for good: a dead letter of this category.
+    DeadLetter(DlqCategory),
     /// The model cannot answer anyone: its jobs are parked under
     /// `<fault>:<model>`, probed now and then, not before `not_before`.
     HoldModel {
@@ -44,6 +45,15 @@ pub(super) enum Action {
     Republish,
 }
 
+/// The dead-letter category of a call the provider refused for good.
+pub(super) fn dlq_category(kind: PermanentKind) -> DlqCategory {
+    match kind {
+        PermanentKind::BadRequest => DlqCategory::BadRequest,
+        PermanentKind::ContentPolicy => DlqCategory::ContentPolicy,
+        PermanentKind::TooLarge => DlqCategory::TooLarge,
+    }
+}
+
 /// The action for a failed call of `class`; `batch` when the call was a
 /// micro-batch's, `trap` when a run of identical `400`s may make the model
 /// a configuration fault.
@@ -51,7 +61,7 @@ pub(super) fn action(class: ErrorClass, batch: bool, trap: bool) -> Action {
     match class {
         ErrorClass::Permanent(PermanentKind::BadRequest) if !batch && trap => Action::AwaitRun,
         ErrorClass::Permanent(_) if batch => Action::CallEachAlone,
-        ErrorClass::Permanent(kind) => Action::DeadLetter(kind),
+        ErrorClass::Permanent(kind) => Action::DeadLetter(dlq_category(kind)),
         ErrorClass::Config => Action::HoldModel {
             fault: "provider",
             not_before: None,
@@ -78,13 +88,13 @@ mod tests {
         assert_eq!(action(bad, false, true), AwaitRun);
         assert_eq!(
             action(bad, false, false),
-            DeadLetter(PermanentKind::BadRequest)
+            DeadLetter(DlqCategory::BadRequest)
         );
         assert_eq!(action(bad, true, true), CallEachAlone);
         assert_eq!(action(policy, true, true), CallEachAlone);
         assert_eq!(
             action(policy, false, true),
-            DeadLetter(PermanentKind::ContentPolicy)
+            DeadLetter(DlqCategory::ContentPolicy)
         );
         for batch in [false, true] {
             assert_eq!(
@@ -108,5 +118,20 @@ mod tests {
         assert_eq!(action(ErrorClass::Malformed, true, true), Halve);
         assert_eq!(action(ErrorClass::Transient, false, true), Republish);
         assert_eq!(action(ErrorClass::Malformed, false, true), Republish);
+    }
+
+    #[test]
+    fn each_refusal_kind_has_its_dead_letter_category_and_the_same_code() {
+        for kind in [
+            PermanentKind::BadRequest,
+            PermanentKind::ContentPolicy,
+            PermanentKind::TooLarge,
+        ] {
+            assert_eq!(dlq_category(kind).as_str(), kind.as_str());
+        }
+        assert_eq!(
+            dlq_category(PermanentKind::ContentPolicy),
+            DlqCategory::ContentPolicy
+        );
     }
 }

@@ -1,4 +1,5 @@
-//! The default pipeline in the in-process `TopologyTestDriver`, against the
+//! The default pipeline as `sluice run` assembles it from a configuration,
+//! in the in-process `TopologyTestDriver`, against the
 //! simulated provider over a real socket.
 
 use std::collections::{HashMap, HashSet};
@@ -84,15 +85,15 @@ cached = 75000
     let config = Config::from_toml_with_env(&text, []).unwrap();
     let registry = Registry::new();
     let client = LlmClient::from_config(&config.llm, &registry).unwrap();
-    let steps = crate::cli::run::steps(
+    let steps = super::steps(
         &config,
-        crate::cli::run::TaskPartitions::Unknown,
+        super::TaskPartitions::Unknown,
         client,
         &registry,
         Health::default(),
     )
     .unwrap();
-    let driver = TopologyTestDriver::new(super::default_topology(&steps).unwrap()).unwrap();
+    let driver = TopologyTestDriver::new(crate::steps::default_topology(&steps).unwrap()).unwrap();
     Setup {
         _rt: rt,
         sim,
