@@ -133,7 +133,7 @@ impl LimitKind {
 
 /// Outcome of [`RateLimiter::admit`].
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) enum Admission {
+pub(crate) enum RateDecision {
     /// The request may proceed; its cost has been taken.
     Allowed(LimitSnapshot),
     /// The request is refused; nothing was taken.
@@ -214,7 +214,7 @@ impl RateLimiter {
         limits: &EffectiveLimits,
         tokens: u64,
         now: Instant,
-    ) -> Admission {
+    ) -> RateDecision {
         let set = self.set_for(key);
         set.sync(limits, now);
         let mut worst: Option<(LimitKind, u64, Duration)> = None;
@@ -232,7 +232,7 @@ impl RateLimiter {
             }
         }
         if let Some((kind, limit, retry_after)) = worst {
-            return Admission::Limited {
+            return RateDecision::Limited {
                 kind,
                 limit,
                 retry_after,
@@ -248,7 +248,7 @@ impl RateLimiter {
                 bucket.take(cost);
             }
         }
-        Admission::Allowed(set.snapshot())
+        RateDecision::Allowed(set.snapshot())
     }
 
     /// Current header values for `key` without taking anything.

@@ -23,8 +23,10 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
-use super::config::{ConfigError, ContextErrorStyle, Latency, LimitScope, SimConfig};
-use super::limits::{format_reset, Admission, LimitSnapshot, RateLimiter};
+use super::config::{
+    ConfigError, ContextErrorStyle, EffectiveLimits, Latency, LimitScope, SimConfig,
+};
+use super::limits::{format_reset, LimitSnapshot, RateDecision, RateLimiter};
 use super::prompt::{
     batch_answer, fnv1a64, fnv1a64_parts, malformed_batch_answer, output_text, parse_batch_items,
     parse_spec, reordered_batch_answer, task_output, tokens_for_message, tokens_for_text,
@@ -770,83 +772,140 @@ async fn chat_completions(
     response
 }
 
+/// A stage's outcome: on to the next stage, or an early answer (boxed: an
+/// answer is large, and rare).
+type Stage<T = ()> = Result<T, Box<Response>>;
+
+/// An early answer of a stage.
+fn early(answer: impl IntoResponse) -> Box<Response> {
+    Box::new(answer.into_response())
+}
+
+/// `POST /v1/chat/completions` past its deployment check: the stages of the
+/// module's pipeline, in its order. Each stage lets the request on or
+/// answers it early (its `Err`).
 async fn chat_pipeline(state: &SimState, headers: &HeaderMap, body: &[u8]) -> Response {
+    match run_chat_stages(state, headers, body).await {
+        Ok(response) => response,
+        Err(early) => *early,
+    }
+}
+
+async fn run_chat_stages(state: &SimState, headers: &HeaderMap, body: &[u8]) -> Stage<Response> {
     let config = state.config();
     let seq = state.seq.fetch_add(1, Ordering::Relaxed);
+    injected_status(state, &config)?;
+    check_api_key(headers, &config).map_err(early)?;
+    let prompt = parse_request(body).map_err(early)?;
+    check_model(state, &config, &prompt)?;
+    check_context_length(state, &config, &prompt)?;
+    check_content_policy(state, &config, &prompt)?;
+    let answer = compose_answer(&prompt, &config);
+    let limits = RequestLimits::of(&config, &prompt);
+    burst_429(state, &config, &limits)?;
+    let snapshot = rate_limits(state, &prompt, &answer, &limits)?;
+    // Queueing mode: the slot is held through the hang and the latency.
+    let _slot = state
+        .take_slot(limits.key, config.slots)
+        .await
+        .map_err(|()| early(shutting_down()))?;
+    hang(state, &config).await?;
+    latency(state, &config, &prompt, &answer).await?;
+    let mut response_headers = HeaderMap::new();
+    if limits.headers_on {
+        add_limit_headers(&mut response_headers, &snapshot);
+    }
+    set_header(
+        &mut response_headers,
+        header::REQUEST_ID,
+        format!("req_sim_{seq}"),
+    );
+    injected_server_error(state, &config, &mut response_headers)?;
+    injected_reset(state, &config, seq, &mut response_headers)?;
+    injected_malformed(state, &config, &prompt, seq, &mut response_headers)?;
+    Ok(answer_response(
+        state,
+        &config,
+        &prompt,
+        &answer,
+        seq,
+        response_headers,
+    ))
+}
 
-    if let Some(status) = config.status_override {
-        state.stats.lock().injected.status_override += 1;
-        let mut response = overridden_response(status);
-        if status == 429 && config.rate_limit_headers {
-            add_retry_after(response.headers_mut(), Duration::from_secs(1));
-        }
-        return response;
-    }
-    if let Err(error) = check_api_key(headers, &config) {
-        return error.into_response();
-    }
-    let prompt = match parse_request(body) {
-        Ok(p) => p,
-        Err(error) => return error.into_response(),
+/// `status_override`: every request answered with one status.
+fn injected_status(state: &SimState, config: &SimConfig) -> Stage {
+    let Some(status) = config.status_override else {
+        return Ok(());
     };
-    if let Some(status) = config
-        .model_overrides
-        .get(&prompt.model)
-        .and_then(|o| o.status_override)
-    {
-        state.stats.lock().injected.status_override += 1;
-        return overridden_response(status);
+    state.stats.lock().injected.status_override += 1;
+    let mut response = overridden_response(status);
+    if status == 429 && config.rate_limit_headers {
+        add_retry_after(response.headers_mut(), Duration::from_secs(1));
     }
-    if prompt.sets_max_tokens
-        && config
-            .model_overrides
-            .get(&prompt.model)
-            .is_some_and(|o| o.reject_max_tokens)
-    {
-        return error_response(
+    Err(early(response))
+}
+
+/// The model: its own injected status, the parameters a reasoning model
+/// refuses, and whether it is served at all.
+fn check_model(state: &SimState, config: &SimConfig, prompt: &Prompt) -> Stage {
+    let overrides = config.model_overrides.get(&prompt.model);
+    if let Some(status) = overrides.and_then(|o| o.status_override) {
+        state.stats.lock().injected.status_override += 1;
+        return Err(early(overridden_response(status)));
+    }
+    if prompt.sets_max_tokens && overrides.is_some_and(|o| o.reject_max_tokens) {
+        return Err(early(error_response(
             StatusCode::BAD_REQUEST,
             "Unsupported parameter: 'max_tokens' is not supported with this model. \
              Use 'max_completion_tokens' instead.",
             error_type::INVALID_REQUEST,
             Some("unsupported_parameter"),
             Some("max_tokens"),
-        );
+        )));
     }
-    if prompt.sets_temperature
-        && config
-            .model_overrides
-            .get(&prompt.model)
-            .is_some_and(|o| o.reasoning_tokens.is_some())
-    {
-        return error_response(
+    if prompt.sets_temperature && overrides.is_some_and(|o| o.reasoning_tokens.is_some()) {
+        return Err(early(error_response(
             StatusCode::BAD_REQUEST,
             "Unsupported value: 'temperature' does not support 0.0 with this model. \
              Only the default (1) value is supported.",
             error_type::INVALID_REQUEST,
             Some("unsupported_value"),
             Some("temperature"),
-        );
+        )));
     }
-    if let Some(models) = &config.models {
-        if !models.contains(&prompt.model) {
-            return error_response(
-                StatusCode::NOT_FOUND,
-                format!(
-                    "The model `{}` does not exist or you do not have access to it.",
-                    prompt.model
-                ),
-                error_type::INVALID_REQUEST,
-                Some(error_code::MODEL_NOT_FOUND),
-                Some("model"),
-            );
-        }
+    match &config.models {
+        Some(models) if !models.contains(&prompt.model) => Err(early(error_response(
+            StatusCode::NOT_FOUND,
+            format!(
+                "The model `{}` does not exist or you do not have access to it.",
+                prompt.model
+            ),
+            error_type::INVALID_REQUEST,
+            Some(error_code::MODEL_NOT_FOUND),
+            Some("model"),
+        ))),
+        _ => Ok(()),
     }
-    if let Some(limit) = config.context_length {
-        if prompt.prompt_tokens > u64::from(limit) {
+}
+
+/// A prompt over `context_length`.
+fn check_context_length(state: &SimState, config: &SimConfig, prompt: &Prompt) -> Stage {
+    match config.context_length {
+        Some(limit) if prompt.prompt_tokens > u64::from(limit) => {
             state.stats.lock().injected.context_length += 1;
-            return context_error(config.context_error_style, limit, prompt.prompt_tokens);
+            Err(early(context_error(
+                config.context_error_style,
+                limit,
+                prompt.prompt_tokens,
+            )))
         }
+        _ => Ok(()),
     }
+}
+
+/// The content policy: a marker in the text, or a share of prompts.
+fn check_content_policy(state: &SimState, config: &SimConfig, prompt: &Prompt) -> Stage {
     let marked = config
         .content_policy_marker
         .as_deref()
@@ -854,62 +913,91 @@ async fn chat_pipeline(state: &SimState, headers: &HeaderMap, body: &[u8]) -> Re
     let by_rate = config.content_policy_rate > 0.0
         && unit_fraction(fnv1a64_parts(&[prompt.user.as_str(), "content-policy"]))
             < config.content_policy_rate;
-    if marked || by_rate {
-        state.stats.lock().injected.content_policy += 1;
-        return error_response(
-            StatusCode::BAD_REQUEST,
-            "Your request was rejected as a result of our safety system (simulated).",
-            error_type::INVALID_REQUEST,
-            Some(error_code::CONTENT_POLICY),
-            None,
-        );
+    if !(marked || by_rate) {
+        return Ok(());
     }
+    state.stats.lock().injected.content_policy += 1;
+    Err(early(error_response(
+        StatusCode::BAD_REQUEST,
+        "Your request was rejected as a result of our safety system (simulated).",
+        error_type::INVALID_REQUEST,
+        Some(error_code::CONTENT_POLICY),
+        None,
+    )))
+}
 
-    let answer = compose_answer(&prompt, &config);
-    let limit_key = match config.limit_scope {
-        LimitScope::Global => "",
-        LimitScope::PerModel => prompt.model.as_str(),
-    };
-    let limits = config.limits_for(&prompt.model);
-    let headers_on = config.rate_limit_headers;
+/// The rate limits a request is counted against.
+struct RequestLimits<'a> {
+    /// The limiter's key: one for every model, or the model's own.
+    key: &'a str,
+    limits: EffectiveLimits,
+    /// Whether answers carry the limits' headers.
+    headers_on: bool,
+}
 
-    if let Some(storm) = config.burst_429 {
-        let elapsed = state.burst_epoch.lock().elapsed().as_secs_f64();
-        let phase = elapsed % storm.every_s;
-        if phase < storm.duration_s {
-            state.stats.lock().injected.burst_429 += 1;
-            let wait = Duration::from_secs_f64(storm.duration_s - phase);
-            let mut response = error_response(
-                StatusCode::TOO_MANY_REQUESTS,
-                "Rate limit reached: the provider is overloaded (simulated storm).",
-                error_type::RATE_LIMIT,
-                Some(error_code::RATE_LIMIT_EXCEEDED),
-                None,
-            );
-            if headers_on {
-                let mut snapshot = state
-                    .limiter
-                    .lock()
-                    .peek(limit_key, &limits, Instant::now());
-                if let Some(r) = snapshot.requests.as_mut() {
-                    r.remaining = 0;
-                    r.reset = r.reset.max(wait);
-                }
-                add_limit_headers(response.headers_mut(), &snapshot);
-                add_retry_after(response.headers_mut(), wait);
-            }
-            return response;
+impl<'a> RequestLimits<'a> {
+    fn of(config: &SimConfig, prompt: &'a Prompt) -> Self {
+        RequestLimits {
+            key: match config.limit_scope {
+                LimitScope::Global => "",
+                LimitScope::PerModel => prompt.model.as_str(),
+            },
+            limits: config.limits_for(&prompt.model),
+            headers_on: config.rate_limit_headers,
         }
     }
+}
 
+/// `burst_429`: a storm of 429s for part of every period.
+fn burst_429(state: &SimState, config: &SimConfig, limits: &RequestLimits<'_>) -> Stage {
+    let Some(storm) = config.burst_429 else {
+        return Ok(());
+    };
+    let elapsed = state.burst_epoch.lock().elapsed().as_secs_f64();
+    let phase = elapsed % storm.every_s;
+    if phase >= storm.duration_s {
+        return Ok(());
+    }
+    state.stats.lock().injected.burst_429 += 1;
+    let wait = Duration::from_secs_f64(storm.duration_s - phase);
+    let mut response = error_response(
+        StatusCode::TOO_MANY_REQUESTS,
+        "Rate limit reached: the provider is overloaded (simulated storm).",
+        error_type::RATE_LIMIT,
+        Some(error_code::RATE_LIMIT_EXCEEDED),
+        None,
+    );
+    if limits.headers_on {
+        let mut snapshot = state
+            .limiter
+            .lock()
+            .peek(limits.key, &limits.limits, Instant::now());
+        if let Some(r) = snapshot.requests.as_mut() {
+            r.remaining = 0;
+            r.reset = r.reset.max(wait);
+        }
+        add_limit_headers(response.headers_mut(), &snapshot);
+        add_retry_after(response.headers_mut(), wait);
+    }
+    Err(early(response))
+}
+
+/// The RPM/RPS/TPM buckets: the request's cost taken, or a 429.
+fn rate_limits(
+    state: &SimState,
+    prompt: &Prompt,
+    answer: &Answer,
+    limits: &RequestLimits<'_>,
+) -> Stage<LimitSnapshot> {
     let token_cost = prompt.prompt_tokens + prompt.max_tokens.unwrap_or(answer.completion_tokens);
-    let admission = state
-        .limiter
-        .lock()
-        .admit(limit_key, &limits, token_cost, Instant::now());
-    let snapshot = match admission {
-        Admission::Allowed(snapshot) => snapshot,
-        Admission::Limited {
+    let decision =
+        state
+            .limiter
+            .lock()
+            .admit(limits.key, &limits.limits, token_cost, Instant::now());
+    match decision {
+        RateDecision::Allowed(snapshot) => Ok(snapshot),
+        RateDecision::Limited {
             kind,
             limit,
             retry_after,
@@ -929,46 +1017,47 @@ async fn chat_pipeline(state: &SimState, headers: &HeaderMap, body: &[u8]) -> Re
                 Some(error_code::RATE_LIMIT_EXCEEDED),
                 None,
             );
-            if headers_on {
+            if limits.headers_on {
                 add_limit_headers(response.headers_mut(), &snapshot);
                 add_retry_after(response.headers_mut(), retry_after);
             }
-            return response;
-        }
-    };
-
-    // Queueing mode: the slot is held through the hang and the latency.
-    let _slot = match state.take_slot(limit_key, config.slots).await {
-        Ok(slot) => slot,
-        Err(()) => return shutting_down(),
-    };
-    let hang = fire(&mut state.faults.lock().hang, config.hang_rate);
-    if hang {
-        state.stats.lock().injected.hangs += 1;
-        let duration = (config.hang_ms > 0).then(|| Duration::from_millis(config.hang_ms));
-        if !state.hold(duration).await {
-            return shutting_down();
+            Err(early(response))
         }
     }
-    // Generation time grows with the answer.
+}
+
+/// `hang_rate`: a request held for `hang_ms` (or until shutdown).
+async fn hang(state: &SimState, config: &SimConfig) -> Stage {
+    if !fire(&mut state.faults.lock().hang, config.hang_rate) {
+        return Ok(());
+    }
+    state.stats.lock().injected.hangs += 1;
+    let duration = (config.hang_ms > 0).then(|| Duration::from_millis(config.hang_ms));
+    match state.hold(duration).await {
+        true => Ok(()),
+        false => Err(early(shutting_down())),
+    }
+}
+
+/// The latency drawn from the model's distribution, plus the generation
+/// time, which grows with the answer.
+async fn latency(state: &SimState, config: &SimConfig, prompt: &Prompt, answer: &Answer) -> Stage {
     let generation = Duration::from_secs_f64(
         config.ms_per_output_token.max(0.0) * answer.completion_tokens as f64 / 1000.0,
     );
     let latency = state.sample_latency(config.latency_for(&prompt.model)) + generation;
-    if !state.hold(Some(latency)).await {
-        return shutting_down();
+    match state.hold(Some(latency)).await {
+        true => Ok(()),
+        false => Err(early(shutting_down())),
     }
+}
 
-    let mut response_headers = HeaderMap::new();
-    if headers_on {
-        add_limit_headers(&mut response_headers, &snapshot);
-    }
-    set_header(
-        &mut response_headers,
-        header::REQUEST_ID,
-        format!("req_sim_{seq}"),
-    );
-
+/// `error_rate`: a 500, 502 or 503 in turn.
+fn injected_server_error(
+    state: &SimState,
+    config: &SimConfig,
+    response_headers: &mut HeaderMap,
+) -> Stage {
     let server_error = {
         let mut faults = state.faults.lock();
         if fire(&mut faults.error, config.error_rate) {
@@ -978,49 +1067,74 @@ async fn chat_pipeline(state: &SimState, headers: &HeaderMap, body: &[u8]) -> Re
             None
         }
     };
-    if let Some(n) = server_error {
-        state.stats.lock().injected.server_errors += 1;
-        let status = match n % 3 {
-            1 => StatusCode::INTERNAL_SERVER_ERROR,
-            2 => StatusCode::BAD_GATEWAY,
-            _ => StatusCode::SERVICE_UNAVAILABLE,
-        };
-        let mut response = error_response(
-            status,
-            "The server had an error while processing your request (simulated).",
-            error_type::SERVER,
-            None,
-            None,
-        );
-        response.headers_mut().extend(response_headers);
-        return response;
-    }
+    let Some(n) = server_error else {
+        return Ok(());
+    };
+    state.stats.lock().injected.server_errors += 1;
+    let status = match n % 3 {
+        1 => StatusCode::INTERNAL_SERVER_ERROR,
+        2 => StatusCode::BAD_GATEWAY,
+        _ => StatusCode::SERVICE_UNAVAILABLE,
+    };
+    let mut response = error_response(
+        status,
+        "The server had an error while processing your request (simulated).",
+        error_type::SERVER,
+        None,
+        None,
+    );
+    response
+        .headers_mut()
+        .extend(std::mem::take(response_headers));
+    Err(early(response))
+}
 
-    if fire(&mut state.faults.lock().reset, config.reset_rate) {
-        state.stats.lock().injected.resets += 1;
-        response_headers.insert(
-            axum::http::header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        // The start of a completion, then an error instead of the rest: the
-        // server drops the connection mid-body.
-        let start = format!("{{\"id\":\"chatcmpl-sim-{seq}\",\"object\":\"chat.completion\",");
-        let cut = async {
-            // After the headers and the first bytes went out.
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            Err(std::io::Error::new(
-                std::io::ErrorKind::ConnectionReset,
-                "simulated reset",
-            ))
-        };
-        let parts = futures::StreamExt::chain(
-            futures::stream::once(async { Ok(bytes::Bytes::from(start)) }),
-            futures::stream::once(cut),
-        );
-        let body = axum::body::Body::from_stream(parts);
-        return (StatusCode::OK, response_headers, body).into_response();
+/// `reset_rate`: the start of a completion, then the connection dropped
+/// mid-body.
+fn injected_reset(
+    state: &SimState,
+    config: &SimConfig,
+    seq: u64,
+    response_headers: &mut HeaderMap,
+) -> Stage {
+    if !fire(&mut state.faults.lock().reset, config.reset_rate) {
+        return Ok(());
     }
+    state.stats.lock().injected.resets += 1;
+    response_headers.insert(
+        axum::http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    let start = format!("{{\"id\":\"chatcmpl-sim-{seq}\",\"object\":\"chat.completion\",");
+    let cut = async {
+        // After the headers and the first bytes went out.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        Err(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "simulated reset",
+        ))
+    };
+    let parts = futures::StreamExt::chain(
+        futures::stream::once(async { Ok(bytes::Bytes::from(start)) }),
+        futures::stream::once(cut),
+    );
+    let body = axum::body::Body::from_stream(parts);
+    Err(early((
+        StatusCode::OK,
+        std::mem::take(response_headers),
+        body,
+    )))
+}
 
+/// `malformed_rate`: a 200 whose body is cut short or lacks `choices`, in
+/// turn (the call counts as served: a provider bills it).
+fn injected_malformed(
+    state: &SimState,
+    config: &SimConfig,
+    prompt: &Prompt,
+    seq: u64,
+    response_headers: &mut HeaderMap,
+) -> Stage {
     let malformed = {
         let mut faults = state.faults.lock();
         if fire(&mut faults.malformed, config.malformed_rate) {
@@ -1030,28 +1144,44 @@ async fn chat_pipeline(state: &SimState, headers: &HeaderMap, body: &[u8]) -> Re
             None
         }
     };
-    if let Some(n) = malformed {
-        record_success(state, &prompt, None);
-        state.stats.lock().injected.malformed += 1;
-        let body = if n % 2 == 1 {
-            format!(
-                "{{\"id\":\"chatcmpl-sim-{seq}\",\"object\":\"chat.completion\",\"choices\":[{{\"index\":0,"
-            )
-        } else {
-            json!({
-                "id": format!("chatcmpl-sim-{seq}"),
-                "object": "chat.completion",
-                "model": prompt.model,
-            })
-            .to_string()
-        };
-        response_headers.insert(
-            axum::http::header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        return (StatusCode::OK, response_headers, body).into_response();
-    }
+    let Some(n) = malformed else {
+        return Ok(());
+    };
+    record_success(state, prompt, None);
+    state.stats.lock().injected.malformed += 1;
+    let body = if n % 2 == 1 {
+        format!(
+            "{{\"id\":\"chatcmpl-sim-{seq}\",\"object\":\"chat.completion\",\"choices\":[{{\"index\":0,"
+        )
+    } else {
+        json!({
+            "id": format!("chatcmpl-sim-{seq}"),
+            "object": "chat.completion",
+            "model": prompt.model,
+        })
+        .to_string()
+    };
+    response_headers.insert(
+        axum::http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    Err(early((
+        StatusCode::OK,
+        std::mem::take(response_headers),
+        body,
+    )))
+}
 
+/// The answer: the completion, its usage (cached tokens when the system
+/// prompt was seen recently) and the call counted as served.
+fn answer_response(
+    state: &SimState,
+    config: &SimConfig,
+    prompt: &Prompt,
+    answer: &Answer,
+    seq: u64,
+    response_headers: HeaderMap,
+) -> Response {
     let cached_tokens = if prompt.system.is_empty() {
         0
     } else {
@@ -1065,7 +1195,7 @@ async fn chat_pipeline(state: &SimState, headers: &HeaderMap, body: &[u8]) -> Re
             0
         }
     };
-    record_success(state, &prompt, Some((&answer, cached_tokens)));
+    record_success(state, prompt, Some((answer, cached_tokens)));
     let created = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());

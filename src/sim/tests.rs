@@ -8,7 +8,7 @@ use reqwest::StatusCode;
 use serde_json::{json, Value};
 
 use super::config::EffectiveLimits;
-use super::limits::{format_reset, Admission, Bucket, RateLimiter};
+use super::limits::{format_reset, Bucket, RateDecision, RateLimiter};
 use super::prompt::{
     fnv1a64, parse_batch_items, parse_spec, task_output, tokens_for_message, TaskKind,
 };
@@ -266,14 +266,14 @@ fn token_bucket_refills_with_a_fake_clock() {
     let mut limiter = RateLimiter::default();
     assert!(matches!(
         limiter.admit("m", &limits, 1, t0),
-        Admission::Allowed(_)
+        RateDecision::Allowed(_)
     ));
     assert!(matches!(
         limiter.admit("m", &limits, 1, t0),
-        Admission::Allowed(_)
+        RateDecision::Allowed(_)
     ));
     match limiter.admit("m", &limits, 1, t0) {
-        Admission::Limited {
+        RateDecision::Limited {
             retry_after,
             snapshot,
             ..
@@ -288,17 +288,17 @@ fn token_bucket_refills_with_a_fake_clock() {
     // Another key has its own bucket.
     assert!(matches!(
         limiter.admit("other", &limits, 1, t0),
-        Admission::Allowed(_)
+        RateDecision::Allowed(_)
     ));
     // 100 ms later one request fits again.
     let t1 = t0 + Duration::from_millis(100);
     assert!(matches!(
         limiter.admit("m", &limits, 1, t1),
-        Admission::Allowed(_)
+        RateDecision::Allowed(_)
     ));
     assert!(matches!(
         limiter.admit("m", &limits, 1, t1),
-        Admission::Limited { .. }
+        RateDecision::Limited { .. }
     ));
 
     // Halving the rate applies at once and clamps the fill to the new burst.
@@ -310,10 +310,10 @@ fn token_bucket_refills_with_a_fake_clock() {
     let t2 = t1 + Duration::from_secs(10);
     assert!(matches!(
         limiter.admit("m", &slower, 1, t2),
-        Admission::Allowed(_)
+        RateDecision::Allowed(_)
     ));
     match limiter.admit("m", &slower, 1, t2) {
-        Admission::Limited { retry_after, .. } => {
+        RateDecision::Limited { retry_after, .. } => {
             assert_eq!(retry_after, Duration::from_millis(200))
         }
         other => panic!("expected a 429, got {other:?}"),
@@ -330,11 +330,13 @@ fn token_limit_charges_tokens_and_caps_oversized_requests() {
     let mut limiter = RateLimiter::default();
     assert!(matches!(
         limiter.admit("m", &limits, 500, t0),
-        Admission::Allowed(_)
+        RateDecision::Allowed(_)
     ));
     match limiter.admit("m", &limits, 200, t0) {
         // 100 tokens missing at 10 tokens/s.
-        Admission::Limited { retry_after, .. } => assert_eq!(retry_after, Duration::from_secs(10)),
+        RateDecision::Limited { retry_after, .. } => {
+            assert_eq!(retry_after, Duration::from_secs(10))
+        }
         other => panic!("expected a 429, got {other:?}"),
     }
     // A request larger than the whole bucket passes once the bucket is full.

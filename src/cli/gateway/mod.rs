@@ -116,12 +116,13 @@ pub struct Gateway {
     /// Whether any tenant has a hard quota.
     quotas_hard: bool,
     /// What admission last read per tenant, and when.
-    admissions: Mutex<HashMap<String, (Admission, Instant)>>,
+    standings: Mutex<HashMap<String, (TenantStanding, Instant)>>,
 }
 
-/// What admission knows of a tenant.
+/// Where a tenant stands, as admission reads it: its backlog and its
+/// hard-quota window.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct Admission {
+pub struct TenantStanding {
     /// Tasks accepted and not answered.
     pub pending: u64,
     /// Until when its hard quota's window counts as used up, ms.
@@ -291,7 +292,7 @@ impl Gateway {
         &self,
         tenant: &str,
         headers: &HeaderMap,
-    ) -> Result<Admission, Refusal> {
+    ) -> Result<TenantStanding, Refusal> {
         match self.holder(BACKLOG_STORE, tenant, forward::is_forwarded(headers))? {
             Holder::Local(p) => {
                 let read = |store: &str| {
@@ -299,7 +300,7 @@ impl Gateway {
                         .get::<String, i64>(store, p, &tenant.to_string())
                         .map_err(|e| Refusal::unavailable(e.to_string()))
                 };
-                Ok(Admission {
+                Ok(TenantStanding {
                     pending: read(BACKLOG_STORE)?.unwrap_or(0).max(0) as u64,
                     quota_until_ms: read(QUOTA_STORE)?,
                 })
@@ -322,7 +323,7 @@ impl Gateway {
                 let body: api::BacklogBody = resp.json().await.map_err(|e| {
                     Refusal::unavailable(format!("forwarded answer of {host}: {e}"))
                 })?;
-                Ok(Admission {
+                Ok(TenantStanding {
                     pending: body.pending,
                     quota_until_ms: body
                         .quota_exhausted_until
@@ -346,7 +347,7 @@ impl Gateway {
             return Ok(());
         }
         let cached = self
-            .admissions
+            .standings
             .lock()
             .get(tenant)
             .filter(|(_, at)| at.elapsed() < BACKLOG_FRESH)
@@ -355,7 +356,7 @@ impl Gateway {
             Some(a) => a,
             None => match self.admission_of(tenant, headers).await {
                 Ok(a) => {
-                    self.admissions
+                    self.standings
                         .lock()
                         .insert(tenant.to_string(), (a, Instant::now()));
                     a
@@ -398,7 +399,7 @@ impl Gateway {
 
     /// Counts `n` tasks accepted into the cached backlog of `tenant`.
     fn accepted(&self, tenant: &str, n: u64) {
-        if let Some((a, _)) = self.admissions.lock().get_mut(tenant) {
+        if let Some((a, _)) = self.standings.lock().get_mut(tenant) {
             a.pending += n;
         }
         self.metrics.accepted.inc_by(n);
@@ -691,7 +692,7 @@ pub async fn run_until(
             config.accounting.enabled
                 && (q.default.iter().any(hard) || q.tenants.values().any(hard))
         },
-        admissions: Mutex::default(),
+        standings: Mutex::default(),
     });
     let http = tokio::spawn({
         let router = api::router(gateway.clone());

@@ -47,7 +47,7 @@ use sluice_topology::{
 
 use crate::envelope::{TaskEnvelope, TaskResult, HEADER_DUPLICATE, QUOTA_EXCEEDED};
 use crate::steps::route::DowngradeHook;
-pub use quota::{Admission, Amount, Quota, QuotaGate, QuotaMode, Quotas, Reservations};
+pub use quota::{Amount, Quota, QuotaDecision, QuotaGate, QuotaMode, Quotas, Reservations};
 
 /// A window size and how long its windows are kept.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

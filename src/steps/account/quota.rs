@@ -119,7 +119,7 @@ pub struct Exceeded {
 
 /// What the gate decides for a call.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Admission {
+pub enum QuotaDecision {
     /// The tenant has no hard quota: nothing is reserved.
     Unlimited,
     /// The call's worst case is reserved.
@@ -158,8 +158,8 @@ impl QuotaGate {
     /// It may grow a reservation already made (a batch's spoiled call
     /// billed to its tasks).
     ///
-    /// [`Wait`]: Admission::Wait
-    /// [`Exceeded`]: Admission::Exceeded
+    /// [`Wait`]: QuotaDecision::Wait
+    /// [`Exceeded`]: QuotaDecision::Exceeded
     pub fn reserve<K: Data, V: Data, O: Send + 'static>(
         &self,
         ctx: &mut ProcessorContext<'_, K, V, O>,
@@ -167,12 +167,12 @@ impl QuotaGate {
         tenant: &str,
         worst: Amount,
         now_ms: i64,
-    ) -> Result<Admission, ProcessError> {
+    ) -> Result<QuotaDecision, ProcessError> {
         let Some(q) = self.quotas.hard(tenant) else {
-            return Ok(Admission::Unlimited);
+            return Ok(QuotaDecision::Unlimited);
         };
         let Some((store, w)) = self.windows.get(&q.window) else {
-            return Ok(Admission::Unlimited);
+            return Ok(QuotaDecision::Unlimited);
         };
         let start = w.start_of(now_ms);
         let used = ctx
@@ -199,7 +199,7 @@ impl QuotaGate {
                     worst.cost_micros,
                 ),
             };
-            return Ok(Admission::Exceeded(Exceeded {
+            return Ok(QuotaDecision::Exceeded(Exceeded {
                 message: format!(
                     "hard quota of {cap} {what} per {} window: {used_n} used, this task up to {worst_n}",
                     q.window
@@ -207,10 +207,10 @@ impl QuotaGate {
             }));
         }
         if over(alone.plus(reserved.of(tenant))) {
-            return Ok(Admission::Wait);
+            return Ok(QuotaDecision::Wait);
         }
         reserved.add(tenant, worst);
-        Ok(Admission::Reserved)
+        Ok(QuotaDecision::Reserved)
     }
 }
 

@@ -2,6 +2,8 @@
 //! routing around open breakers, holding jobs while the provider cannot
 //! answer, and turning outcomes into results.
 
+use std::collections::HashMap;
+
 use sluice_topology::{OutputRecord, ProcessError};
 
 use super::output;
@@ -12,7 +14,7 @@ use crate::envelope::DlqCategory;
 use crate::llm::{
     CallFailure, CallOutcome, ChatRequest, ErrorClass, PermanentKind, ResponseFormat, Usage,
 };
-use crate::steps::account::{Admission, Amount};
+use crate::steps::account::{Amount, QuotaDecision};
 use crate::steps::invoke_llm::apportion::apportion_batch_usage;
 use crate::steps::invoke_llm::prompt::{self, split_batch_answer, BatchSplitError};
 
@@ -27,6 +29,76 @@ pub(super) struct Job {
     /// Refused with a `400` before: its refusal again, with the same
     /// message, is no new evidence that the model refuses every task.
     refused_before: bool,
+}
+
+/// The jobs this task holds back while their model cannot answer: parked
+/// under a fault of their model (probed now and then), or refused with a
+/// `400` and waiting for their model's run to decide (see [`super::trap`]).
+#[derive(Default)]
+pub(super) struct Holds {
+    /// Jobs parked while their model is held.
+    parked: Vec<Job>,
+    /// Jobs refused with a `400`, waiting for their model's run to decide.
+    refused: Vec<Refused>,
+    /// Models this task holds jobs for (it raised or joined their faults),
+    /// each probed on its own.
+    held: HashMap<String, ModelHold>,
+    /// Jobs parked, as last counted in the shared gauge.
+    pub(super) parked_counted: i64,
+}
+
+impl Holds {
+    /// Parks `job` under its model's hold.
+    fn park(&mut self, job: Job) {
+        self.held.entry(job.model.clone()).or_default();
+        self.parked.push(job);
+    }
+
+    /// How the count of parked tasks changed since it was last taken (for
+    /// the gauge every task shares).
+    fn recount(&mut self) -> i64 {
+        let n = self.parked.iter().map(|j| j.items.len()).sum::<usize>() as i64;
+        let change = n - self.parked_counted;
+        self.parked_counted = n;
+        change
+    }
+
+    /// Takes the parked jobs held for `model` or moved away from it.
+    fn take_jobs_of(&mut self, model: &str) -> Vec<Job> {
+        let (taken, keep): (Vec<Job>, Vec<Job>) = std::mem::take(&mut self.parked)
+            .into_iter()
+            .partition(|j| j.model == model || j.items[0].routed.model == model);
+        self.parked = keep;
+        taken
+    }
+
+    /// The parked job to probe `model` with: one not refused yet when there
+    /// is one (a second task refused alike confirms the fault, an answer
+    /// ends it).
+    fn take_probe(&mut self, model: &str) -> Option<Job> {
+        let of_model = |j: &&Job| j.model == model;
+        let fresh = self
+            .parked
+            .iter()
+            .position(|j| of_model(&j) && !j.refused_before);
+        let i = fresh.or_else(|| self.parked.iter().position(|j| of_model(&j)))?;
+        Some(self.parked.remove(i))
+    }
+
+    /// Drops the holds of models this task holds no job of (parked or
+    /// probing) and returns those models.
+    fn drop_empty(&mut self) -> Vec<String> {
+        let parked = &self.parked;
+        let mut dropped = Vec::new();
+        self.held.retain(|model, hold| {
+            let keep = hold.probing || parked.iter().any(|j| j.model == *model);
+            if !keep {
+                dropped.push(model.clone());
+            }
+            keep
+        });
+        dropped
+    }
 }
 
 /// A model this task holds jobs for, probed now and then.
@@ -255,21 +327,18 @@ impl LlmProcessor {
     /// (its records stay in flight) until a probe finds the model answering
     /// again. Only the model's jobs wait: the others go on.
     fn hold(&mut self, ctx: &Ctx<'_>, fault: &str, detail: &str, job: Job) {
-        let model = job.model.clone();
         self.step
             .0
             .health
-            .raise(ctx.task_id(), &model, fault, detail);
-        self.held.entry(model).or_default();
-        self.parked.push(job);
+            .raise(ctx.task_id(), &job.model, fault, detail);
+        self.holds.park(job);
         self.count_parked();
     }
 
     /// Counts this task's parked tasks into the gauge every task shares.
     fn count_parked(&mut self) {
-        let n: usize = self.parked.iter().map(|j| j.items.len()).sum();
-        self.metrics().parked.add(n as i64 - self.parked_counted);
-        self.parked_counted = n as i64;
+        let change = self.holds.recount();
+        self.metrics().parked.add(change);
     }
 
     /// Per held model: resumes its jobs when another task's probe cleared
@@ -277,7 +346,7 @@ impl LlmProcessor {
     /// its own schedule; lets go of models with no job left here.
     pub(super) fn probe_held(&mut self, ctx: &mut Ctx<'_>, now: i64) {
         let every = self.step.settings().probe_interval_ms as i64;
-        let models: Vec<String> = self.held.keys().cloned().collect();
+        let models: Vec<String> = self.holds.held.keys().cloned().collect();
         for model in models {
             let health = &self.step.0.health;
             if health.holding(&model).is_none()
@@ -287,25 +356,19 @@ impl LlmProcessor {
                 continue;
             }
             let not_before = health.not_before(&model);
-            let Some(hold) = self.held.get_mut(&model) else {
-                continue;
-            };
-            if hold.probing || now - hold.last_probe_ms < every || now < not_before {
+            let due = self.holds.held.get(&model).is_some_and(|hold| {
+                !hold.probing && now - hold.last_probe_ms >= every && now >= not_before
+            });
+            if !due {
                 continue;
             }
-            // A task not refused yet, when there is one: a second task
-            // refused alike confirms the fault, an answer ends it.
-            let of_model = |j: &&Job| j.model == model;
-            let fresh = self
-                .parked
-                .iter()
-                .position(|j| of_model(&j) && !j.refused_before);
-            let Some(i) = fresh.or_else(|| self.parked.iter().position(|j| of_model(&j))) else {
+            let Some(mut job) = self.holds.take_probe(&model) else {
                 continue;
             };
-            hold.last_probe_ms = now;
-            hold.probing = true;
-            let mut job = self.parked.remove(i);
+            if let Some(hold) = self.holds.held.get_mut(&model) {
+                hold.last_probe_ms = now;
+                hold.probing = true;
+            }
             job.probe = Some(model);
             self.count_parked();
             self.start_call(ctx, job);
@@ -316,22 +379,16 @@ impl LlmProcessor {
     /// Models this task holds no job of (parked or probing): their faults no
     /// longer count this task among their holders.
     fn let_go_of_empty_holds(&mut self, ctx: &Ctx<'_>) {
-        let parked = &self.parked;
-        let health = &self.step.0.health;
-        self.held.retain(|model, hold| {
-            let keep = hold.probing || parked.iter().any(|j| j.model == *model);
-            if !keep {
-                health.release_model(ctx.task_id(), model);
-            }
-            keep
-        });
+        for model in self.holds.drop_empty() {
+            self.step.0.health.release_model(ctx.task_id(), &model);
+        }
     }
 
     /// Handles a call's outcome.
     pub(super) fn finish(&mut self, ctx: &mut Ctx<'_>, done: CallDone) -> Result<(), ProcessError> {
         let CallDone { mut job, result } = done;
         let probed = job.probe.take();
-        if let Some(hold) = probed.as_ref().and_then(|m| self.held.get_mut(m)) {
+        if let Some(hold) = probed.as_ref().and_then(|m| self.holds.held.get_mut(m)) {
             hold.probing = false;
         }
         let was_probe = probed.is_some();
@@ -340,7 +397,7 @@ impl LlmProcessor {
                 if self.step.0.bad_requests.enabled() {
                     self.step.0.bad_requests.answered(&job.model);
                 }
-                if was_probe || self.held.contains_key(&job.model) {
+                if was_probe || self.holds.held.contains_key(&job.model) {
                     self.recovered(ctx, &job.model);
                 }
                 return self.answered(ctx, job, outcome);
@@ -479,7 +536,7 @@ impl LlmProcessor {
             // decides: the model answered another task since → its own
             // `400`, dead-lettered.
             let epoch = runs.epoch(&job.model);
-            self.refused.push(refused(job, epoch));
+            self.holds.refused.push(refused(job, epoch));
             return self.decide_refused(ctx);
         }
         job.refused_before = true;
@@ -492,7 +549,7 @@ impl LlmProcessor {
         if was_probe {
             self.recovered(ctx, &job.model);
         }
-        self.refused.push(refused(job, epoch));
+        self.holds.refused.push(refused(job, epoch));
         Ok(())
     }
 
@@ -661,7 +718,7 @@ impl LlmProcessor {
         );
         let (Some(gate), Some((tenant, _))) = (
             self.step.quota().cloned(),
-            self.reserved.get(&flight).cloned(),
+            self.admission.reserved.get(&flight).cloned(),
         ) else {
             return Ok(true);
         };
@@ -671,21 +728,21 @@ impl LlmProcessor {
         };
         let held = item.held.clone();
         ctx.with_record(&held, |ctx| {
-            match gate.reserve(ctx, &mut self.reservations, &tenant, grow, now_ms())? {
-                Admission::Reserved | Admission::Unlimited => {
-                    if let Some((_, a)) = self.reserved.get_mut(&flight) {
+            match gate.reserve(ctx, &mut self.admission.reservations, &tenant, grow, now_ms())? {
+                QuotaDecision::Reserved | QuotaDecision::Unlimited => {
+                    if let Some((_, a)) = self.admission.reserved.get_mut(&flight) {
                         *a = a.plus(grow);
                     }
                     Ok(true)
                 }
                 // Spent already: growing it must fit now, not later.
-                Admission::Wait => {
+                QuotaDecision::Wait => {
                     let message = "hard quota: the task's share of a spoiled batch call does not fit beside the reservations out".to_string();
                     let billed = (item.extra, item.extra_cost_micros);
                     self.reject(ctx, &item.routed, &item.headers, message, billed)?;
                     Ok(false)
                 }
-                Admission::Exceeded(exceeded) => {
+                QuotaDecision::Exceeded(exceeded) => {
                     let billed = (item.extra, item.extra_cost_micros);
                     self.reject(ctx, &item.routed, &item.headers, exceeded.message, billed)?;
                     Ok(false)
@@ -740,10 +797,7 @@ impl LlmProcessor {
     /// it, so the holds left without one go (a fault no task holds is
     /// cleared).
     fn resume(&mut self, ctx: &mut Ctx<'_>, model: &str) {
-        let (resume, keep): (Vec<Job>, Vec<Job>) = std::mem::take(&mut self.parked)
-            .into_iter()
-            .partition(|j| j.model == model || j.items[0].routed.model == model);
-        self.parked = keep;
+        let resume = self.holds.take_jobs_of(model);
         self.count_parked();
         for job in resume {
             self.start_call(ctx, job);
@@ -780,21 +834,21 @@ impl LlmProcessor {
     /// trapped → held with the model's fault; ended by another answer, or
     /// undecided past the wait → dead-lettered as `bad_request`.
     pub(super) fn decide_refused(&mut self, ctx: &mut Ctx<'_>) -> Result<(), ProcessError> {
-        if self.refused.is_empty() {
+        if self.holds.refused.is_empty() {
             return Ok(());
         }
         let step = self.step.clone();
         let runs = &step.0.bad_requests;
         let wait = step.settings().bad_request_wait_ms as i64;
         let now = now_ms();
-        for r in std::mem::take(&mut self.refused) {
+        for r in std::mem::take(&mut self.holds.refused) {
             match runs.verdict(&r.job.model, r.epoch) {
                 Verdict::Trapped => {
                     let answer = runs.trapped(&r.job.model).unwrap_or_default();
                     let (fault, detail) = runs.fault(&r.job.model, &answer);
                     self.hold(ctx, &fault, &detail, r.job);
                 }
-                Verdict::Open if now - r.since_ms < wait => self.refused.push(r),
+                Verdict::Open if now - r.since_ms < wait => self.holds.refused.push(r),
                 Verdict::Open | Verdict::Broken => {
                     let category = DlqCategory::BadRequest;
                     self.fail_job(ctx, r.job, category, &r.message, r.attempts)?;

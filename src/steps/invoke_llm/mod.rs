@@ -49,7 +49,7 @@ use sluice_topology::{
 use crate::envelope::{DlqCategory, Route, TaskResult};
 use crate::llm::{ChatRequest, LlmClient, Usage};
 use crate::steps::account::pricing::{apportion_cost, cost_micros, Price};
-use crate::steps::account::{Accounting, Admission, Amount, QuotaGate, Reservations};
+use crate::steps::account::{Accounting, Amount, QuotaDecision, QuotaGate, Reservations};
 use crate::steps::batch::{Batch, BatchItem};
 pub use crate::steps::health::Health;
 use crate::steps::route::Routed;
@@ -406,35 +406,66 @@ struct Failure {
 
 type Ctx<'a> = ProcessorContext<'a, String, TaskResult, CallDone>;
 
-/// The operator (one instance per task).
+/// The operator (one instance per task): the step's settings, the tasks
+/// whose call is under way, and two parts of its own — hard-quota
+/// [`Admission`] and the [`call::Holds`] of jobs whose model cannot answer.
 pub struct LlmProcessor {
     step: LlmStep,
     completed_store: String,
     /// Tasks with a call under way (by tenant and idempotency key) →
     /// redeliveries of them waiting for its result.
     in_flight: HashMap<String, Vec<(InFlight, Headers)>>,
-    parked: Vec<call::Job>,
-    /// Jobs refused with a `400`, waiting for their model's run to decide
-    /// (see [`trap`]).
-    refused: Vec<call::Refused>,
-    /// Models this task holds jobs for (it raised or joined their faults),
-    /// each probed on its own.
-    held: HashMap<String, call::ModelHold>,
-    /// Jobs parked, as last counted in the shared gauge.
-    parked_counted: i64,
+    /// Hard-quota reservations and the tasks waiting for them.
+    admission: Admission,
+    /// Jobs held back while their model cannot answer.
+    holds: call::Holds,
     /// The task this processor runs in (known from `init`).
     task: Option<sluice_topology::TaskId>,
     /// Token and cost series per model, resolved on first use.
     counters: HashMap<String, metrics::ModelCounters>,
     /// The idempotency store's windows.
     windows: IdempotencyWindows,
+}
+
+/// Hard-quota admission of this task's calls: what the calls under way
+/// reserved (see [`QuotaGate`]) and the tasks waiting for their tenant's
+/// reservations to settle.
+#[derive(Default)]
+struct Admission {
     /// Hard-quota reservations of the calls under way, per tenant.
     reservations: Reservations,
     /// The reservation of each task under way (by in-flight key).
     reserved: HashMap<String, (String, Amount)>,
     /// Tasks of hard-quota tenants waiting for their tenant's reservations
     /// out to settle, in arrival order (their records held).
-    quota_waiting: Vec<Item>,
+    waiting: Vec<Item>,
+}
+
+impl Admission {
+    /// Whether a task of `tenant` waits already (a later one waits behind
+    /// it, in order).
+    fn has_waiting(&self, tenant: &str) -> bool {
+        self.waiting
+            .iter()
+            .any(|w| w.routed.task.tenant() == tenant)
+    }
+
+    /// Notes the reservation of the task under way under `flight`.
+    fn note(&mut self, flight: String, tenant: String, amount: Amount) {
+        self.reserved.insert(flight, (tenant, amount));
+    }
+
+    /// Releases the reservation of the task under `flight`, if it has one:
+    /// whether it had.
+    fn release(&mut self, flight: &str) -> bool {
+        match self.reserved.remove(flight) {
+            Some((tenant, amount)) => {
+                self.reservations.release(&tenant, amount);
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 fn now_ms() -> i64 {
@@ -449,15 +480,10 @@ impl LlmProcessor {
             windows: step.idempotency_windows(),
             step,
             in_flight: Default::default(),
-            parked: Vec::new(),
-            refused: Vec::new(),
-            held: HashMap::new(),
-            parked_counted: 0,
+            admission: Admission::default(),
+            holds: call::Holds::default(),
             task: None,
             counters: Default::default(),
-            reservations: Reservations::default(),
-            reserved: HashMap::new(),
-            quota_waiting: Vec::new(),
         }
     }
 
@@ -535,17 +561,13 @@ impl LlmProcessor {
             extra_cost_micros,
         };
         // Behind tasks of its tenant that wait, it waits too, in order.
-        let tenant = admitted.routed.task.tenant();
-        let behind = self
-            .quota_waiting
-            .iter()
-            .any(|w| w.routed.task.tenant() == tenant);
+        let behind = self.admission.has_waiting(admitted.routed.task.tenant());
         let admission = match behind {
-            true => Admission::Wait,
+            true => QuotaDecision::Wait,
             false => self.reserve(ctx, &admitted)?,
         };
         match admission {
-            Admission::Exceeded(exceeded) => {
+            QuotaDecision::Exceeded(exceeded) => {
                 let billed = (admitted.extra, admitted.extra_cost_micros);
                 self.reject(
                     ctx,
@@ -556,13 +578,13 @@ impl LlmProcessor {
                 )?;
                 Ok(None)
             }
-            Admission::Wait => {
+            QuotaDecision::Wait => {
                 self.in_flight.insert(flight, Vec::new());
-                self.quota_waiting.push(admitted);
+                self.admission.waiting.push(admitted);
                 self.metrics().quota_waiting.inc();
                 Ok(None)
             }
-            Admission::Reserved | Admission::Unlimited => {
+            QuotaDecision::Reserved | QuotaDecision::Unlimited => {
                 self.in_flight.insert(flight, Vec::new());
                 Ok(Some(admitted))
             }
@@ -571,7 +593,7 @@ impl LlmProcessor {
 
     /// Asks the hard-quota gate for `item`'s call (its record current):
     /// reserved (and remembered under its in-flight key), wait, or refused.
-    fn reserve(&mut self, ctx: &mut Ctx<'_>, item: &Item) -> Result<Admission, ProcessError> {
+    fn reserve(&mut self, ctx: &mut Ctx<'_>, item: &Item) -> Result<QuotaDecision, ProcessError> {
         let task = &item.routed.task;
         let Some(gate) = self
             .step
@@ -580,16 +602,22 @@ impl LlmProcessor {
             .cloned()
         else {
             // No worst case to work out for a tenant without a hard quota.
-            return Ok(Admission::Unlimited);
+            return Ok(QuotaDecision::Unlimited);
         };
         let tenant = task.tenant().to_string();
         let worst = self.worst_case(&item.routed, &item.request);
-        let admission = gate.reserve(ctx, &mut self.reservations, &tenant, worst, now_ms())?;
-        if admission == Admission::Reserved {
+        let admission = gate.reserve(
+            ctx,
+            &mut self.admission.reservations,
+            &tenant,
+            worst,
+            now_ms(),
+        )?;
+        if admission == QuotaDecision::Reserved {
             let key = idempotency_key(&task.envelope.task_type, &task.envelope.task_id);
             self.metrics().reservations.inc();
-            self.reserved
-                .insert(in_flight_key(&tenant, &key), (tenant, worst));
+            self.admission
+                .note(in_flight_key(&tenant, &key), tenant, worst);
         }
         Ok(admission)
     }
@@ -600,27 +628,27 @@ impl LlmProcessor {
     /// again. Those reserved are called, one call each; those that no
     /// longer fit are refused.
     fn admit_waiting(&mut self, ctx: &mut Ctx<'_>) -> Result<(), ProcessError> {
-        if self.quota_waiting.is_empty() {
+        if self.admission.waiting.is_empty() {
             return Ok(());
         }
-        let before = self.quota_waiting.len() as i64;
+        let before = self.admission.waiting.len() as i64;
         let mut blocked: HashSet<String> = HashSet::new();
         let mut ready = Vec::new();
-        for item in std::mem::take(&mut self.quota_waiting) {
+        for item in std::mem::take(&mut self.admission.waiting) {
             let tenant = item.routed.task.tenant().to_string();
             if blocked.contains(&tenant) {
-                self.quota_waiting.push(item);
+                self.admission.waiting.push(item);
                 continue;
             }
             let held = item.held.clone();
             ctx.with_record(&held, |ctx| {
                 match self.reserve(ctx, &item)? {
-                    Admission::Reserved | Admission::Unlimited => ready.push(item),
-                    Admission::Wait => {
+                    QuotaDecision::Reserved | QuotaDecision::Unlimited => ready.push(item),
+                    QuotaDecision::Wait => {
                         blocked.insert(tenant);
-                        self.quota_waiting.push(item);
+                        self.admission.waiting.push(item);
                     }
-                    Admission::Exceeded(exceeded) => {
+                    QuotaDecision::Exceeded(exceeded) => {
                         let billed = (item.extra, item.extra_cost_micros);
                         self.reject(ctx, &item.routed, &item.headers, exceeded.message, billed)?;
                     }
@@ -630,7 +658,7 @@ impl LlmProcessor {
         }
         self.metrics()
             .quota_waiting
-            .sub(before - self.quota_waiting.len() as i64);
+            .sub(before - self.admission.waiting.len() as i64);
         for item in ready {
             self.start(ctx, vec![item], None);
         }
@@ -685,8 +713,7 @@ impl LlmProcessor {
     /// settles its real usage as its result passes, in this same step) and
     /// the redeliveries that waited for it are returned.
     fn end_flight(&mut self, flight: &str) -> Vec<(InFlight, Headers)> {
-        if let Some((tenant, amount)) = self.reserved.remove(flight) {
-            self.reservations.release(&tenant, amount);
+        if self.admission.release(flight) {
             self.metrics().reservations.dec();
         }
         self.in_flight.remove(flight).unwrap_or_default()
@@ -845,11 +872,13 @@ impl Drop for LlmProcessor {
         if let Some(task) = self.task {
             self.step.0.health.release(task);
         }
-        self.metrics().reservations.sub(self.reserved.len() as i64);
+        self.metrics()
+            .reservations
+            .sub(self.admission.reserved.len() as i64);
         self.metrics()
             .quota_waiting
-            .sub(self.quota_waiting.len() as i64);
-        self.metrics().parked.sub(self.parked_counted);
+            .sub(self.admission.waiting.len() as i64);
+        self.metrics().parked.sub(self.holds.parked_counted);
     }
 }
 
