@@ -2,6 +2,7 @@
 //! started, unique names, and fixture processes of the `sluice` binary.
 #![allow(dead_code)]
 
+pub mod engine;
 pub mod gateway;
 pub mod pipeline;
 
