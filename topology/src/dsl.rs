@@ -19,9 +19,9 @@ use crate::node::{
     new_slot, BranchNode, Data, FlatMapFn, Forward, Instantiator, Node, NodeFactory, Punctuation,
     SinkNode, SinkTopic, Slot, StatelessNode,
 };
+use crate::partitions::KeyPartitioner;
 use crate::processor::{ProcState, Processor, ProcessorNode};
 use crate::record::Record;
-use crate::runtime::KeyPartitioner;
 use crate::topology::{RawView, SourceDef, SourceNode, SourceTopic, SubTopology, Topology};
 use crate::window::{EmitMode, Emitter, KvAggNode, TimeWindows, WindowAggNode, Windowed};
 use crate::{Codec, ProcessError, TopologyError};

@@ -14,8 +14,10 @@ mod dsl;
 mod error;
 #[doc(hidden)]
 pub mod fuzzing;
+mod guarantee;
 mod node;
 mod offsets;
+mod partitions;
 mod processor;
 mod record;
 pub mod redact;
@@ -32,8 +34,10 @@ pub use codec::{
 pub use context::TaskCounters;
 pub use dsl::{KGroupedStream, KStream, KTable, SourceOptions, StreamBuilder, TimeWindowedKStream};
 pub use error::{ProcessError, TopologyError};
+pub use guarantee::Guarantee;
 pub use node::{Data, Punctuation};
-pub use offsets::{InFlight, OffsetTracker};
+pub use offsets::{InFlight, OffsetTracker, MAX_IN_FLIGHT_PER_PARTITION};
+pub use partitions::{crc32, key_partition, murmur2, KeyPartitioner};
 pub use processor::{KvStore, Processor, ProcessorContext, WindowStore};
 pub use record::{header, message_headers, Headers, OutputRecord, RawRecord, Record};
 pub use sluice_state::{Position, RocksSettings};

@@ -8,8 +8,8 @@ use parking_lot::Mutex;
 use sluice_state::StoreId;
 
 use crate::context::TaskCtx;
+use crate::partitions::KeyPartitioner;
 use crate::record::{OutputRecord, Record};
-use crate::runtime::KeyPartitioner;
 use crate::{Codec, ProcessError, TopologyError};
 
 /// Values that can flow between operators.

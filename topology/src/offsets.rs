@@ -439,10 +439,16 @@ pub(crate) struct TaskProgress {
 /// The first byte of an encoded progress record (format version).
 const PROGRESS_FORMAT: u8 = 0xF2;
 
+/// The largest `max_in_flight_per_partition`: a commit's progress record
+/// names a partition's unfinished records (and those its restored record
+/// still names), so this bounds it (a few bytes per run of unfinished
+/// offsets, far below a broker's message size).
+pub const MAX_IN_FLIGHT_PER_PARTITION: usize = 10_000;
+
 /// The most unfinished offsets a progress record may name, over all its
 /// slots: each slot names at most a partition's records in flight (and those
 /// its restored record still named), so more is corruption.
-const MAX_UNFINISHED: u64 = 100 * crate::runtime::MAX_IN_FLIGHT_PER_PARTITION as u64;
+const MAX_UNFINISHED: u64 = 100 * MAX_IN_FLIGHT_PER_PARTITION as u64;
 
 /// The progress record as stored: unfinished offsets as runs relative to the
 /// committed offset, so a record stays a few bytes per run of unfinished
@@ -829,7 +835,7 @@ mod tests {
         // The bound: a slot's unfinished offsets are its own in-flight records
         // (at most `MAX_IN_FLIGHT_PER_PARTITION`) and those of the restored
         // record not read again yet (as many), at worst every other offset.
-        let n = crate::runtime::MAX_IN_FLIGHT_PER_PARTITION as i64 * 2;
+        let n = MAX_IN_FLIGHT_PER_PARTITION as i64 * 2;
         let slot = SlotProgress {
             source: 1,
             committed: 1 << 40,

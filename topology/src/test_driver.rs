@@ -17,8 +17,8 @@ use crossbeam_channel::Receiver;
 use sluice_state::{ChangelogRecord, RocksEnv, RocksSettings, TaskState};
 
 use crate::context::CompletionMsg;
+use crate::guarantee::Guarantee;
 use crate::offsets::StartAt;
-use crate::runtime::Guarantee;
 use crate::task::{Input, TaskCore};
 use crate::{Codec, Headers, OutputRecord, ProcessError, TaskCounters, Topology, TopologyError};
 

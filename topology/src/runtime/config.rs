@@ -5,32 +5,10 @@ use std::time::Duration;
 
 use sluice_state::RocksSettings;
 
-use super::partitions::KeyPartitioner;
-
+use crate::guarantee::Guarantee;
+use crate::offsets::MAX_IN_FLIGHT_PER_PARTITION;
+use crate::partitions::KeyPartitioner;
 use crate::TopologyError;
-
-/// Processing guarantee.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Guarantee {
-    /// Offsets are committed after outputs and changelogs were acknowledged;
-    /// a crash may repeat output. Commits every 200 ms by default (cached
-    /// aggregation results are forwarded at each commit).
-    AtLeastOnce,
-    /// Outputs, changelog writes and consumed offsets are committed atomically
-    /// in Kafka transactions, one transactional id per task.
-    ExactlyOnce,
-}
-
-impl Guarantee {
-    /// The default commit interval for the guarantee.
-    pub fn default_commit_interval(self) -> Duration {
-        match self {
-            Guarantee::AtLeastOnce => Duration::from_millis(200),
-            Guarantee::ExactlyOnce => Duration::from_millis(100),
-        }
-    }
-}
 
 /// The consumer group protocol, and with it how rebalances move partitions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -68,7 +46,7 @@ pub struct StreamsConfig {
     /// Directory for task state (one subdirectory per task).
     pub state_dir: PathBuf,
     /// A partition is paused when this many of its records are in flight
-    /// (at most [`super::MAX_IN_FLIGHT_PER_PARTITION`]: a commit's progress
+    /// (at most [`MAX_IN_FLIGHT_PER_PARTITION`]: a commit's progress
     /// record names the unfinished ones).
     pub max_in_flight_per_partition: usize,
     /// Threads that process tasks in parallel when several have records
@@ -220,13 +198,10 @@ impl StreamsConfig {
         if self.bootstrap_servers.trim().is_empty() {
             return bad("bootstrap_servers", "must not be empty");
         }
-        if !(1..=super::MAX_IN_FLIGHT_PER_PARTITION).contains(&self.max_in_flight_per_partition) {
+        if !(1..=MAX_IN_FLIGHT_PER_PARTITION).contains(&self.max_in_flight_per_partition) {
             return bad(
                 "max_in_flight_per_partition",
-                &format!(
-                    "must be between 1 and {}",
-                    super::MAX_IN_FLIGHT_PER_PARTITION
-                ),
+                &format!("must be between 1 and {}", MAX_IN_FLIGHT_PER_PARTITION),
             );
         }
         if self.processing_threads == 0 {

@@ -37,7 +37,6 @@ mod failpoint;
 mod fetched;
 mod instances;
 mod kafka;
-mod partitions;
 mod polled;
 pub mod probe;
 mod queries;
@@ -51,22 +50,19 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 
-pub use config::{GroupProtocol, Guarantee, StreamsConfig};
+pub use config::{GroupProtocol, StreamsConfig};
 pub use instances::{ClaimKey, InstanceClaim};
 pub use kafka::{client_base, close_in_background};
 pub use metrics::EngineMetrics;
-pub use partitions::{crc32, key_partition, murmur2, KeyPartitioner};
 pub use polled::PolledProducer;
 pub use queries::{Assignment, KeyMetadata, Queries, QueryError};
 pub use sluice_state::WindowRange;
 
-use crate::{ProcessError, TaskId, Topology, TopologyError};
+pub use crate::guarantee::Guarantee;
+pub use crate::offsets::MAX_IN_FLIGHT_PER_PARTITION;
+pub use crate::partitions::{crc32, key_partition, murmur2, KeyPartitioner};
 
-/// The largest `max_in_flight_per_partition`: a commit's progress record
-/// names a partition's unfinished records (and those its restored record
-/// still names), so this bounds it (a few bytes per run of unfinished
-/// offsets, far below a broker's message size).
-pub const MAX_IN_FLIGHT_PER_PARTITION: usize = 10_000;
+use crate::{ProcessError, TaskId, Topology, TopologyError};
 
 /// Why the runtime stopped.
 #[derive(Debug, thiserror::Error)]

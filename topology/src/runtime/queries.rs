@@ -27,7 +27,7 @@ use tokio::sync::watch;
 
 use super::config::StreamsConfig;
 use super::instances::{Directory, InstanceClaim};
-use super::partitions::KeyPartitioner;
+use crate::partitions::KeyPartitioner;
 use crate::topology::SourceTopic;
 use crate::{from_bincode, to_bincode, CodecError, TaskId, Topology};
 

@@ -27,11 +27,11 @@ use sluice_state::{RestoreStats, StoreId, StoreSpec, TaskState};
 /// A changelog record as restored: key and value (or tombstone).
 type RestoredRecord = (Vec<u8>, Option<Vec<u8>>);
 
-use super::config::{Guarantee, StreamsConfig};
+use super::config::StreamsConfig;
 use super::fetched::FetchQueue;
 use super::kafka::{client_config, close_in_background};
 use super::RuntimeError;
-use crate::{TaskId, Topology};
+use crate::{Guarantee, TaskId, Topology};
 
 /// Restored records applied to RocksDB at once, by their size (key, value
 /// and 64 bytes for the pair's bookkeeping): a batch this large is written

@@ -24,7 +24,7 @@ use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{ClientContext, Message, Offset, TopicPartitionList};
 use sluice_state::{RocksEnv, TaskState};
 
-use super::config::{GroupProtocol, Guarantee, StreamsConfig};
+use super::config::{GroupProtocol, StreamsConfig};
 use super::failpoint;
 use super::fetched::{FetchQueue, Fetched};
 use super::kafka::{
@@ -39,7 +39,7 @@ use crate::context::CompletionMsg;
 use crate::offsets::StartAt;
 use crate::record::OutputRecord;
 use crate::task::{Input, PreparedCommit, TaskCore};
-use crate::{TaskId, Topology, TopologyError};
+use crate::{Guarantee, TaskId, Topology, TopologyError};
 
 mod commit;
 mod intake;
