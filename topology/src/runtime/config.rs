@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use sluice_state::RocksSettings;
 
+use super::claim::ClaimKey;
 use crate::guarantee::Guarantee;
 use crate::offsets::MAX_IN_FLIGHT_PER_PARTITION;
 use crate::partitions::KeyPartitioner;
@@ -106,7 +107,7 @@ pub struct StreamsConfig {
     /// The secret the instances sign their claims with; set, claims it did
     /// not sign are ignored (see [`crate::runtime::ClaimKey`]). `None`: any
     /// claim on the instances topic is believed (protect it with ACLs).
-    pub instance_claim_key: Option<super::instances::ClaimKey>,
+    pub instance_claim_key: Option<ClaimKey>,
     /// Extra librdkafka properties for every client.
     pub client_overrides: crate::redact::Properties,
     /// Extra librdkafka properties for the main consumer.

@@ -16,7 +16,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 
 use super::config::StreamsConfig;
 use super::kafka::{client_config, close_in_background};
-use super::AppStatus;
+use super::status::AppStatus;
 use crate::error::TopologyError;
 
 /// How often the cluster is asked.

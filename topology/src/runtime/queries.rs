@@ -16,17 +16,18 @@
 //! rest of its group (a provider's rate limit, say) in proportion to its
 //! partitions follows it from there.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::sync::Arc;
 
-use parking_lot::Mutex;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use sluice_state::{StateError, StoreKind, StoreReader, WindowRange};
 use tokio::sync::watch;
 
+use super::claim::{Directory, InstanceClaim};
+use super::clock::now_ms;
 use super::config::StreamsConfig;
-use super::instances::{Directory, InstanceClaim};
+use super::local_tasks::{LocalTasks, NoReader};
 use crate::partitions::KeyPartitioner;
 use crate::topology::SourceTopic;
 use crate::{from_bincode, to_bincode, CodecError, TaskId, Topology};
@@ -127,88 +128,6 @@ impl QueryError {
             self,
             QueryError::NotLocal { .. } | QueryError::Restoring { .. }
         )
-    }
-}
-
-/// The tasks of this instance, as the driver publishes them, with a reader
-/// of each running task's state.
-#[derive(Debug, Default)]
-pub(crate) struct LocalTasks {
-    inner: Mutex<LocalInner>,
-    /// Marked changed on every change of the tasks.
-    changes: watch::Sender<()>,
-}
-
-#[derive(Debug, Default)]
-struct LocalInner {
-    running: BTreeSet<TaskId>,
-    assigned: BTreeSet<TaskId>,
-    readers: HashMap<TaskId, StoreReader>,
-}
-
-impl LocalTasks {
-    /// Sets the running and the assigned (running or restoring) tasks;
-    /// `reader_of` gives the state reader of a task that started running.
-    pub(crate) fn publish(
-        &self,
-        running: BTreeSet<TaskId>,
-        assigned: BTreeSet<TaskId>,
-        reader_of: impl Fn(TaskId) -> Option<StoreReader>,
-    ) {
-        {
-            let mut inner = self.inner.lock();
-            if inner.running == running && inner.assigned == assigned {
-                return;
-            }
-            let mut old = std::mem::take(&mut inner.readers);
-            inner.readers = running
-                .iter()
-                .filter_map(|id| {
-                    old.remove(id)
-                        .filter(StoreReader::is_open)
-                        .or_else(|| reader_of(*id))
-                        .map(|r| (*id, r))
-                })
-                .collect();
-            inner.running = running;
-            inner.assigned = assigned;
-        }
-        self.changes.send_replace(());
-    }
-
-    /// The tasks assigned here (running or restoring).
-    pub(crate) fn assigned(&self) -> BTreeSet<TaskId> {
-        self.inner.lock().assigned.clone()
-    }
-
-    /// How many tasks of sub-topology `subtopology` are assigned here.
-    fn assigned_in(&self, subtopology: usize) -> usize {
-        self.inner
-            .lock()
-            .assigned
-            .iter()
-            .filter(|id| id.subtopology as usize == subtopology)
-            .count()
-    }
-
-    /// Whether `id` runs here and whether it is assigned here.
-    fn state_of(&self, id: TaskId) -> (bool, bool) {
-        let inner = self.inner.lock();
-        (inner.running.contains(&id), inner.assigned.contains(&id))
-    }
-
-    /// The reader of a running task, or why there is none.
-    fn reader(&self, id: TaskId, store: &str) -> Result<StoreReader, QueryError> {
-        let inner = self.inner.lock();
-        if let Some(r) = inner.readers.get(&id) {
-            return Ok(r.clone());
-        }
-        let (store, partition) = (store.to_string(), id.partition);
-        if inner.assigned.contains(&id) {
-            Err(QueryError::Restoring { store, partition })
-        } else {
-            Err(QueryError::NotLocal { store, partition })
-        }
     }
 }
 
@@ -328,7 +247,7 @@ impl Queries {
                 d.owner(
                     &sub.topics,
                     partition,
-                    super::now_ms(),
+                    now_ms(),
                     self.inner.claim_timeout_ms,
                     own.as_deref(),
                 )
@@ -357,7 +276,7 @@ impl Queries {
     /// (assigned, revoked, restored): wait on it
     /// (`changed().await`) and read [`Queries::assignment`] again.
     pub fn assignment_changes(&self) -> watch::Receiver<()> {
-        self.inner.local.changes.subscribe()
+        self.inner.local.changes()
     }
 
     /// The instances known to hold partitions (their fresh claims), this one
@@ -366,7 +285,7 @@ impl Queries {
         self.inner
             .directory
             .as_ref()
-            .map(|d| d.fresh(super::now_ms(), self.inner.claim_timeout_ms))
+            .map(|d| d.fresh(now_ms(), self.inner.claim_timeout_ms))
             .unwrap_or_default()
     }
 
@@ -404,7 +323,7 @@ impl Queries {
             subtopology: sub as u32,
             partition,
         };
-        let reader = self.inner.local.reader(id, first.store)?;
+        let reader = self.reader(id, first.store)?;
         let found = reader
             .fetch_windows(&to_bincode(key), ranges)
             .map_err(|e| self.closed_as_moved(e, id, first.store))?;
@@ -447,7 +366,7 @@ impl Queries {
             subtopology: info.subtopology as u32,
             partition,
         };
-        let reader = self.inner.local.reader(id, store)?;
+        let reader = self.reader(id, store)?;
         let value = reader
             .get(store, &to_bincode(key))
             .map_err(|e| self.closed_as_moved(e, id, store))?;
@@ -460,20 +379,27 @@ impl Queries {
             })
     }
 
+    /// The state reader of task `id` (for a query of `store`), or why
+    /// there is none.
+    fn reader(&self, id: TaskId, store: &str) -> Result<StoreReader, QueryError> {
+        let (store, partition) = (store.to_string(), id.partition);
+        self.inner.local.reader(id).map_err(|why| match why {
+            NoReader::Restoring => QueryError::Restoring { store, partition },
+            NoReader::NotAssigned => QueryError::NotLocal { store, partition },
+        })
+    }
+
     /// A reader closed under the query: its task just left (or is being
     /// restored again).
     fn closed_as_moved(&self, e: StateError, id: TaskId, store: &str) -> QueryError {
         match e {
-            StateError::Closed => {
-                self.inner
-                    .local
-                    .reader(id, store)
-                    .err()
-                    .unwrap_or(QueryError::NotLocal {
-                        store: store.to_string(),
-                        partition: id.partition,
-                    })
-            }
+            StateError::Closed => self
+                .reader(id, store)
+                .err()
+                .unwrap_or(QueryError::NotLocal {
+                    store: store.to_string(),
+                    partition: id.partition,
+                }),
             other => QueryError::State(other),
         }
     }
@@ -481,6 +407,7 @@ impl Queries {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeSet;
     use std::time::Duration;
 
     use super::*;
@@ -555,7 +482,7 @@ mod tests {
         assert_ne!(murmur, crc, "the key tells the partitioners apart");
         let local = Arc::new(LocalTasks::default());
         let directory = Arc::new(Directory::default());
-        let now = super::super::now_ms();
+        let now = now_ms();
         directory.apply(
             Some(b"http://other"),
             Some(&claim("http://other", &[crc], now)),

@@ -28,9 +28,9 @@ use sluice_state::{RestoreStats, StoreId, StoreSpec, TaskState};
 type RestoredRecord = (Vec<u8>, Option<Vec<u8>>);
 
 use super::config::StreamsConfig;
+use super::error::RuntimeError;
 use super::fetched::FetchQueue;
-use super::kafka::{client_config, close_in_background};
-use super::RuntimeError;
+use super::kafka::{client_config, close_in_background, until_done, FETCH_QUEUE_BACKOFF_MS};
 use crate::{Guarantee, TaskId, Topology};
 
 /// Restored records applied to RocksDB at once, by their size (key, value
@@ -102,10 +102,7 @@ fn create_restore_consumer(cfg: &StreamsConfig) -> Result<RestoreConsumer, Runti
         // Fetching again soon after the queue was full (see the driver's
         // consumer): the restore applies in batches and must not wait a
         // second for the next fetch.
-        .set(
-            "fetch.queue.backoff.ms",
-            super::driver::FETCH_QUEUE_BACKOFF_MS,
-        );
+        .set("fetch.queue.backoff.ms", FETCH_QUEUE_BACKOFF_MS);
     if cfg.guarantee == Guarantee::ExactlyOnce {
         c.set("isolation.level", "read_committed");
     }
@@ -335,7 +332,7 @@ fn watermarks(
     partition: i32,
     cancel: &AtomicBool,
 ) -> Result<(i64, i64), RuntimeError> {
-    super::kafka::until_done(
+    until_done(
         cancel,
         || consumer.fetch_watermarks(topic, partition, WATERMARK_TIMEOUT),
         |e| tracing::warn!(topic, partition, error = %e, "changelog end not known yet; asking again"),

@@ -2,8 +2,28 @@
 //! (a transaction per task under exactly-once, one group commit under
 //! at-least-once), then the local state.
 
-use super::*;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use rdkafka::consumer::{CommitMode, Consumer};
+use rdkafka::message::OwnedMessage;
+use rdkafka::producer::Producer;
+use rdkafka::{Message, Offset, TopicPartitionList};
+
+use super::{
+    in_parallel, retrying, ActiveTask, DriverConsumer, Engine, FLUSH_TIMEOUT, TXN_REQUEST_TIMEOUT,
+    TXN_TIMEOUT,
+};
+use crate::context::CompletionMsg;
+use crate::record::OutputRecord;
+use crate::runtime::error::{is_fencing_code, RuntimeError};
 use crate::runtime::failpoint::{failpoint, failpoint_at, switched_on};
+use crate::runtime::kafka::{flush, send, send_offsets_to_transaction, DeliveryTag};
+use crate::runtime::metrics::EngineMetrics;
+use crate::task::{PreparedCommit, TaskCore};
+use crate::{TaskId, Topology};
 
 impl Engine {
     /// True when a task's producer was fenced by a newer one with its
@@ -14,7 +34,7 @@ impl Engine {
             t.producer
                 .client()
                 .fatal_error()
-                .is_some_and(|(code, _)| crate::runtime::is_fencing_code(code))
+                .is_some_and(|(code, _)| is_fencing_code(code))
         })
     }
 

@@ -1,7 +1,23 @@
 //! Intake: feeding records from the partition queues to their tasks under
 //! the in-flight bound, and pausing or resuming partitions.
 
-use super::*;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use rdkafka::consumer::Consumer;
+use rdkafka::{Message, TopicPartitionList};
+
+use super::commit::send_outputs;
+use super::{
+    in_parallel, millis_of, timestamp_of, waker, ActiveTask, DetachOwned, DriverConsumer, Engine,
+    SplitQueue, TaskQueues, Tp,
+};
+use crate::runtime::error::RuntimeError;
+use crate::runtime::fetched::{FetchQueue, Fetched};
+use crate::runtime::metrics::EngineMetrics;
+use crate::task::Input;
+use crate::TaskId;
 
 impl Engine {
     /// Gives each assigned input partition its own fetch queue, right after the

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 use rdkafka::consumer::{
-    base_consumer::PartitionQueue, BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance,
+    base_consumer::PartitionQueue, BaseConsumer, Consumer, ConsumerContext, Rebalance,
     RebalanceProtocol,
 };
 use rdkafka::error::KafkaError;
@@ -24,21 +24,22 @@ use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{ClientContext, Message, Offset, TopicPartitionList};
 use sluice_state::{RocksEnv, TaskState};
 
-use super::config::{GroupProtocol, StreamsConfig};
+use super::admin::{self, DeadLetterPartitions};
+use super::clock::now_ms;
+use super::config::StreamsConfig;
+use super::error::RuntimeError;
 use super::failpoint;
 use super::fetched::{FetchQueue, Fetched};
 use super::kafka::{
-    client_config, create_producer, flush, init_transactions, owned_headers, send,
-    send_offsets_to_transaction, until_done, DeliveryState, DeliveryTag, TrackedProducer,
+    client_config, create_producer, owned_headers, DeliveryState, TrackedProducer,
+    FETCH_QUEUE_BACKOFF_MS,
 };
+use super::local_tasks::LocalTasks;
 use super::metrics::EngineMetrics;
-use super::queries::LocalTasks;
-use super::restore::{self, restore_task};
-use super::{now_ms, AppState, AppStatus, IntakeControl, RuntimeError};
+use super::status::{AppState, AppStatus, IntakeControl};
 use crate::context::CompletionMsg;
 use crate::offsets::StartAt;
-use crate::record::OutputRecord;
-use crate::task::{Input, PreparedCommit, TaskCore};
+use crate::task::TaskCore;
 use crate::{Guarantee, TaskId, Topology, TopologyError};
 
 mod commit;
@@ -46,9 +47,9 @@ mod intake;
 mod rebalance;
 mod startup;
 
-use commit::*;
-use intake::*;
-use rebalance::*;
+use commit::{flush_task, send_outputs, InFlightCommit};
+use intake::process_record;
+use rebalance::{reset_offset, set_group_protocol, set_start_positions};
 
 /// How long a transaction's steps are retried when they fail in a way Kafka
 /// calls retriable.
@@ -58,12 +59,6 @@ const TXN_TIMEOUT: Duration = Duration::from_secs(60);
 const TXN_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// librdkafka's prefetch per input partition (overridable by client properties).
 const PREFETCH_KBYTES_PER_PARTITION: &str = "16384";
-/// How long librdkafka waits before fetching a partition again once its
-/// prefetch is full (overridable by client properties). Its default, a
-/// second, leaves a partition's queue empty for most of that second whenever
-/// fetching outpaces processing: the engine's rate halved. Checking again
-/// every 10 ms keeps the queue filled at no measurable cost.
-pub(super) const FETCH_QUEUE_BACKOFF_MS: &str = "10";
 /// How long the broker may hold a fetch of the group consumer that finds no
 /// new record (`consumer_overrides` win). librdkafka keeps one fetch
 /// in flight per broker, and leaves out of it a partition whose prefetch is
@@ -332,7 +327,7 @@ struct Engine {
     topology: Arc<Topology>,
     cfg: Arc<StreamsConfig>,
     metrics: EngineMetrics,
-    dlq_partitions: super::admin::DeadLetterPartitions,
+    dlq_partitions: DeadLetterPartitions,
     env: RocksEnv,
     runtime: tokio::runtime::Handle,
     completions_tx: Sender<CompletionMsg>,
@@ -508,7 +503,7 @@ impl Driver {
         topology: Arc<Topology>,
         cfg: Arc<StreamsConfig>,
         metrics: EngineMetrics,
-        dlq_partitions: super::admin::DeadLetterPartitions,
+        dlq_partitions: DeadLetterPartitions,
         runtime: tokio::runtime::Handle,
         status: Arc<AppStatus>,
         intake: IntakeControl,
@@ -926,8 +921,8 @@ impl Engine {
                 }
             }
         }
-        if let Some(admin) = &self.admin {
-            super::admin::purge(admin, &tpl);
+        if let Some(client) = &self.admin {
+            admin::purge(client, &tpl);
         }
     }
 

@@ -2,7 +2,21 @@
 //! dirty), assignment (resume or restore) and the start positions handed to
 //! librdkafka.
 
-use super::*;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::Producer;
+use rdkafka::{Message, Offset, TopicPartitionList};
+
+use super::{DriverConsumer, DriverContext, Engine, Tp};
+use crate::offsets::StartAt;
+use crate::runtime::config::{GroupProtocol, StreamsConfig};
+use crate::runtime::error::RuntimeError;
+use crate::runtime::status::AppState;
+use crate::TaskId;
 
 impl Engine {
     /// Revocation: stop intake of the revoked tasks, drain their in-flight work,

@@ -1,7 +1,24 @@
 //! Task start-up: fencing, opening and restoring state on a helper thread,
 //! then activating the task with the records buffered meanwhile.
 
-use super::*;
+use std::collections::HashMap;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Instant;
+
+use sluice_state::{RocksEnv, TaskState};
+
+use super::{ActiveTask, Engine, PendingTask, Restored, Tp, TXN_TIMEOUT};
+use crate::offsets::StartAt;
+use crate::runtime::config::StreamsConfig;
+use crate::runtime::error::RuntimeError;
+use crate::runtime::kafka::{
+    create_producer, init_transactions, until_done, DeliveryState, TrackedProducer,
+};
+use crate::runtime::metrics::EngineMetrics;
+use crate::runtime::restore::{self, restore_task};
+use crate::task::TaskCore;
+use crate::{TaskId, Topology};
 
 impl Engine {
     /// Starts a task assigned here: its restore begins at once when all its
