@@ -2,7 +2,6 @@
 //! on: a task migrated (closed dirty), a retriable request, a failed
 //! delivery, a client given up on.
 
-use super::kafka;
 use crate::{ProcessError, TaskId, TopologyError};
 
 /// Why the runtime stopped.
@@ -32,9 +31,47 @@ pub enum RuntimeError {
     /// `kafka::bounded`): the client is given up on.
     #[error("{0}; its client is given up")]
     Unanswered(String),
-    /// Anything else.
-    #[error("{0}")]
-    Other(String),
+    /// A producer's flush ran out of time with records still unacknowledged
+    /// (see `kafka::flush`): they are still on their way, so the flush may
+    /// be retried.
+    #[error("producer flush timed out with {unacknowledged} records unacknowledged")]
+    FlushTimedOut {
+        /// Records sent and not yet acknowledged.
+        unacknowledged: i32,
+    },
+    /// Records sent were not delivered (the broker refused one, or its
+    /// delivery timed out; see `kafka::flush`): a transaction holding them
+    /// can only be aborted.
+    #[error("delivery failed{}", .first.as_ref().map(|f| format!(" to {f}")).unwrap_or_default())]
+    DeliveryFailed {
+        /// The first failed delivery since the last flush (`topic/partition:
+        /// error`), when it was seen.
+        first: Option<String>,
+    },
+    /// The consumer has no group metadata to add offsets to a transaction
+    /// with.
+    #[error("no consumer group metadata")]
+    NoGroupMetadata,
+    /// A changelog partition could not be read on a queue of its own
+    /// during a restore.
+    #[error("cannot read {topic} on its own queue")]
+    RestoreQueue {
+        /// The changelog topic.
+        topic: String,
+    },
+    /// A restore's record reached its consumer's own queue instead of the
+    /// changelog partition's.
+    #[error("restore of {topic}: a record reached the consumer's own queue")]
+    RestoreStray {
+        /// The changelog topic.
+        topic: String,
+    },
+    /// A thread of the runtime could not be started.
+    #[error("cannot start {0}")]
+    NoThread(String),
+    /// A thread of the runtime (or a client call on one) panicked.
+    #[error("{0} panicked")]
+    Panicked(String),
 }
 
 impl RuntimeError {
@@ -83,9 +120,9 @@ impl RuntimeError {
                 return true;
             }
         }
-        if let RuntimeError::Other(m) = self {
-            // A flush that timed out: the records are still on their way.
-            return m.starts_with(kafka::FLUSH_TIMED_OUT);
+        if let RuntimeError::FlushTimedOut { .. } = self {
+            // The records are still on their way.
+            return true;
         }
         matches!(
             self.kafka_code(),
@@ -110,7 +147,7 @@ impl RuntimeError {
     /// True when records of a transaction were not delivered (see
     /// `kafka::flush`): the transaction can only be aborted.
     pub(crate) fn delivery_failed(&self) -> bool {
-        matches!(self, RuntimeError::Other(m) if m.starts_with(kafka::DELIVERY_FAILED))
+        matches!(self, RuntimeError::DeliveryFailed { .. })
     }
 
     /// True when a client call did not return within its bound: the client

@@ -33,6 +33,7 @@ pub(crate) enum DeliveryTag {
 #[derive(Default)]
 pub(crate) struct DeliveryState {
     errors: AtomicU64,
+    /// The first failed delivery (`topic/partition: error`).
     first_error: Mutex<Option<String>>,
     changelog_next: Mutex<HashMap<(TaskId, usize), i64>>,
     output_next: Mutex<HashMap<TaskId, OutputEnds>>,
@@ -42,15 +43,15 @@ pub(crate) struct DeliveryState {
 pub(crate) type OutputEnds = HashMap<(String, i32), i64>;
 
 impl DeliveryState {
-    /// The first delivery error since the last call, if any.
-    pub(crate) fn take_error(&self) -> Option<String> {
+    /// The deliveries that failed since the last call, if any, naming the
+    /// first.
+    pub(crate) fn take_error(&self) -> Option<RuntimeError> {
         if self.errors.swap(0, Ordering::AcqRel) == 0 {
             return None;
         }
-        self.first_error
-            .lock()
-            .take()
-            .or_else(|| Some(DELIVERY_FAILED.into()))
+        Some(RuntimeError::DeliveryFailed {
+            first: self.first_error.lock().take(),
+        })
     }
 
     /// Next offsets after the task's delivered outputs, per topic partition.
@@ -100,11 +101,7 @@ impl ProducerContext for TrackingContext {
                 self.state.errors.fetch_add(1, Ordering::AcqRel);
                 let mut first = self.state.first_error.lock();
                 if first.is_none() {
-                    *first = Some(format!(
-                        "{DELIVERY_FAILED} to {}/{}: {e}",
-                        msg.topic(),
-                        msg.partition()
-                    ));
+                    *first = Some(format!("{}/{}: {e}", msg.topic(), msg.partition()));
                 }
             }
         }
@@ -293,14 +290,12 @@ pub(crate) fn bounded<T: Send + 'static>(
         .spawn(move || {
             let _ = tx.send(call());
         })
-        .map_err(|e| RuntimeError::Other(format!("cannot start a thread for {what}: {e}")))?;
+        .map_err(|e| RuntimeError::NoThread(format!("a thread for {what}: {e}")))?;
     rx.recv_timeout(bound).map_err(|e| match e {
         crossbeam_channel::RecvTimeoutError::Timeout => {
             RuntimeError::Unanswered(format!("{what} did not return within {bound:?}"))
         }
-        crossbeam_channel::RecvTimeoutError::Disconnected => {
-            RuntimeError::Other(format!("{what} panicked"))
-        }
+        crossbeam_channel::RecvTimeoutError::Disconnected => RuntimeError::Panicked(what.into()),
     })
 }
 
@@ -378,14 +373,13 @@ pub(crate) fn flush(
     producer: &TrackedProducer,
     state: &DeliveryState,
     timeout: Duration,
-) -> Result<(), String> {
+) -> Result<(), RuntimeError> {
     let deadline = std::time::Instant::now() + timeout;
     while producer.in_flight_count() > 0 {
         if std::time::Instant::now() > deadline {
-            return Err(format!(
-                "{FLUSH_TIMED_OUT} with {} records unacknowledged",
-                producer.in_flight_count()
-            ));
+            return Err(RuntimeError::FlushTimedOut {
+                unacknowledged: producer.in_flight_count(),
+            });
         }
         let _ = producer.flush(Duration::ZERO);
         std::thread::sleep(Duration::from_micros(200));
@@ -395,12 +389,6 @@ pub(crate) fn flush(
         None => Ok(()),
     }
 }
-
-/// How a failed delivery's error begins.
-pub(crate) const DELIVERY_FAILED: &str = "delivery failed";
-
-/// How a flush that ran out of time begins its error (it may be retried).
-pub(crate) const FLUSH_TIMED_OUT: &str = "producer flush timed out";
 
 #[cfg(test)]
 mod tests {

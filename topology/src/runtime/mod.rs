@@ -249,7 +249,7 @@ impl RunningApp {
         match self.thread.take() {
             Some(t) => t
                 .join()
-                .unwrap_or_else(|_| Err(RuntimeError::Other("driver thread panicked".into()))),
+                .unwrap_or_else(|_| Err(RuntimeError::Panicked("driver thread".into()))),
             None => Ok(()),
         }
     }

@@ -201,15 +201,20 @@ pub(crate) fn restore_task(
     for (topic, id, from) in remaining {
         let mut queue = consumer
             .split_partition_queue(&topic, task.partition)
-            .ok_or_else(|| RuntimeError::Other(format!("cannot read {topic} on its own queue")))?;
+            .ok_or_else(|| RuntimeError::RestoreQueue {
+                topic: topic.clone(),
+            })?;
         let tx = wake_tx.clone();
         queue.set_nonempty_callback(move || {
             let _ = tx.try_send(());
         });
         // Read in batches through a second handle (see fetched.rs); the
         // first keeps the split and the wake-up.
-        let fetch = FetchQueue::of(&consumer, &topic, task.partition)
-            .ok_or_else(|| RuntimeError::Other(format!("cannot read {topic} on its own queue")))?;
+        let fetch = FetchQueue::of(&consumer, &topic, task.partition).ok_or_else(|| {
+            RuntimeError::RestoreQueue {
+                topic: topic.clone(),
+            }
+        })?;
         queues.push((
             topic,
             id,
@@ -278,10 +283,9 @@ pub(crate) fn restore_task(
             match consumer.poll(Duration::ZERO) {
                 Some(Err(e)) => tracing::debug!(%task, error = %e, "restore consumer"),
                 Some(Ok(m)) => {
-                    return Err(RuntimeError::Other(format!(
-                        "restore of {}: a record reached the consumer's own queue",
-                        m.topic()
-                    )))
+                    return Err(RuntimeError::RestoreStray {
+                        topic: m.topic().to_string(),
+                    })
                 }
                 None => {}
             }

@@ -231,7 +231,7 @@ impl Engine {
                 let _ = wake.try_send(());
                 (tasks, result)
             })
-            .map_err(|e| RuntimeError::Other(format!("cannot start a commit thread: {e}")))?;
+            .map_err(|e| RuntimeError::NoThread(format!("a commit thread: {e}")))?;
         self.committing = Some(InFlightCommit {
             ids,
             handle,
@@ -257,7 +257,7 @@ impl Engine {
         let (tasks, result) = c
             .handle
             .join()
-            .map_err(|_| RuntimeError::Other("the commit thread panicked".into()))?;
+            .map_err(|_| RuntimeError::Panicked("the commit thread".into()))?;
         for t in tasks {
             self.tasks.insert(t.core.id, t);
         }
@@ -290,7 +290,7 @@ impl Engine {
         let deadline = Instant::now() + self.cfg.max_poll_interval / 2;
         let flush_all = || {
             retrying("flushing the producer", deadline, || {
-                flush(&producer, &delivery, FLUSH_TIMEOUT).map_err(RuntimeError::Other)
+                flush(&producer, &delivery, FLUSH_TIMEOUT)
             })
         };
         flush_all()?;
@@ -381,7 +381,7 @@ fn group_metadata(
     consumer
         .group_metadata()
         .map(Arc::new)
-        .ok_or_else(|| RuntimeError::Other("no consumer group metadata".into()))
+        .ok_or(RuntimeError::NoGroupMetadata)
 }
 
 /// One task's exactly-once commit in progress: what it commits, and the
@@ -526,7 +526,6 @@ fn broker_steps(
         c.step(|c| {
             retrying("flushing a transaction", deadline, || {
                 flush(&c.task.producer, &c.task.delivery, FLUSH_TIMEOUT)
-                    .map_err(RuntimeError::Other)
             })
         });
     }

@@ -236,7 +236,7 @@ fn in_parallel<I: Send, T: Send>(
                 Ok(r) => results.extend(r),
                 Err(_) => results.push((
                     usize::MAX,
-                    Err(RuntimeError::Other("task thread panicked".into())),
+                    Err(RuntimeError::Panicked("task thread".into())),
                 )),
             }
         }
@@ -1081,7 +1081,13 @@ mod tests {
     fn in_parallel_reports_an_error_of_any_item() {
         let err = in_parallel((0..4).collect::<Vec<u32>>(), 2, |i| {
             if i == 3 {
-                Err(RuntimeError::Other(format!("item {i} failed")))
+                Err(RuntimeError::Process {
+                    task: TaskId {
+                        subtopology: 0,
+                        partition: 0,
+                    },
+                    error: crate::ProcessError::Fatal(format!("item {i} failed")),
+                })
             } else {
                 Ok(i)
             }

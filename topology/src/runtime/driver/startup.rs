@@ -100,13 +100,11 @@ impl Engine {
             let mut p = self.pending.remove(&id).expect("listed above");
             let restored = match p.handle.take() {
                 Some(h) => h.join().unwrap_or_else(|_| {
-                    Err(RuntimeError::Other(format!(
-                        "restore of task {id} panicked"
-                    )))
+                    Err(RuntimeError::Panicked(format!("restore of task {id}")))
                 })?,
                 None => {
-                    return Err(RuntimeError::Other(format!(
-                        "cannot start restore thread for task {id}"
+                    return Err(RuntimeError::NoThread(format!(
+                        "restore thread for task {id}"
                     )))
                 }
             };
