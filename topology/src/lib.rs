@@ -8,6 +8,7 @@
 //! its public API.
 
 mod codec;
+mod commit;
 mod context;
 mod derived;
 mod dsl;

@@ -13,6 +13,7 @@ use sluice_state::{ChangelogRecord, Position, StoreId, StoredValue, TaskState};
 use crate::codec::{from_bincode, to_bincode};
 use crate::context::{CallPanicked, CompletionMsg, Spawner, TaskCtx};
 use crate::derived::Resumable;
+use crate::guarantee::Guarantee;
 use crate::node::{CompletionTarget, Punctuation};
 use crate::offsets::{
     Admission, Done, Finished, OffsetTracker, Origin, RecordToken, StartAt, TaskProgress,
@@ -170,11 +171,19 @@ pub(crate) struct TaskCore {
     last_progress: Option<TaskProgress>,
 }
 
-/// What one commit of a task covers, taken at one instant: the changelog
-/// records of the state changed since the last commit (with the progress
-/// record when asked for) and the offsets to commit.
-pub(crate) struct PreparedCommit {
+/// What one commit of a task covers, taken at one instant, in the order its
+/// parts reach the broker (see [`crate::commit`]).
+#[derive(Default)]
+pub(crate) struct CommitParts {
+    /// The changelog records of the state changed since the last commit;
+    /// under exactly-once the progress record is among them (they commit
+    /// together in the transaction).
     pub(crate) changelog: Vec<ChangelogRecord>,
+    /// At-least-once: the progress record, sent once the changelog records
+    /// are acknowledged and before the offsets; `None` when it did not
+    /// change, and under exactly-once.
+    pub(crate) progress: Option<ChangelogRecord>,
+    /// The offsets to commit: (input slot, offset).
     pub(crate) offsets: Vec<(usize, i64)>,
 }
 
@@ -547,9 +556,8 @@ impl TaskCore {
     /// Under exactly-once it commits with the state it describes; under
     /// at-least-once it is sent after the state's changelog records and
     /// before the offsets, so a crash before the offsets land still leaves a
-    /// record saying exactly what the state holds. Call right before taking
-    /// the offsets to commit.
-    pub(crate) fn write_progress(&mut self) -> Option<ChangelogRecord> {
+    /// record saying exactly what the state holds.
+    fn write_progress(&mut self) -> Option<ChangelogRecord> {
         let store = self.progress_store?;
         let progress = TaskProgress {
             stream_time: self.ctx.stream_time,
@@ -590,34 +598,39 @@ impl TaskCore {
         }
     }
 
-    /// First step of every commit (both guarantees and the test driver):
-    /// takes the finished records into account and returns what the commit
-    /// covers. With `atomic` (a commit atomic with its state: exactly-once)
-    /// the progress record is among the changelog records; under
-    /// at-least-once it follows them ([`TaskCore::write_progress`]).
-    pub(crate) fn prepare_commit(&mut self, atomic: bool) -> PreparedCommit {
+    /// Prepare, the first step of every commit (both guarantees and the
+    /// test driver): takes the finished records into account and returns
+    /// what the commit covers. Under exactly-once (a commit atomic with its
+    /// state) the progress record is among the changelog records; under
+    /// at-least-once it is a part of its own, sent after them.
+    pub(crate) fn prepare_commit(&mut self, guarantee: Guarantee) -> CommitParts {
         self.drain_done();
         self.ctx.commit_requested = false;
         self.write_derived();
+        let atomic = guarantee == Guarantee::ExactlyOnce;
         if atomic {
             self.write_progress();
         }
-        PreparedCommit {
-            changelog: self
-                .ctx
-                .state
-                .as_mut()
-                .map(TaskState::flush_changelog)
-                .unwrap_or_default(),
-            offsets: self.offsets_to_commit(),
+        let changelog = self
+            .ctx
+            .state
+            .as_mut()
+            .map(TaskState::flush_changelog)
+            .unwrap_or_default();
+        let offsets = self.offsets_to_commit();
+        let progress = if atomic { None } else { self.write_progress() };
+        CommitParts {
+            changelog,
+            progress,
+            offsets,
         }
     }
 
-    /// Last step of every commit, once its changelog records (and, under
-    /// exactly-once, its transaction) are committed: writes the state to
-    /// RocksDB with the changelogs' next offsets (`changelog_next`) as its
-    /// checkpoint, and notes the offsets committed.
-    pub(crate) fn finish_commit(
+    /// Post-commit, the last step of every commit, once its changelog
+    /// records (and, under exactly-once, its transaction) are committed:
+    /// writes the state to RocksDB with the changelogs' next offsets
+    /// (`changelog_next`) as its checkpoint, and notes the offsets committed.
+    pub(crate) fn post_commit(
         &mut self,
         offsets: &[(usize, i64)],
         changelog_next: &HashMap<StoreId, i64>,
@@ -630,7 +643,7 @@ impl TaskCore {
     }
 
     /// Offsets that moved since the last commit: (slot, offset to commit).
-    pub(crate) fn offsets_to_commit(&self) -> Vec<(usize, i64)> {
+    fn offsets_to_commit(&self) -> Vec<(usize, i64)> {
         self.trackers
             .iter()
             .enumerate()
@@ -638,7 +651,7 @@ impl TaskCore {
             .collect()
     }
 
-    pub(crate) fn mark_committed(&mut self, offsets: &[(usize, i64)]) {
+    fn mark_committed(&mut self, offsets: &[(usize, i64)]) {
         for (slot, o) in offsets {
             self.trackers[*slot].mark_committed(*o);
         }

@@ -10,16 +10,18 @@
 //! runtime's do under the driver's processing guarantee.
 
 use std::collections::{HashMap, VecDeque};
+use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
 use sluice_state::{ChangelogRecord, RocksEnv, RocksSettings, TaskState};
 
+use crate::commit::{conduct, CommitPath, CommitPoint};
 use crate::context::CompletionMsg;
 use crate::guarantee::Guarantee;
 use crate::offsets::StartAt;
-use crate::task::{Input, TaskCore};
+use crate::task::{CommitParts, Input, TaskCore};
 use crate::{Codec, Headers, OutputRecord, ProcessError, TaskCounters, Topology, TopologyError};
 
 /// A record kept in a topic's log (so a crashed driver can replay it).
@@ -405,20 +407,9 @@ impl TopologyTestDriver {
     /// changelog records.
     pub fn commit(&mut self) -> Result<usize, ProcessError> {
         self.flush_all()?;
-        let atomic = self.guarantee == Guarantee::ExactlyOnce;
         let mut n = 0;
-        for i in 0..self.tasks.len() {
-            let prepared = self.tasks[i].prepare_commit(atomic);
-            n += self.record_changelog(i, prepared.changelog);
-            if !atomic {
-                let progress = self.tasks[i].write_progress();
-                n += self.record_changelog(i, progress.into_iter().collect());
-            }
-            for (slot, offset) in &prepared.offsets {
-                let topic = self.tasks[i].slots[*slot].topic.clone();
-                self.committed_offsets.insert(topic, *offset);
-            }
-            self.tasks[i].finish_commit(&prepared.offsets, &HashMap::new())?;
+        for task in 0..self.tasks.len() {
+            n += self.commit_task(task, None)?;
         }
         self.commit_outputs();
         Ok(n)
@@ -434,16 +425,34 @@ impl TopologyTestDriver {
             ));
         }
         self.flush_all()?;
-        for i in 0..self.tasks.len() {
-            let prepared = self.tasks[i].prepare_commit(false);
-            self.record_changelog(i, prepared.changelog);
-            if step == CommitStep::AfterProgress {
-                let progress = self.tasks[i].write_progress();
-                self.record_changelog(i, progress.into_iter().collect());
-            }
+        let stop = match step {
+            CommitStep::AfterChangelog => CommitPoint::ChangelogFlushed,
+            CommitStep::AfterProgress => CommitPoint::ProgressFlushed,
+        };
+        for task in 0..self.tasks.len() {
+            self.commit_task(task, Some(stop))?;
         }
         self.commit_outputs();
         self.crash_deferring_replay()
+    }
+
+    /// Commits one task (see [`crate::commit`]), up to `stop` when given.
+    /// Returns the number of changelog records.
+    fn commit_task(
+        &mut self,
+        task: usize,
+        stop: Option<CommitPoint>,
+    ) -> Result<usize, ProcessError> {
+        let guarantee = self.guarantee;
+        let mut commit = DriverCommit {
+            driver: self,
+            task,
+            parts: CommitParts::default(),
+            records: 0,
+            stop,
+        };
+        conduct(&mut commit, guarantee)?;
+        Ok(commit.records)
     }
 
     /// Forwards what every task holds back until a commit.
@@ -588,5 +597,88 @@ impl TopologyTestDriver {
     /// The tokio runtime async operators run on.
     pub fn runtime(&self) -> &tokio::runtime::Runtime {
         &self.runtime
+    }
+}
+
+/// One task's commit in the test driver: what it records (changelog
+/// records, committed offsets) stands for the broker, and a staged crash
+/// stops it at a point.
+struct DriverCommit<'d> {
+    driver: &'d mut TopologyTestDriver,
+    task: usize,
+    parts: CommitParts,
+    /// Changelog records recorded.
+    records: usize,
+    /// Where the commit stops (a crash during it).
+    stop: Option<CommitPoint>,
+}
+
+impl DriverCommit<'_> {
+    fn record_changelog(&mut self, records: Vec<ChangelogRecord>) {
+        self.records += self.driver.record_changelog(self.task, records);
+    }
+
+    fn record_offsets(&mut self) {
+        for (slot, offset) in &self.parts.offsets {
+            let topic = self.driver.tasks[self.task].slots[*slot].topic.clone();
+            self.driver.committed_offsets.insert(topic, *offset);
+        }
+    }
+}
+
+impl CommitPath for DriverCommit<'_> {
+    type Error = ProcessError;
+
+    fn prepare(&mut self, guarantee: Guarantee) -> Result<(), ProcessError> {
+        self.parts = self.driver.tasks[self.task].prepare_commit(guarantee);
+        Ok(())
+    }
+
+    fn send_changelog(&mut self) -> Result<(), ProcessError> {
+        let records = std::mem::take(&mut self.parts.changelog);
+        self.record_changelog(records);
+        Ok(())
+    }
+
+    /// Records are recorded as they are sent.
+    fn flush(&mut self) -> Result<(), ProcessError> {
+        Ok(())
+    }
+
+    fn send_progress(&mut self) -> Result<bool, ProcessError> {
+        let progress = self.parts.progress.take();
+        let sent = progress.is_some();
+        self.record_changelog(progress.into_iter().collect());
+        Ok(sent)
+    }
+
+    fn commit_offsets(&mut self) -> Result<(), ProcessError> {
+        self.record_offsets();
+        Ok(())
+    }
+
+    fn send_offsets(&mut self) -> Result<(), ProcessError> {
+        self.record_offsets();
+        Ok(())
+    }
+
+    /// The outputs of every task commit together once each task committed
+    /// (see [`TopologyTestDriver::commit`]).
+    fn commit_transaction(&mut self) -> Result<(), ProcessError> {
+        Ok(())
+    }
+
+    fn post_commit(&mut self) -> Result<(), ProcessError> {
+        let offsets = &self.parts.offsets;
+        self.driver.tasks[self.task].post_commit(offsets, &HashMap::new())?;
+        Ok(())
+    }
+
+    fn reached(&mut self, point: CommitPoint) -> ControlFlow<()> {
+        if self.stop == Some(point) {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        }
     }
 }

@@ -1,13 +1,15 @@
-//! Commits: forwarding held results, changelog and progress records, offsets
-//! (a transaction per task under exactly-once, one group commit under
-//! at-least-once), then the local state.
+//! Commits: when they run (the interval, rounds on the commit thread,
+//! early rounds), and how a commit's parts reach the broker along the
+//! protocol of [`crate::commit`]: at-least-once through the shared producer
+//! and one group commit ([`AlosCommit`]), exactly-once in a transaction per
+//! task ([`EosCommits`]).
 
-use std::collections::HashMap;
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use rdkafka::consumer::{CommitMode, Consumer};
+use rdkafka::consumer::{CommitMode, Consumer, ConsumerGroupMetadata};
 use rdkafka::message::OwnedMessage;
 use rdkafka::producer::Producer;
 use rdkafka::{Message, Offset, TopicPartitionList};
@@ -16,14 +18,17 @@ use super::{
     in_parallel, retrying, ActiveTask, DriverConsumer, Engine, FLUSH_TIMEOUT, TXN_REQUEST_TIMEOUT,
     TXN_TIMEOUT,
 };
+use crate::commit::{conduct, CommitPath, CommitPoint};
 use crate::context::CompletionMsg;
 use crate::record::OutputRecord;
 use crate::runtime::error::{is_fencing_code, RuntimeError};
 use crate::runtime::failpoint::{failpoint, failpoint_at, switched_on};
-use crate::runtime::kafka::{flush, send, send_offsets_to_transaction, DeliveryTag};
+use crate::runtime::kafka::{
+    flush, send, send_offsets_to_transaction, DeliveryState, DeliveryTag, TrackedProducer,
+};
 use crate::runtime::metrics::EngineMetrics;
-use crate::task::{PreparedCommit, TaskCore};
-use crate::{TaskId, Topology};
+use crate::task::{CommitParts, TaskCore};
+use crate::{Guarantee, TaskId, Topology};
 
 impl Engine {
     /// True when a task's producer was fenced by a newer one with its
@@ -277,6 +282,7 @@ impl Engine {
         Ok(())
     }
 
+    /// Commits some tasks under at-least-once (see [`AlosCommit`]).
     pub(super) fn commit_alos(
         &mut self,
         consumer: &DriverConsumer,
@@ -285,71 +291,138 @@ impl Engine {
         let Some((producer, delivery)) = self.shared_producer.clone() else {
             return Ok(());
         };
-        let app = self.cfg.application_id.clone();
-        let threads = self.cfg.processing_threads;
-        let deadline = Instant::now() + self.cfg.max_poll_interval / 2;
-        let flush_all = || {
-            retrying("flushing the producer", deadline, || {
-                flush(&producer, &delivery, FLUSH_TIMEOUT)
-            })
+        let tasks: Vec<&mut ActiveTask> = self
+            .tasks
+            .iter_mut()
+            .chain(self.suspended.iter_mut())
+            .filter(|(id, _)| ids.contains(id))
+            .map(|(_, t)| t)
+            .collect();
+        let mut alos = AlosCommit {
+            tasks,
+            parts: Vec::new(),
+            producer: &producer,
+            delivery: &delivery,
+            consumer,
+            metrics: &self.metrics,
+            app: &self.cfg.application_id,
+            threads: self.cfg.processing_threads,
+            deadline: Instant::now() + self.cfg.max_poll_interval / 2,
+            working: false,
+            refused: false,
         };
-        flush_all()?;
-        let prepared: Vec<(TaskOffsets, bool)> =
-            in_parallel(self.tasks_mut(ids), threads, |task| {
-                let prepared = task.core.prepare_commit(false);
-                let changed = !prepared.changelog.is_empty();
-                send_changelog(task, &app, prepared.changelog)?;
-                Ok(((task.core.id, prepared.offsets), changed))
-            })?;
-        // The tests' crash points are reached only by commits with work.
-        let working = prepared
-            .iter()
-            .any(|((_, o), changed)| *changed || !o.is_empty());
-        let work: Vec<(TaskId, Vec<(usize, i64)>)> = prepared.into_iter().map(|(w, _)| w).collect();
-        flush_all()?;
-        if working {
-            failpoint("alos_after_changelog_flush");
+        conduct(&mut alos, Guarantee::AtLeastOnce)?;
+        if alos.refused {
+            // The group moved on without this member: its tasks' state is
+            // in the changelogs already; their offsets are another owner's
+            // to commit.
+            let ids: Vec<TaskId> = alos.tasks.iter().map(|t| t.core.id).collect();
+            self.close_dirty(&ids);
+            self.rejoin = true;
         }
-        // Progress records go last, once the state they describe is in the
-        // changelogs: a progress record read back implies its state was
-        // written (without transactions nothing else orders them).
-        let progress: Vec<bool> = in_parallel(self.tasks_mut(ids), threads, |task| {
-            let rec = task.core.write_progress();
-            let some = rec.is_some();
-            send_changelog(task, &app, rec.into_iter().collect())?;
+        Ok(())
+    }
+}
+
+/// The at-least-once commit of some tasks: their records go through the
+/// shared producer, their offsets in one group commit. Each task's own
+/// work (preparing its commit, sending its changelog and progress records,
+/// writing its local state) runs side by side.
+struct AlosCommit<'a> {
+    tasks: Vec<&'a mut ActiveTask>,
+    /// Each task's parts, in the order of `tasks` (a part sent is taken).
+    parts: Vec<CommitParts>,
+    producer: &'a TrackedProducer,
+    delivery: &'a DeliveryState,
+    consumer: &'a DriverConsumer,
+    metrics: &'a EngineMetrics,
+    app: &'a str,
+    threads: usize,
+    /// Until when retriable failures are retried.
+    deadline: Instant,
+    /// Some task commits something: the tests' crash points are reached
+    /// only by commits with work.
+    working: bool,
+    /// The group refused the offsets as from a member it no longer has.
+    refused: bool,
+}
+
+impl AlosCommit<'_> {
+    /// Each task beside its parts, for work side by side.
+    fn with_parts(&mut self) -> Vec<(&mut ActiveTask, &mut CommitParts)> {
+        self.tasks
+            .iter_mut()
+            .map(|t| &mut **t)
+            .zip(self.parts.iter_mut())
+            .collect()
+    }
+}
+
+impl CommitPath for AlosCommit<'_> {
+    type Error = RuntimeError;
+
+    /// Each task's parts are taken in the pass that sends its changelog
+    /// records (`send_changelog`, the next step): its records leave as soon
+    /// as they are prepared.
+    fn prepare(&mut self, _: Guarantee) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+
+    fn send_changelog(&mut self) -> Result<(), RuntimeError> {
+        let app = self.app;
+        let tasks: Vec<&mut ActiveTask> = self.tasks.iter_mut().map(|t| &mut **t).collect();
+        let prepared: Vec<(CommitParts, bool)> = in_parallel(tasks, self.threads, |task| {
+            let mut parts = task.core.prepare_commit(Guarantee::AtLeastOnce);
+            let changed = !parts.changelog.is_empty();
+            send_changelog(task, app, std::mem::take(&mut parts.changelog))?;
+            Ok((parts, changed))
+        })?;
+        self.working = prepared
+            .iter()
+            .any(|(parts, changed)| *changed || !parts.offsets.is_empty());
+        self.parts = prepared.into_iter().map(|(parts, _)| parts).collect();
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<(), RuntimeError> {
+        let (producer, delivery) = (self.producer, self.delivery);
+        retrying("flushing the producer", self.deadline, || {
+            flush(producer, delivery, FLUSH_TIMEOUT)
+        })
+    }
+
+    fn send_progress(&mut self) -> Result<bool, RuntimeError> {
+        let (app, threads) = (self.app, self.threads);
+        let sent: Vec<bool> = in_parallel(self.with_parts(), threads, |(task, parts)| {
+            let progress = parts.progress.take();
+            let some = progress.is_some();
+            send_changelog(task, app, progress.into_iter().collect())?;
             Ok(some)
         })?;
-        if progress.contains(&true) {
-            flush_all()?;
-        }
-        if working {
-            failpoint("alos_before_offset_commit");
-        }
-        let offsets_of: HashMap<TaskId, &[(usize, i64)]> =
-            work.iter().map(|(id, o)| (*id, o.as_slice())).collect();
-        in_parallel(self.tasks_mut(ids), threads, |task| {
+        Ok(sent.contains(&true))
+    }
+
+    fn post_commit(&mut self) -> Result<(), RuntimeError> {
+        let (delivery, threads) = (self.delivery, self.threads);
+        in_parallel(self.with_parts(), threads, |(task, parts)| {
             let next = delivery.take_changelog_next(task.core.id);
-            let offsets = offsets_of.get(&task.core.id).copied().unwrap_or_default();
-            task.core.finish_commit(offsets, &next)?;
+            task.core.post_commit(&parts.offsets, &next)?;
             let ends = delivery.take_output_next(task.core.id);
             task.core.ctx.output_ends.extend(ends);
             Ok(())
         })?;
+        Ok(())
+    }
+
+    fn commit_offsets(&mut self) -> Result<(), RuntimeError> {
         let mut tpl = TopicPartitionList::new();
-        for (id, offsets) in &work {
-            let task = self
-                .tasks
-                .get(id)
-                .or_else(|| self.suspended.get(id))
-                .expect("task listed above");
-            for (slot, offset) in offsets {
-                let s = &task.core.slots[*slot];
-                tpl.add_partition_offset(&s.topic, s.partition, Offset::Offset(*offset))?;
-            }
+        for (task, parts) in self.tasks.iter().zip(&self.parts) {
+            add_offsets(&mut tpl, &task.core, &parts.offsets)?;
         }
         if tpl.count() > 0 {
             // A coordinator moving or a request timing out is retried.
-            let committed = retrying("committing offsets", deadline, || {
+            let consumer = self.consumer;
+            let committed = retrying("committing offsets", self.deadline, || {
                 consumer
                     .commit(&tpl, CommitMode::Sync)
                     .map_err(RuntimeError::from)
@@ -358,18 +431,24 @@ impl Engine {
                 if !e.task_migrated() {
                     return Err(e);
                 }
-                // The group moved on without this member: its tasks' state is
-                // in the changelogs already; their offsets are another
-                // owner's to commit.
                 tracing::warn!(error = %e, "offset commit refused: closing the tasks and rejoining");
-                let ids: Vec<TaskId> = work.iter().map(|(id, _)| *id).collect();
-                self.close_dirty(&ids);
-                self.rejoin = true;
+                self.refused = true;
                 return Ok(());
             }
         }
         self.metrics.commits.inc();
         Ok(())
+    }
+
+    fn reached(&mut self, point: CommitPoint) -> ControlFlow<()> {
+        if self.working {
+            match point {
+                CommitPoint::ChangelogFlushed => failpoint("alos_after_changelog_flush"),
+                CommitPoint::ProgressFlushed => failpoint("alos_before_offset_commit"),
+                _ => {}
+            }
+        }
+        ControlFlow::Continue(())
     }
 }
 
@@ -388,8 +467,7 @@ fn group_metadata(
 /// first error it met (it takes no further step then).
 struct EosCommit<'a> {
     task: &'a mut ActiveTask,
-    changelog: Vec<sluice_state::ChangelogRecord>,
-    offsets: Vec<(usize, i64)>,
+    parts: CommitParts,
     outputs: Vec<OutputRecord>,
     /// Nothing to commit to Kafka: the task takes no broker step (its local
     /// state is still written: a store without changelog fills its write
@@ -408,172 +486,246 @@ impl EosCommit<'_> {
     }
 }
 
-/// Commits tasks' transactions. Each task's own work — preparing its commit
-/// (write cache to changelog records, progress record), sending its outputs
-/// and changelog records, and after the commit its local state — runs side
-/// by side. The broker steps (offsets added to the transaction, one flush,
-/// commit) run for every task before the next step, so their round trips
-/// overlap. Returns each task's outcome (a task that failed took no step
-/// after its failure); an error of its own when a processing thread
-/// panicked.
+/// Commits tasks' transactions (see [`EosCommits`]). Returns each task's
+/// outcome (a task that failed took no step after its failure); an error of
+/// its own when a processing thread panicked.
 pub(super) fn commit_eos(
     tasks: Vec<&mut ActiveTask>,
-    meta: &Arc<rdkafka::consumer::ConsumerGroupMetadata>,
+    meta: &Arc<ConsumerGroupMetadata>,
     app: &str,
     metrics: &EngineMetrics,
     threads: usize,
 ) -> Result<Vec<TaskOutcome>, RuntimeError> {
     let started = Instant::now();
-    let mut commits = in_parallel(tasks, threads, |task| {
-        let PreparedCommit { changelog, offsets } = task.core.prepare_commit(true);
-        let outputs = task.core.take_output();
-        let idle =
-            offsets.is_empty() && changelog.is_empty() && outputs.is_empty() && !task.txn_open;
-        Ok(EosCommit {
-            task,
-            changelog,
-            offsets,
-            outputs,
-            idle,
-            result: Ok(()),
-        })
-    })?;
-    broker_steps(&mut commits, meta, app, metrics, threads)?;
-    let brokered = started.elapsed();
-    let tasks = commits.len();
-    in_parallel(commits.iter_mut().collect(), threads, |c| {
-        if c.result.is_ok() {
-            let id = c.task.core.id;
-            let next = c.task.delivery.take_changelog_next(id);
-            c.result = c
-                .task
-                .core
-                .finish_commit(&c.offsets, &next)
-                .map_err(RuntimeError::from);
-            c.task
-                .core
-                .ctx
-                .output_ends
-                .extend(c.task.delivery.take_output_next(id));
-            if !c.idle {
-                metrics.commits.inc();
-            }
-        }
-        Ok(())
-    })?;
-    tracing::trace!(
+    let mut eos = EosCommits {
         tasks,
-        broker_ms = brokered.as_millis() as u64,
-        total_ms = started.elapsed().as_millis() as u64,
-        "transactions committed"
-    );
-    Ok(commits
+        commits: Vec::new(),
+        meta,
+        app,
+        metrics,
+        threads,
+        working: false,
+        outputs: false,
+        started,
+        deadline: started,
+        steps: [started; 4],
+    };
+    conduct(&mut eos, Guarantee::ExactlyOnce)?;
+    Ok(eos
+        .commits
         .into_iter()
         .map(|c| (c.task.core.id, c.result))
         .collect())
 }
 
-/// The broker steps of exactly-once commits, each for every task given
-/// before the next. A transaction's records (outputs, changelog, progress)
-/// are sent on the processing threads first; the offsets join the
-/// transaction while they are on their way (round trips to the coordinators
-/// that overlap their delivery); one flush, then the commit. Retriable
+/// Exactly-once commits of some tasks, a transaction per task. Each task's
+/// own work — preparing its commit (write cache to changelog records,
+/// progress record), sending its outputs and changelog records, and after
+/// the commit its local state — runs side by side. The broker steps
+/// (offsets added to the transaction, one flush, commit) run for every
+/// task before the next step, so their round trips overlap. Retriable
 /// failures (a request timing out, the coordinator moving) are retried
 /// within the transaction's timeout.
-fn broker_steps(
-    commits: &mut [EosCommit<'_>],
-    meta: &Arc<rdkafka::consumer::ConsumerGroupMetadata>,
-    app: &str,
-    metrics: &EngineMetrics,
+struct EosCommits<'a, 'c> {
+    /// The tasks, until `prepare` takes them into `commits`.
+    tasks: Vec<&'a mut ActiveTask>,
+    commits: Vec<EosCommit<'a>>,
+    meta: &'c Arc<ConsumerGroupMetadata>,
+    app: &'c str,
+    metrics: &'c EngineMetrics,
     threads: usize,
-) -> Result<(), RuntimeError> {
-    // The tests' crash points are reached only inside a transaction (some
-    // count only transactions with outputs: see `failpoint_at`).
-    let working = commits.iter().any(|c| !c.idle);
-    let outputs = commits.iter().any(|c| !c.outputs.is_empty());
-    let t0 = Instant::now();
-    let deadline = t0 + TXN_TIMEOUT;
-    in_parallel(commits.iter_mut().collect(), threads, |c| {
-        c.step(|c| {
-            if !c.task.txn_open {
-                c.task.producer.begin_transaction()?;
-                c.task.txn_open = true;
-            }
-            produce_outputs(c.task, metrics, std::mem::take(&mut c.outputs))?;
-            send_changelog(c.task, app, std::mem::take(&mut c.changelog))
-        });
-        Ok(())
-    })?;
-    let t_sent = Instant::now();
-    for c in commits.iter_mut() {
-        c.step(|c| {
-            if c.offsets.is_empty() {
-                return Ok(());
-            }
-            let tpl = offsets_tpl(&c.task.core, &c.offsets)?;
-            retrying("adding offsets to a transaction", deadline, || {
-                send_offsets_to_transaction(&c.task.producer, &tpl, meta, TXN_REQUEST_TIMEOUT)
-            })
-        });
-    }
-    let t_offsets = Instant::now();
-    if working {
-        failpoint_at("eos_before_flush", outputs);
-    }
-    // The commit's own flush (see `kafka::commit_transaction`), with the
-    // tests' crash point between it and the commit.
-    for c in commits.iter_mut() {
-        c.step(|c| {
-            retrying("flushing a transaction", deadline, || {
-                flush(&c.task.producer, &c.task.delivery, FLUSH_TIMEOUT)
-            })
-        });
-    }
-    let t_flush = Instant::now();
-    if working {
-        failpoint_at("eos_after_changelog_flush", outputs);
-    }
-    for c in commits.iter_mut() {
-        c.step(|c| {
-            if switched_on("eos_commit_timed_out") {
-                // For the tests: a commit still timing out when the
-                // transaction's time is up (a broker that does not answer).
-                return Err(RuntimeError::Kafka(rdkafka::error::KafkaError::Flush(
-                    rdkafka::error::RDKafkaErrorCode::OperationTimedOut,
-                )));
-            }
-            retrying("committing a transaction", deadline, || {
-                c.task
-                    .producer
-                    .commit_transaction(TXN_REQUEST_TIMEOUT)
-                    .map_err(RuntimeError::from)
-            })?;
-            c.task.txn_open = false;
-            Ok(())
-        });
-    }
-    tracing::trace!(
-        sent_ms = (t_sent - t0).as_millis() as u64,
-        offsets_ms = (t_offsets - t_sent).as_millis() as u64,
-        flush_ms = (t_flush - t_offsets).as_millis() as u64,
-        commit_ms = t_flush.elapsed().as_millis() as u64,
-        "transaction steps"
-    );
-    if working {
-        failpoint_at("eos_after_commit_before_local", outputs);
-    }
-    Ok(())
+    /// Some task takes broker steps: the tests' crash points are reached
+    /// only inside a transaction.
+    working: bool,
+    /// Some task commits outputs (some crash points count only those: see
+    /// `failpoint_at`).
+    outputs: bool,
+    started: Instant,
+    /// Until when retriable failures are retried.
+    deadline: Instant,
+    /// When the broker steps began, and when the records were sent, the
+    /// offsets added and the transactions flushed.
+    steps: [Instant; 4],
 }
 
-pub(super) fn offsets_tpl(
+impl CommitPath for EosCommits<'_, '_> {
+    type Error = RuntimeError;
+
+    fn prepare(&mut self, guarantee: Guarantee) -> Result<(), RuntimeError> {
+        let tasks = std::mem::take(&mut self.tasks);
+        self.commits = in_parallel(tasks, self.threads, |task| {
+            let parts = task.core.prepare_commit(guarantee);
+            let outputs = task.core.take_output();
+            let idle = parts.offsets.is_empty()
+                && parts.changelog.is_empty()
+                && outputs.is_empty()
+                && !task.txn_open;
+            Ok(EosCommit {
+                task,
+                parts,
+                outputs,
+                idle,
+                result: Ok(()),
+            })
+        })?;
+        self.working = self.commits.iter().any(|c| !c.idle);
+        self.outputs = self.commits.iter().any(|c| !c.outputs.is_empty());
+        Ok(())
+    }
+
+    /// A transaction's records (outputs, changelog, progress) are sent on
+    /// the processing threads.
+    fn send_changelog(&mut self) -> Result<(), RuntimeError> {
+        let t0 = Instant::now();
+        self.steps[0] = t0;
+        self.deadline = t0 + TXN_TIMEOUT;
+        let (app, metrics) = (self.app, self.metrics);
+        in_parallel(self.commits.iter_mut().collect(), self.threads, |c| {
+            c.step(|c| {
+                if !c.task.txn_open {
+                    c.task.producer.begin_transaction()?;
+                    c.task.txn_open = true;
+                }
+                produce_outputs(c.task, metrics, std::mem::take(&mut c.outputs))?;
+                send_changelog(c.task, app, std::mem::take(&mut c.parts.changelog))
+            });
+            Ok(())
+        })?;
+        self.steps[1] = Instant::now();
+        Ok(())
+    }
+
+    fn send_offsets(&mut self) -> Result<(), RuntimeError> {
+        let (meta, deadline) = (self.meta, self.deadline);
+        for c in self.commits.iter_mut() {
+            c.step(|c| {
+                if c.parts.offsets.is_empty() {
+                    return Ok(());
+                }
+                let tpl = offsets_tpl(&c.task.core, &c.parts.offsets)?;
+                retrying("adding offsets to a transaction", deadline, || {
+                    send_offsets_to_transaction(&c.task.producer, &tpl, meta, TXN_REQUEST_TIMEOUT)
+                })
+            });
+        }
+        self.steps[2] = Instant::now();
+        Ok(())
+    }
+
+    /// The commit's own flush (see `kafka::commit_transaction`), with the
+    /// tests' crash point between it and the commit.
+    fn flush(&mut self) -> Result<(), RuntimeError> {
+        let deadline = self.deadline;
+        for c in self.commits.iter_mut() {
+            c.step(|c| {
+                retrying("flushing a transaction", deadline, || {
+                    flush(&c.task.producer, &c.task.delivery, FLUSH_TIMEOUT)
+                })
+            });
+        }
+        self.steps[3] = Instant::now();
+        Ok(())
+    }
+
+    fn commit_transaction(&mut self) -> Result<(), RuntimeError> {
+        let deadline = self.deadline;
+        for c in self.commits.iter_mut() {
+            c.step(|c| {
+                if switched_on("eos_commit_timed_out") {
+                    // For the tests: a commit still timing out when the
+                    // transaction's time is up (a broker that does not answer).
+                    return Err(RuntimeError::Kafka(rdkafka::error::KafkaError::Flush(
+                        rdkafka::error::RDKafkaErrorCode::OperationTimedOut,
+                    )));
+                }
+                retrying("committing a transaction", deadline, || {
+                    c.task
+                        .producer
+                        .commit_transaction(TXN_REQUEST_TIMEOUT)
+                        .map_err(RuntimeError::from)
+                })?;
+                c.task.txn_open = false;
+                Ok(())
+            });
+        }
+        let [t0, t_sent, t_offsets, t_flush] = self.steps;
+        tracing::trace!(
+            sent_ms = (t_sent - t0).as_millis() as u64,
+            offsets_ms = (t_offsets - t_sent).as_millis() as u64,
+            flush_ms = (t_flush - t_offsets).as_millis() as u64,
+            commit_ms = t_flush.elapsed().as_millis() as u64,
+            "transaction steps"
+        );
+        Ok(())
+    }
+
+    fn post_commit(&mut self) -> Result<(), RuntimeError> {
+        let brokered = self.started.elapsed();
+        let tasks = self.commits.len();
+        let metrics = self.metrics;
+        in_parallel(self.commits.iter_mut().collect(), self.threads, |c| {
+            if c.result.is_ok() {
+                let id = c.task.core.id;
+                let next = c.task.delivery.take_changelog_next(id);
+                c.result = c
+                    .task
+                    .core
+                    .post_commit(&c.parts.offsets, &next)
+                    .map_err(RuntimeError::from);
+                c.task
+                    .core
+                    .ctx
+                    .output_ends
+                    .extend(c.task.delivery.take_output_next(id));
+                if !c.idle {
+                    metrics.commits.inc();
+                }
+            }
+            Ok(())
+        })?;
+        tracing::trace!(
+            tasks,
+            broker_ms = brokered.as_millis() as u64,
+            total_ms = self.started.elapsed().as_millis() as u64,
+            "transactions committed"
+        );
+        Ok(())
+    }
+
+    fn reached(&mut self, point: CommitPoint) -> ControlFlow<()> {
+        if self.working {
+            let name = match point {
+                CommitPoint::OffsetsSent => "eos_before_flush",
+                CommitPoint::TransactionFlushed => "eos_after_changelog_flush",
+                CommitPoint::TransactionCommitted => "eos_after_commit_before_local",
+                _ => return ControlFlow::Continue(()),
+            };
+            failpoint_at(name, self.outputs);
+        }
+        ControlFlow::Continue(())
+    }
+}
+
+/// Adds a task's offsets to commit (by input slot) to `tpl`.
+fn add_offsets(
+    tpl: &mut TopicPartitionList,
     core: &TaskCore,
     offsets: &[(usize, i64)],
-) -> Result<TopicPartitionList, RuntimeError> {
-    let mut tpl = TopicPartitionList::new();
+) -> Result<(), RuntimeError> {
     for (slot, offset) in offsets {
         let s = &core.slots[*slot];
         tpl.add_partition_offset(&s.topic, s.partition, Offset::Offset(*offset))?;
     }
+    Ok(())
+}
+
+/// A task's offsets to commit (by input slot) as a partition list.
+fn offsets_tpl(
+    core: &TaskCore,
+    offsets: &[(usize, i64)],
+) -> Result<TopicPartitionList, RuntimeError> {
+    let mut tpl = TopicPartitionList::new();
+    add_offsets(&mut tpl, core, offsets)?;
     Ok(tpl)
 }
 
@@ -698,9 +850,6 @@ pub(super) fn flush_task(
 /// Outputs queued by a task beyond which it asks for an early commit
 /// (exactly-once holds outputs until the commit).
 pub(super) const MAX_HELD_OUTPUTS: usize = 50_000;
-
-/// A task and the offsets its commit moves its input slots to.
-type TaskOffsets = (TaskId, Vec<(usize, i64)>);
 
 /// A task and how its commit ended.
 type TaskOutcome = (TaskId, Result<(), RuntimeError>);

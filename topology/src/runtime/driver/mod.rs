@@ -946,16 +946,6 @@ impl Engine {
         });
     }
 
-    /// The listed tasks, active or suspended.
-    fn tasks_mut(&mut self, ids: &[TaskId]) -> Vec<&mut ActiveTask> {
-        self.tasks
-            .iter_mut()
-            .chain(self.suspended.iter_mut())
-            .filter(|(id, _)| ids.contains(id))
-            .map(|(_, t)| t)
-            .collect()
-    }
-
     fn update_metrics(&self) {
         let in_flight: usize = self.tasks.values().map(|t| t.core.in_flight()).sum();
         self.metrics.in_flight.set(in_flight as i64);
