@@ -35,7 +35,7 @@ impl Engine {
     /// transactional id: whatever error its commit reported (a purged
     /// delivery, a failed flush), another instance owns the task now.
     fn producer_fenced(&self, id: TaskId) -> bool {
-        self.tasks.get(&id).is_some_and(|t| {
+        self.tasks.active.get(&id).is_some_and(|t| {
             t.producer
                 .client()
                 .fatal_error()
@@ -46,14 +46,14 @@ impl Engine {
     /// Commits every task.
     pub(super) fn commit_all(&mut self, consumer: &DriverConsumer) -> Result<(), RuntimeError> {
         let started = Instant::now();
-        let ids: Vec<TaskId> = self.tasks.keys().copied().collect();
+        let ids: Vec<TaskId> = self.tasks.active.keys().copied().collect();
         self.commit_tasks(consumer, &ids)?;
         self.metrics
             .commit_seconds
             .observe(started.elapsed().as_secs_f64());
         // The interval runs from the end of a commit, so slow commits still
         // leave a full interval of processing between them.
-        self.last_commit = Instant::now();
+        self.round.last_commit = Instant::now();
         Ok(())
     }
 
@@ -74,6 +74,7 @@ impl Engine {
         let threads = self.cfg.processing_threads;
         let tasks: Vec<&mut ActiveTask> = self
             .tasks
+            .active
             .values_mut()
             .filter(|t| ids.contains(&t.core.id))
             .collect();
@@ -116,7 +117,7 @@ impl Engine {
                         // transaction (an abort would wait for its timeout),
                         // and one given up on still has a call in progress;
                         // the next owner's producer fences either.
-                        if let Some(t) = self.tasks.get_mut(&id) {
+                        if let Some(t) = self.tasks.active.get_mut(&id) {
                             t.txn_open = false;
                         }
                     }
@@ -128,9 +129,9 @@ impl Engine {
         if !migrated.is_empty() {
             let mut paused = TopicPartitionList::new();
             for id in &migrated {
-                if let Some(t) = self.tasks.get(id) {
+                if let Some(t) = self.tasks.active.get(id) {
                     for tp in &t.partitions {
-                        if self.paused.insert(tp.clone()) {
+                        if self.intake.paused.insert(tp.clone()) {
                             paused.add_partition(&tp.0, tp.1);
                         }
                     }
@@ -163,17 +164,17 @@ impl Engine {
         due: bool,
     ) -> Result<(), RuntimeError> {
         self.collect_commit(consumer, false)?;
-        if self.committing.is_some() {
+        if self.round.committing.is_some() {
             return Ok(());
         }
-        if self.round.is_empty() {
-            if let Some(started) = self.round_started.take() {
-                self.last_round_end = Instant::now();
-                if !std::mem::take(&mut self.round_early) {
+        if self.round.tasks.is_empty() {
+            if let Some(started) = self.round.started.take() {
+                self.round.last_end = Instant::now();
+                if !std::mem::take(&mut self.round.early) {
                     self.metrics
                         .commit_seconds
                         .observe(started.elapsed().as_secs_f64());
-                    self.last_commit = self.last_round_end;
+                    self.round.last_commit = self.round.last_end;
                 }
                 return Ok(());
             }
@@ -187,14 +188,15 @@ impl Engine {
             // readers wait for them), each group in task order.
             let mut round: Vec<(bool, TaskId)> = self
                 .tasks
+                .active
                 .iter()
                 .map(|(id, t)| (!t.core.ctx.out.is_empty(), *id))
                 .filter(|(holds, _)| due || *holds)
                 .collect();
             round.sort_by_key(|&(holds, id)| (holds, std::cmp::Reverse(id)));
-            self.round = round.into_iter().map(|(_, id)| id).collect();
-            self.round_early = !due;
-            self.round_started = Some(Instant::now());
+            self.round.tasks = round.into_iter().map(|(_, id)| id).collect();
+            self.round.early = !due;
+            self.round.started = Some(Instant::now());
         }
         self.start_commit(consumer)
     }
@@ -205,23 +207,23 @@ impl Engine {
     /// trips overlap).
     fn start_commit(&mut self, consumer: &DriverConsumer) -> Result<(), RuntimeError> {
         let mut tasks = Vec::with_capacity(1);
-        if self.round_early {
-            for id in std::mem::take(&mut self.round) {
-                tasks.extend(self.tasks.remove(&id));
+        if self.round.early {
+            for id in std::mem::take(&mut self.round.tasks) {
+                tasks.extend(self.tasks.active.remove(&id));
             }
         }
         while tasks.is_empty() {
-            let Some(id) = self.round.pop() else {
+            let Some(id) = self.round.tasks.pop() else {
                 return Ok(());
             };
-            tasks.extend(self.tasks.remove(&id));
+            tasks.extend(self.tasks.active.remove(&id));
         }
         let meta = group_metadata(consumer)?;
         let ids: Vec<TaskId> = tasks.iter().map(|t| t.core.id).collect();
         let app = self.cfg.application_id.clone();
         let metrics = self.metrics.clone();
         let threads = self.cfg.processing_threads;
-        let wake = self.wake_tx.clone();
+        let wake = self.intake.wake_tx.clone();
         let handle = std::thread::Builder::new()
             .name("sluice-commit".into())
             .spawn(move || {
@@ -237,7 +239,7 @@ impl Engine {
                 (tasks, result)
             })
             .map_err(|e| RuntimeError::NoThread(format!("a commit thread: {e}")))?;
-        self.committing = Some(InFlightCommit {
+        self.round.committing = Some(InFlightCommit {
             ids,
             handle,
             completions: Vec::new(),
@@ -254,25 +256,25 @@ impl Engine {
         consumer: &DriverConsumer,
         wait: bool,
     ) -> Result<(), RuntimeError> {
-        match &self.committing {
+        match &self.round.committing {
             Some(c) if wait || c.handle.is_finished() => {}
             _ => return Ok(()),
         }
-        let c = self.committing.take().expect("checked above");
+        let c = self.round.committing.take().expect("checked above");
         let (tasks, result) = c
             .handle
             .join()
             .map_err(|_| RuntimeError::Panicked("the commit thread".into()))?;
         for t in tasks {
-            self.tasks.insert(t.core.id, t);
+            self.tasks.active.insert(t.core.id, t);
         }
         self.settle(consumer, result?)?;
         let (eos, max) = (self.eos(), self.cfg.max_in_flight_per_partition);
         for msg in c.records {
-            let Some(id) = self.task_of(msg.topic(), msg.partition()) else {
+            let Some(id) = self.tasks.task_of(msg.topic(), msg.partition()) else {
                 continue;
             };
-            if let Some(task) = self.tasks.get_mut(&id) {
+            if let Some(task) = self.tasks.active.get_mut(&id) {
                 task.offer(&msg, &self.metrics, eos, max)?;
             }
         }
@@ -291,15 +293,8 @@ impl Engine {
         let Some((producer, delivery)) = self.shared_producer.clone() else {
             return Ok(());
         };
-        let tasks: Vec<&mut ActiveTask> = self
-            .tasks
-            .iter_mut()
-            .chain(self.suspended.iter_mut())
-            .filter(|(id, _)| ids.contains(id))
-            .map(|(_, t)| t)
-            .collect();
         let mut alos = AlosCommit {
-            tasks,
+            tasks: self.tasks.listed_mut(ids),
             parts: Vec::new(),
             producer: &producer,
             delivery: &delivery,

@@ -31,11 +31,14 @@ impl Engine {
     ) -> Result<(), RuntimeError> {
         let new: Vec<Tp> = self
             .tasks
+            .active
             .values()
             .map(|t| &t.partitions)
-            .chain(self.pending.values().map(|p| &p.partitions))
+            .chain(self.tasks.pending.values().map(|p| &p.partitions))
             .flatten()
-            .filter(|tp| !self.queues.contains_key(*tp) && !self.unsplit.contains(*tp))
+            .filter(|tp| {
+                !self.intake.queues.contains_key(*tp) && !self.intake.unsplit.contains(*tp)
+            })
             .cloned()
             .collect();
         for tp in new {
@@ -44,9 +47,9 @@ impl Engine {
                 .zip(FetchQueue::of(consumer, &tp.0, tp.1));
             match split {
                 Some((mut split, fetch)) => {
-                    split.set_nonempty_callback(waker(&self.wake_tx));
-                    let split_at = self.drains;
-                    self.queues.insert(
+                    split.set_nonempty_callback(waker(&self.intake.wake_tx));
+                    let split_at = self.intake.drains;
+                    self.intake.queues.insert(
                         tp,
                         SplitQueue {
                             _split: split,
@@ -61,7 +64,7 @@ impl Engine {
                         partition = tp.1,
                         "cannot split the partition's queue"
                     );
-                    self.unsplit.insert(tp);
+                    self.intake.unsplit.insert(tp);
                 }
             }
         }
@@ -73,12 +76,12 @@ impl Engine {
     /// stays in librdkafka's bounded prefetch: backpressure without a pause.
     /// Returns whether any record was taken.
     pub(super) fn feed(&mut self) -> Result<bool, RuntimeError> {
-        if self.intake.is_held() || self.queues.is_empty() {
+        if self.intake.control.is_held() || self.intake.queues.is_empty() {
             return Ok(false);
         }
-        let queues = std::mem::take(&mut self.queues);
+        let queues = std::mem::take(&mut self.intake.queues);
         let result = self.feed_from(&queues);
-        self.queues = queues;
+        self.intake.queues = queues;
         result
     }
 
@@ -96,13 +99,18 @@ impl Engine {
             },
         ) in queues
         {
-            if *split_at >= self.drains {
+            if *split_at >= self.intake.drains {
                 continue;
             }
-            let Some(id) = self.task_of(topic, *partition) else {
+            let Some(id) = self.tasks.task_of(topic, *partition) else {
                 continue;
             };
-            let Some(slot) = self.tasks.get(&id).and_then(|t| t.core.slot_of(topic)) else {
+            let Some(slot) = self
+                .tasks
+                .active
+                .get(&id)
+                .and_then(|t| t.core.slot_of(topic))
+            else {
                 continue;
             };
             by_task.entry(id).or_default().push((slot, fetch));
@@ -111,7 +119,7 @@ impl Engine {
         // go on in parallel when there are several.
         let metrics = &self.metrics;
         let mut busy: Vec<(&mut ActiveTask, TaskQueues<'_>)> = Vec::new();
-        for (id, task) in self.tasks.iter_mut() {
+        for (id, task) in self.tasks.active.iter_mut() {
             let Some(qs) = by_task.remove(id) else {
                 continue;
             };
@@ -131,22 +139,22 @@ impl Engine {
     /// intake is held, and a partition without a split queue whose backlog holds
     /// a full in-flight bound until the backlog ran down; polling never stops.
     pub(super) fn update_pauses(&mut self, consumer: &DriverConsumer) -> Result<(), RuntimeError> {
-        let held = self.intake.is_held();
+        let held = self.intake.control.is_held();
         let max = self.cfg.max_in_flight_per_partition;
         let eos = self.eos();
         let mut to_pause = TopicPartitionList::new();
         let mut to_resume = TopicPartitionList::new();
         // A restoring task buffers up to the in-flight bound per partition.
-        for p in self.pending.values() {
+        for p in self.tasks.pending.values() {
             if p.buffered.len() >= max * p.partitions.len() {
                 for tp in &p.partitions {
-                    if self.paused.insert(tp.clone()) {
+                    if self.intake.paused.insert(tp.clone()) {
                         to_pause.add_partition(&tp.0, tp.1);
                     }
                 }
             }
         }
-        for task in self.tasks.values_mut() {
+        for task in self.tasks.active.values_mut() {
             if held {
                 task.core.drain_done();
             } else {
@@ -155,15 +163,15 @@ impl Engine {
             for (i, slot) in task.core.slots.iter().enumerate() {
                 let tp = (slot.topic.clone(), slot.partition);
                 let queued = task.backlog[i].len();
-                let paused = self.paused.contains(&tp);
+                let paused = self.intake.paused.contains(&tp);
                 // A split queue is read only while its task has room.
-                let split = self.queues.contains_key(&tp);
+                let split = self.intake.queues.contains_key(&tp);
                 if !paused && (held || (!split && queued >= max)) {
                     to_pause.add_partition(&tp.0, tp.1);
-                    self.paused.insert(tp);
+                    self.intake.paused.insert(tp);
                 } else if paused && !held && (split || queued <= max / 2) {
                     to_resume.add_partition(&tp.0, tp.1);
-                    self.paused.remove(&tp);
+                    self.intake.paused.remove(&tp);
                 }
             }
         }

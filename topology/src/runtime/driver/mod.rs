@@ -1,5 +1,6 @@
 //! The driver thread: consumer, tasks, commits, rebalances (see the module
-//! documentation of [`crate::runtime`]). This module holds the driver's types,
+//! documentation of [`crate::runtime`]). This module holds the driver's types
+//! (the [`Engine`] and its parts: [`Tasks`], [`CommitRound`], [`Intake`]),
 //! its main loop and the per-tick work; the phases live beside it: `intake`
 //! (feeding tasks, pauses), `commit`, `rebalance` (revoke, lose, assign) and
 //! `startup` (restore on helper threads, activation).
@@ -322,8 +323,6 @@ struct PendingTask {
 
 /// Everything the driver and the rebalance callbacks share.
 struct Engine {
-    /// A task was fenced: leave and rejoin the group after this tick.
-    rejoin: bool,
     topology: Arc<Topology>,
     cfg: Arc<StreamsConfig>,
     metrics: EngineMetrics,
@@ -332,13 +331,113 @@ struct Engine {
     runtime: tokio::runtime::Handle,
     completions_tx: Sender<CompletionMsg>,
     completions_rx: Receiver<CompletionMsg>,
+    /// The at-least-once producer every task shares (`None` under
+    /// exactly-once: a transactional producer per task).
+    shared_producer: Option<(Arc<TrackedProducer>, Arc<DeliveryState>)>,
+    tasks: Tasks,
+    round: CommitRound,
+    intake: Intake,
+    last_punctuate: Instant,
+    /// When consumed repartition records were last deleted, and the admin
+    /// client that does it (made on first use).
+    last_purge: Instant,
+    admin: Option<rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext>>,
+    status: Arc<AppStatus>,
+    /// This instance's tasks and their state readers, for interactive queries.
+    local: Arc<LocalTasks>,
+    /// The first assignment arrived.
+    joined: bool,
+    /// A task was fenced: leave and rejoin the group after this tick.
+    rejoin: bool,
+    fatal: Option<RuntimeError>,
+}
+
+/// The tasks of this instance, by what they are doing.
+struct Tasks {
+    /// The sub-topology that reads each source topic.
+    topic_sub: HashMap<String, usize>,
+    /// Tasks processing.
+    active: BTreeMap<TaskId, ActiveTask>,
+    /// Tasks suspended between a revocation and the assignment that follows
+    /// (eager protocol).
+    suspended: BTreeMap<TaskId, ActiveTask>,
+    /// Tasks restoring, or waiting for the rest of their input partitions.
+    pending: BTreeMap<TaskId, PendingTask>,
+}
+
+impl Tasks {
+    fn new(topic_sub: HashMap<String, usize>) -> Self {
+        Tasks {
+            topic_sub,
+            active: BTreeMap::new(),
+            suspended: BTreeMap::new(),
+            pending: BTreeMap::new(),
+        }
+    }
+
+    /// The task that reads `partition` of `topic`, if the topology reads it.
+    fn task_of(&self, topic: &str, partition: i32) -> Option<TaskId> {
+        self.topic_sub.get(topic).map(|&sub| TaskId {
+            subtopology: sub as u32,
+            partition,
+        })
+    }
+
+    /// The listed tasks, active or suspended.
+    fn listed_mut(&mut self, ids: &[TaskId]) -> Vec<&mut ActiveTask> {
+        self.active
+            .iter_mut()
+            .chain(self.suspended.iter_mut())
+            .filter(|(id, _)| ids.contains(id))
+            .map(|(_, t)| t)
+            .collect()
+    }
+}
+
+/// The periodic commits: when the last one ended, and the round in
+/// progress (see [`Engine::commit_periodically`]).
+struct CommitRound {
+    /// When the last commit of every task (or round) ended.
+    last_commit: Instant,
+    /// The exactly-once commit running on its own thread, if any.
+    committing: Option<InFlightCommit>,
+    /// Tasks still to commit in the current round.
+    tasks: Vec<TaskId>,
+    /// When the current round began.
+    started: Option<Instant>,
+    /// The current round is an early one: only the tasks holding outputs,
+    /// at once (see [`Engine::outputs_wait_while_idle`]).
+    early: bool,
+    /// When the last round (early or not) ended.
+    last_end: Instant,
+}
+
+impl CommitRound {
+    fn new() -> Self {
+        CommitRound {
+            last_commit: Instant::now(),
+            committing: None,
+            tasks: Vec::new(),
+            started: None,
+            early: false,
+            last_end: Instant::now(),
+        }
+    }
+
+    /// The commit on the commit thread, if it holds task `id`.
+    fn committing_for(&mut self, id: TaskId) -> Option<&mut InFlightCommit> {
+        self.committing.as_mut().filter(|c| c.ids.contains(&id))
+    }
+}
+
+/// How records reach the tasks: the partitions' own fetch queues, and what
+/// holds records back (the application's holds, pauses).
+struct Intake {
+    /// The application's holds: while one is active every partition is
+    /// paused.
+    control: IntakeControl,
     /// Signalled when the consumer's queue or a partition queue becomes non-empty.
     wake_tx: Sender<()>,
-    topic_sub: HashMap<String, usize>,
-    tasks: BTreeMap<TaskId, ActiveTask>,
-    suspended: BTreeMap<TaskId, ActiveTask>,
-    pending: BTreeMap<TaskId, PendingTask>,
-    shared_producer: Option<(Arc<TrackedProducer>, Arc<DeliveryState>)>,
     /// Partitions paused in the consumer. Each stays listed until resumed:
     /// by `update_pauses`, or at its revocation (librdkafka would keep the
     /// pause across a later assignment of the same partition).
@@ -351,29 +450,19 @@ struct Engine {
     /// Partitions whose queue could not be split; they are fed by the consumer's
     /// queue and paused for backpressure.
     unsplit: HashSet<Tp>,
-    last_commit: Instant,
-    /// The exactly-once commit running on its own thread, if any.
-    committing: Option<InFlightCommit>,
-    /// Tasks still to commit in the current round of periodic commits.
-    round: Vec<TaskId>,
-    /// When the current round began.
-    round_started: Option<Instant>,
-    /// The current round is an early one: only the tasks holding outputs,
-    /// at once (see [`Engine::outputs_wait_while_idle`]).
-    round_early: bool,
-    /// When the last round (early or not) ended.
-    last_round_end: Instant,
-    last_punctuate: Instant,
-    /// When consumed repartition records were last deleted, and the admin
-    /// client that does it (made on first use).
-    last_purge: Instant,
-    admin: Option<rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext>>,
-    status: Arc<AppStatus>,
-    /// This instance's tasks and their state readers, for interactive queries.
-    local: Arc<LocalTasks>,
-    intake: IntakeControl,
-    joined: bool,
-    fatal: Option<RuntimeError>,
+}
+
+impl Intake {
+    fn new(control: IntakeControl, wake_tx: Sender<()>) -> Self {
+        Intake {
+            control,
+            wake_tx,
+            paused: HashSet::new(),
+            queues: HashMap::new(),
+            drains: 0,
+            unsplit: HashSet::new(),
+        }
+    }
 }
 
 /// The consumer context: rebalance callbacks run the engine's revoke/assign.
@@ -534,30 +623,17 @@ impl Driver {
             runtime,
             completions_tx,
             completions_rx: completions_rx.clone(),
-            wake_tx: wake_tx.clone(),
-            topic_sub,
-            tasks: BTreeMap::new(),
-            suspended: BTreeMap::new(),
-            pending: BTreeMap::new(),
             shared_producer,
-            paused: HashSet::new(),
-            queues: HashMap::new(),
-            drains: 0,
-            rejoin: false,
-            unsplit: HashSet::new(),
-            last_commit: Instant::now(),
-            committing: None,
-            round: Vec::new(),
-            round_started: None,
-            round_early: false,
-            last_round_end: Instant::now(),
+            tasks: Tasks::new(topic_sub),
+            round: CommitRound::new(),
+            intake: Intake::new(intake, wake_tx.clone()),
             last_punctuate: Instant::now(),
             last_purge: Instant::now(),
             admin: None,
             status,
             local,
-            intake,
             joined: false,
+            rejoin: false,
             fatal: None,
         }));
 
@@ -696,11 +772,11 @@ impl Driver {
                 return Err(e);
             }
             if drained {
-                engine.drains += 1;
+                engine.intake.drains += 1;
             }
             engine.tick(&self.consumer)?;
-            if let Some(all) =
-                late.take_if(|_| !engine.tasks.is_empty() || !engine.pending.is_empty())
+            if let Some(all) = late
+                .take_if(|_| !engine.tasks.active.is_empty() || !engine.tasks.pending.is_empty())
             {
                 self.consumer.subscribe(&all)?;
             }
@@ -745,29 +821,21 @@ impl Engine {
         self.cfg.guarantee == Guarantee::ExactlyOnce
     }
 
-    /// The task that reads `partition` of `topic`, if the topology reads it.
-    fn task_of(&self, topic: &str, partition: i32) -> Option<TaskId> {
-        self.topic_sub.get(topic).map(|&sub| TaskId {
-            subtopology: sub as u32,
-            partition,
-        })
-    }
-
     fn on_message(&mut self, msg: &BorrowedMessage<'_>) -> Result<(), RuntimeError> {
-        let Some(id) = self.task_of(msg.topic(), msg.partition()) else {
+        let Some(id) = self.tasks.task_of(msg.topic(), msg.partition()) else {
             return Ok(());
         };
-        if let Some(p) = self.pending.get_mut(&id) {
+        if let Some(p) = self.tasks.pending.get_mut(&id) {
             p.buffered.push(msg.detach());
             return Ok(());
         }
-        if let Some(c) = self.committing_for(id) {
+        if let Some(c) = self.round.committing_for(id) {
             c.records.push(msg.detach());
             return Ok(());
         }
         let eos = self.eos();
         let max = self.cfg.max_in_flight_per_partition;
-        let Some(task) = self.tasks.get_mut(&id) else {
+        let Some(task) = self.tasks.active.get_mut(&id) else {
             tracing::debug!(
                 topic = msg.topic(),
                 partition = msg.partition(),
@@ -788,7 +856,7 @@ impl Engine {
             self.last_punctuate = Instant::now();
             let now = now_ms();
             let (metrics, eos) = (self.metrics.clone(), self.eos());
-            for task in self.tasks.values_mut() {
+            for task in self.tasks.active.values_mut() {
                 task.core
                     .punctuate(now)
                     .map_err(|error| RuntimeError::Process {
@@ -799,15 +867,20 @@ impl Engine {
             }
         }
         let cache_max = self.cfg.cache_max_entries;
-        let cache_full = self.tasks.values().any(|t| t.cache_full(cache_max));
-        let due = cache_full || self.last_commit.elapsed() >= self.cfg.commit_interval();
+        let cache_full = self.tasks.active.values().any(|t| t.cache_full(cache_max));
+        let due = cache_full || self.round.last_commit.elapsed() >= self.cfg.commit_interval();
         self.commit_periodically(consumer, due)?;
         if self.last_purge.elapsed() >= self.cfg.repartition_purge_interval {
             self.last_purge = Instant::now();
             self.purge_repartition_topics();
         }
         self.update_pauses(consumer)?;
-        for task in self.tasks.values_mut().chain(self.suspended.values_mut()) {
+        for task in self
+            .tasks
+            .active
+            .values_mut()
+            .chain(self.tasks.suspended.values_mut())
+        {
             task.count_in(&self.metrics);
         }
         self.update_metrics();
@@ -825,10 +898,15 @@ impl Engine {
     /// the commits.
     pub(super) fn outputs_wait_while_idle(&self) -> bool {
         self.eos()
-            && self.last_round_end.elapsed() >= self.cfg.commit_interval() / 4
-            && self.tasks.values().any(|t| !t.core.ctx.out.is_empty())
+            && self.round.last_end.elapsed() >= self.cfg.commit_interval() / 4
             && self
                 .tasks
+                .active
+                .values()
+                .any(|t| !t.core.ctx.out.is_empty())
+            && self
+                .tasks
+                .active
                 .values()
                 .all(|t| t.backlog.iter().all(VecDeque::is_empty))
     }
@@ -851,6 +929,7 @@ impl Engine {
         let (metrics, eos) = (self.metrics.clone(), self.eos());
         let work: Vec<(&mut ActiveTask, Vec<CompletionMsg>)> = self
             .tasks
+            .active
             .iter_mut()
             .filter_map(|(id, t)| by_task.remove(id).map(|m| (t, m)))
             .collect();
@@ -869,18 +948,13 @@ impl Engine {
     /// held while its task commits on the commit thread).
     fn complete(&mut self, msg: CompletionMsg) -> Result<(), RuntimeError> {
         let eos = self.eos();
-        if let Some(task) = self.tasks.get_mut(&msg.task) {
+        if let Some(task) = self.tasks.active.get_mut(&msg.task) {
             return task.complete([msg], &self.metrics, eos);
         }
-        if let Some(c) = self.committing_for(msg.task) {
+        if let Some(c) = self.round.committing_for(msg.task) {
             c.completions.push(msg);
         }
         Ok(())
-    }
-
-    /// The commit on the commit thread, if it holds task `id`.
-    fn committing_for(&mut self, id: TaskId) -> Option<&mut InFlightCommit> {
-        self.committing.as_mut().filter(|c| c.ids.contains(&id))
     }
 
     /// Forwards cached results of tasks (before a commit).
@@ -889,6 +963,7 @@ impl Engine {
         let threads = self.cfg.processing_threads;
         let tasks: Vec<&mut ActiveTask> = self
             .tasks
+            .active
             .iter_mut()
             .filter(|(id, _)| ids.contains(id))
             .map(|(_, t)| t)
@@ -901,7 +976,7 @@ impl Engine {
     /// repartition topics (they keep records until then, see `admin`).
     fn purge_repartition_topics(&mut self) {
         let mut tpl = TopicPartitionList::new();
-        for task in self.tasks.values() {
+        for task in self.tasks.active.values() {
             for (slot, tracker) in task.core.slots.iter().zip(&task.core.trackers) {
                 if let (true, Some(o)) = (slot.internal, tracker.last_committed()) {
                     let _ =
@@ -928,8 +1003,8 @@ impl Engine {
 
     /// The tasks this instance runs (those on the commit thread included).
     fn running(&self) -> impl Iterator<Item = TaskId> + '_ {
-        let committing = self.committing.iter().flat_map(|c| c.ids.iter());
-        self.tasks.keys().chain(committing).copied()
+        let committing = self.round.committing.iter().flat_map(|c| c.ids.iter());
+        self.tasks.active.keys().chain(committing).copied()
     }
 
     /// Publishes the tasks this instance runs, and those assigned to it
@@ -937,9 +1012,14 @@ impl Engine {
     fn publish_tasks(&self) {
         self.status.set_tasks(self.running());
         let running: BTreeSet<TaskId> = self.running().collect();
-        let assigned = running.iter().chain(self.pending.keys()).copied().collect();
+        let assigned = running
+            .iter()
+            .chain(self.tasks.pending.keys())
+            .copied()
+            .collect();
         self.local.publish(running, assigned, |id| {
             self.tasks
+                .active
                 .get(&id)
                 .and_then(|t| t.core.ctx.state.as_ref())
                 .map(TaskState::reader)
@@ -947,18 +1027,18 @@ impl Engine {
     }
 
     fn update_metrics(&self) {
-        let in_flight: usize = self.tasks.values().map(|t| t.core.in_flight()).sum();
+        let in_flight: usize = self.tasks.active.values().map(|t| t.core.in_flight()).sum();
         self.metrics.in_flight.set(in_flight as i64);
-        self.metrics.paused.set(self.paused.len() as i64);
+        self.metrics.paused.set(self.intake.paused.len() as i64);
         self.metrics
             .tasks
             .with_label_values(&["running"])
             .set(self.running().count() as i64);
-        let waiting = self.pending.values().filter(|p| p.waiting).count();
+        let waiting = self.tasks.pending.values().filter(|p| p.waiting).count();
         self.metrics
             .tasks
             .with_label_values(&["restoring"])
-            .set((self.pending.len() - waiting) as i64);
+            .set((self.tasks.pending.len() - waiting) as i64);
         self.metrics
             .tasks
             .with_label_values(&["waiting"])
@@ -968,7 +1048,7 @@ impl Engine {
         // this one to be ready before it stops (a rolling update).
         let state = if !self.joined {
             AppState::Starting
-        } else if self.pending.len() == waiting {
+        } else if self.tasks.pending.len() == waiting {
             AppState::Running
         } else {
             AppState::Restoring
@@ -987,19 +1067,19 @@ impl Engine {
             tracing::debug!(error = %e, "commit ended with an error while closing");
         }
         // The queues hold the consumer; the engine must not.
-        self.queues.clear();
-        for (_, mut p) in std::mem::take(&mut self.pending) {
+        self.intake.queues.clear();
+        for (_, mut p) in std::mem::take(&mut self.tasks.pending) {
             p.cancel.store(true, Ordering::SeqCst);
             if let Some(h) = p.handle.take() {
                 let _ = h.join();
             }
         }
-        let ids: Vec<TaskId> = self.tasks.keys().copied().collect();
+        let ids: Vec<TaskId> = self.tasks.active.keys().copied().collect();
         if commit && !ids.is_empty() {
             self.drain(&ids)?;
             self.commit_all(consumer)?;
         }
-        for (_, mut t) in std::mem::take(&mut self.tasks) {
+        for (_, mut t) in std::mem::take(&mut self.tasks.active) {
             t.count_in(&self.metrics);
             t.abandon(&self.metrics);
             if t.txn_open {
@@ -1007,7 +1087,7 @@ impl Engine {
                 self.metrics.aborted.inc();
             }
         }
-        self.suspended.clear();
+        self.tasks.suspended.clear();
         self.publish_tasks();
         Ok(())
     }

@@ -11,7 +11,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::Producer;
 use rdkafka::{Message, Offset, TopicPartitionList};
 
-use super::{DriverConsumer, DriverContext, Engine, Tp};
+use super::{DriverConsumer, DriverContext, Engine, Tasks, Tp};
 use crate::offsets::StartAt;
 use crate::runtime::config::{GroupProtocol, StreamsConfig};
 use crate::runtime::error::RuntimeError;
@@ -43,7 +43,7 @@ impl Engine {
         }
         // A commit on the commit thread ends first: its tasks come back.
         self.collect_commit(consumer, true)?;
-        self.round.clear();
+        self.round.tasks.clear();
         let revoked: HashSet<Tp> = tpl
             .elements()
             .iter()
@@ -54,7 +54,7 @@ impl Engine {
         // later assignment: a revoked partition left paused here would never
         // be fetched again when it comes back. Every pause ends here.
         let mut resume = TopicPartitionList::new();
-        self.paused.retain(|tp| {
+        self.intake.paused.retain(|tp| {
             let keep = !revoked.contains(tp);
             if !keep {
                 resume.add_partition(&tp.0, tp.1);
@@ -67,13 +67,14 @@ impl Engine {
             }
         }
         let pending: Vec<TaskId> = self
+            .tasks
             .pending
             .iter()
             .filter(|(_, p)| hit(&p.partitions))
             .map(|(id, _)| *id)
             .collect();
         for id in pending {
-            let Some(mut p) = self.pending.remove(&id) else {
+            let Some(mut p) = self.tasks.pending.remove(&id) else {
                 continue;
             };
             p.cancel.store(true, Ordering::SeqCst);
@@ -91,18 +92,19 @@ impl Engine {
                 .retain(|m| !revoked.contains(&(m.topic().to_string(), m.partition())));
             p.cancel = Arc::new(AtomicBool::new(false));
             p.waiting = true;
-            self.pending.insert(id, p);
+            self.tasks.pending.insert(id, p);
         }
         let ids: Vec<TaskId> = self
             .tasks
+            .active
             .iter()
             .filter(|(_, t)| hit(&t.partitions))
             .map(|(id, _)| *id)
             .collect();
-        self.queues.retain(|tp, _| !revoked.contains(tp));
+        self.intake.queues.retain(|tp, _| !revoked.contains(tp));
         if self.fatal.is_some() {
             for id in ids {
-                self.tasks.remove(&id);
+                self.tasks.active.remove(&id);
             }
             return Ok(());
         }
@@ -118,7 +120,7 @@ impl Engine {
         self.commit_tasks(consumer, &ids)?;
         let mut staying: Vec<(TaskId, Vec<Tp>)> = Vec::new();
         for id in ids {
-            if let Some(mut task) = self.tasks.remove(&id) {
+            if let Some(mut task) = self.tasks.active.remove(&id) {
                 if incremental {
                     task.count_in(&self.metrics);
                     let stay: Vec<Tp> = task
@@ -138,7 +140,7 @@ impl Engine {
                 for q in &mut task.backlog {
                     q.clear();
                 }
-                self.suspended.insert(id, task);
+                self.tasks.suspended.insert(id, task);
             }
         }
         self.wait_again(consumer, staying, reset);
@@ -219,7 +221,12 @@ impl Engine {
     /// restores from its changelogs like any new one.
     pub(super) fn close_dirty(&mut self, ids: &[TaskId]) {
         for id in ids {
-            let Some(mut task) = self.tasks.remove(id).or_else(|| self.suspended.remove(id)) else {
+            let Some(mut task) = self
+                .tasks
+                .active
+                .remove(id)
+                .or_else(|| self.tasks.suspended.remove(id))
+            else {
                 continue;
             };
             task.count_in(&self.metrics);
@@ -233,7 +240,7 @@ impl Engine {
             // A paused partition stays paused (and listed) until the
             // revocation that follows every dirty close resumes it.
             for tp in &task.partitions {
-                self.queues.remove(tp);
+                self.intake.queues.remove(tp);
             }
             tracing::info!(task = %id, "task closed dirty");
         }
@@ -247,7 +254,7 @@ impl Engine {
         loop {
             let pending: usize = ids
                 .iter()
-                .filter_map(|id| self.tasks.get(id))
+                .filter_map(|id| self.tasks.active.get(id))
                 .map(|t| t.core.ctx.spawner.pending())
                 .sum();
             if pending == 0 {
@@ -260,7 +267,7 @@ impl Engine {
                     "drain timeout: abandoning in-flight calls; their records stay uncommitted"
                 );
                 for id in ids {
-                    if let Some(t) = self.tasks.get_mut(id) {
+                    if let Some(t) = self.tasks.active.get_mut(id) {
                         t.abandon(&self.metrics);
                     }
                 }
@@ -282,12 +289,17 @@ impl Engine {
     /// resume (see `on_assign`): its partitions start at their commit.
     pub(super) fn resume_positions(&self, tpl: &TopicPartitionList) -> HashMap<Tp, i64> {
         let mut at = HashMap::new();
-        let given = partitions_by_task(self, tpl);
+        let given = partitions_by_task(&self.tasks, tpl);
         for e in tpl.elements() {
-            let Some(id) = self.task_of(e.topic(), e.partition()) else {
+            let Some(id) = self.tasks.task_of(e.topic(), e.partition()) else {
                 continue;
             };
-            let Some(task) = self.suspended.get(&id).filter(|t| !t.core.is_abandoned()) else {
+            let Some(task) = self
+                .tasks
+                .suspended
+                .get(&id)
+                .filter(|t| !t.core.is_abandoned())
+            else {
                 continue;
             };
             if !self.missing_partitions(id, &given[&id]).is_empty() {
@@ -317,10 +329,10 @@ impl Engine {
         // An assignment forwards its partitions to the consumer's queue again.
         for e in tpl.elements() {
             let tp = (e.topic().to_string(), e.partition());
-            self.queues.remove(&tp);
-            self.unsplit.remove(&tp);
+            self.intake.queues.remove(&tp);
+            self.intake.unsplit.remove(&tp);
         }
-        let by_task = partitions_by_task(self, tpl);
+        let by_task = partitions_by_task(&self.tasks, tpl);
         // Where `set_start_positions` put each partition.
         let starts: HashMap<Tp, StartAt> = tpl
             .elements()
@@ -333,19 +345,20 @@ impl Engine {
         // work between instances).
         let adds_tasks = by_task
             .keys()
-            .any(|id| !self.tasks.contains_key(id) && !self.pending.contains_key(id));
+            .any(|id| !self.tasks.active.contains_key(id) && !self.tasks.pending.contains_key(id));
         if incremental && self.joined && adds_tasks {
             self.metrics.rebalances.inc();
         }
         self.joined = true;
         let gone: Vec<TaskId> = self
+            .tasks
             .suspended
             .keys()
             .filter(|id| !incremental && !by_task.contains_key(id))
             .copied()
             .collect();
         for id in gone {
-            if let Some(mut task) = self.suspended.remove(&id) {
+            if let Some(mut task) = self.tasks.suspended.remove(&id) {
                 tracing::info!(task = %id, "task moved to another instance");
                 task.count_in(&self.metrics);
                 drop(task);
@@ -355,12 +368,12 @@ impl Engine {
             if self.join_task(id, &parts, &starts) {
                 continue;
             }
-            if let Some(mut task) = self.suspended.remove(&id) {
+            if let Some(mut task) = self.tasks.suspended.remove(&id) {
                 if !task.core.is_abandoned() && self.missing_partitions(id, &parts).is_empty() {
                     // Given back whole, it goes on where it left off:
                     // `resume_positions` set its partitions to start past
                     // every record it read, as it does for a task given back whole.
-                    self.tasks.insert(id, task);
+                    self.tasks.active.insert(id, task);
                     continue;
                 }
                 // Its abandoned records must be read again, or it waits for
@@ -396,7 +409,7 @@ impl Engine {
     /// task was here.
     fn join_task(&mut self, id: TaskId, parts: &[Tp], starts: &HashMap<Tp, StartAt>) -> bool {
         let start = |tp: &Tp| starts.get(tp).copied().unwrap_or(StartAt::Unknown);
-        if let Some(mut p) = self.pending.remove(&id) {
+        if let Some(mut p) = self.tasks.pending.remove(&id) {
             let what = if p.waiting { "waiting" } else { "restoring" };
             for tp in parts {
                 if p.partitions.contains(tp) {
@@ -410,10 +423,10 @@ impl Engine {
                 tracing::info!(task = %id, "task has all its input partitions: restoring");
                 self.begin_restore(id, &mut p);
             }
-            self.pending.insert(id, p);
+            self.tasks.pending.insert(id, p);
             return true;
         }
-        let Some(task) = self.tasks.get_mut(&id) else {
+        let Some(task) = self.tasks.active.get_mut(&id) else {
             return false;
         };
         for tp in parts {
@@ -433,10 +446,10 @@ impl Engine {
 }
 
 /// The partitions of `tpl` by the task that reads them, in task order.
-fn partitions_by_task(engine: &Engine, tpl: &TopicPartitionList) -> BTreeMap<TaskId, Vec<Tp>> {
+fn partitions_by_task(tasks: &Tasks, tpl: &TopicPartitionList) -> BTreeMap<TaskId, Vec<Tp>> {
     let mut by: BTreeMap<TaskId, Vec<Tp>> = BTreeMap::new();
     for e in tpl.elements() {
-        if let Some(id) = engine.task_of(e.topic(), e.partition()) {
+        if let Some(id) = tasks.task_of(e.topic(), e.partition()) {
             by.entry(id)
                 .or_default()
                 .push((e.topic().to_string(), e.partition()));

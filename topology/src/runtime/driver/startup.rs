@@ -56,7 +56,7 @@ impl Engine {
                  (instances running different topologies share the group?)"
             );
         }
-        self.pending.insert(id, p);
+        self.tasks.pending.insert(id, p);
     }
 
     /// The input topics of task `id` whose partition is not in `have`.
@@ -91,13 +91,14 @@ impl Engine {
     /// Activates tasks whose restore finished.
     pub(super) fn check_restores(&mut self) -> Result<(), RuntimeError> {
         let done: Vec<TaskId> = self
+            .tasks
             .pending
             .iter()
             .filter(|(_, p)| !p.waiting && p.handle.as_ref().is_none_or(|h| h.is_finished()))
             .map(|(id, _)| *id)
             .collect();
         for id in done {
-            let mut p = self.pending.remove(&id).expect("listed above");
+            let mut p = self.tasks.pending.remove(&id).expect("listed above");
             let restored = match p.handle.take() {
                 Some(h) => h.join().unwrap_or_else(|_| {
                     Err(RuntimeError::Panicked(format!("restore of task {id}")))
@@ -135,7 +136,7 @@ impl Engine {
             tracing::info!(task = %id, "task restored; processing");
             // Its buffered records (those that reached the consumer's queue
             // before the split) went first; its split queues follow.
-            self.tasks.insert(id, task);
+            self.tasks.active.insert(id, task);
         }
         self.publish_tasks();
         Ok(())
