@@ -4,6 +4,7 @@
 
 use std::any::Any;
 use std::collections::HashMap;
+use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 
@@ -18,7 +19,7 @@ use crate::derived::{DerivedTracker, Resumable};
 use crate::node::{Data, Forward};
 use crate::offsets::{Done, Origin, RecordToken};
 use crate::record::{OutputRecord, Record};
-use crate::{ProcessError, TaskId};
+use crate::ProcessError;
 
 /// An async operator call finished; sent from the tokio runtime back to the
 /// thread that owns the task.
@@ -215,6 +216,40 @@ fn record_size(rec: &OutputRecord) -> usize {
             .sum::<usize>()
 }
 
+/// Identifies a task: sub-topology and partition number.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TaskId {
+    /// The sub-topology.
+    pub subtopology: u32,
+    /// The partition number of its input topics.
+    pub partition: i32,
+}
+
+impl fmt::Display for TaskId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}_{}", self.subtopology, self.partition)
+    }
+}
+
+/// Queues a dead letter an operator asked for; an error of its own when
+/// that cannot be done (it names the record).
+pub(crate) fn handle(
+    ctx: &mut TaskCtx,
+    result: Result<(), ProcessError>,
+) -> Result<(), ProcessError> {
+    match result {
+        Err(ProcessError::DeadLetter { reason, category }) => {
+            ctx.dead_letter(&reason, &category, 1).map_err(|e| {
+                ProcessError::Fatal(format!(
+                    "{} must be dead-lettered ({reason}) but: {e}",
+                    ctx.describe_current()
+                ))
+            })
+        }
+        other => other,
+    }
+}
+
 /// Engine counters a task accumulates; the runtime moves them into metrics.
 #[derive(Debug, Default, Clone)]
 pub struct TaskCounters {
@@ -355,7 +390,7 @@ impl TaskCtx {
     ) -> Result<(), ProcessError> {
         let saved = self.current.replace(token);
         let forwarded = kids.forward(rec, self);
-        let result = crate::task::handle(self, forwarded);
+        let result = handle(self, forwarded);
         self.current = saved;
         result
     }

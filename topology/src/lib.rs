@@ -32,7 +32,7 @@ pub use codec::{
     from_bincode, to_bincode, BincodeCodec, BytesCodec, Codec, CodecError, JsonCodec, StringCodec,
     UnitCodec,
 };
-pub use context::TaskCounters;
+pub use context::{TaskCounters, TaskId};
 pub use dsl::{KGroupedStream, KStream, KTable, SourceOptions, StreamBuilder, TimeWindowedKStream};
 pub use error::{ProcessError, TopologyError};
 pub use guarantee::Guarantee;
@@ -42,7 +42,7 @@ pub use partitions::{crc32, key_partition, murmur2, KeyPartitioner};
 pub use processor::{KvStore, Processor, ProcessorContext, WindowStore};
 pub use record::{header, message_headers, Headers, OutputRecord, RawRecord, Record};
 pub use sluice_state::{Position, RocksSettings};
-pub use task::{dlq_headers, origin_headers, source_id, TaskId};
+pub use task::{dlq_headers, origin_headers, source_id};
 pub use test_driver::{CommitStep, TopologyTestDriver};
 pub use topology::{SubTopology, Topology};
 pub use window::{EmitMode, TimeWindows, Window, Windowed};

@@ -3,7 +3,6 @@
 //! the in-process test driver both drive tasks through this type.
 
 use std::collections::HashMap;
-use std::fmt;
 use std::sync::Arc;
 
 use crossbeam_channel::{Receiver, Sender};
@@ -11,7 +10,7 @@ use parking_lot::Mutex;
 use sluice_state::{ChangelogRecord, Position, StoreId, StoredValue, TaskState};
 
 use crate::codec::{from_bincode, to_bincode};
-use crate::context::{CallPanicked, CompletionMsg, Spawner, TaskCtx};
+use crate::context::{handle, CallPanicked, CompletionMsg, Spawner, TaskCtx, TaskId};
 use crate::derived::Resumable;
 use crate::guarantee::Guarantee;
 use crate::node::{CompletionTarget, Punctuation};
@@ -104,21 +103,6 @@ fn without_origin(headers: &Headers) -> Headers {
         .filter(|(k, _)| !origin_headers::ALL.contains(&k.as_str()))
         .cloned()
         .collect()
-}
-
-/// Identifies a task: sub-topology and partition number.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct TaskId {
-    /// The sub-topology.
-    pub subtopology: u32,
-    /// The partition number of its input topics.
-    pub partition: i32,
-}
-
-impl fmt::Display for TaskId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}_{}", self.subtopology, self.partition)
-    }
 }
 
 /// Stable id of a source topic, stamped into state positions (FNV-1a).
@@ -673,25 +657,6 @@ impl TaskCore {
         self.ctx
             .abandoned
             .load(std::sync::atomic::Ordering::Acquire)
-    }
-}
-
-/// Queues a dead letter an operator asked for; an error of its own when
-/// that cannot be done (it names the record).
-pub(crate) fn handle(
-    ctx: &mut TaskCtx,
-    result: Result<(), ProcessError>,
-) -> Result<(), ProcessError> {
-    match result {
-        Err(ProcessError::DeadLetter { reason, category }) => {
-            ctx.dead_letter(&reason, &category, 1).map_err(|e| {
-                ProcessError::Fatal(format!(
-                    "{} must be dead-lettered ({reason}) but: {e}",
-                    ctx.describe_current()
-                ))
-            })
-        }
-        other => other,
     }
 }
 
