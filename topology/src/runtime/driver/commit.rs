@@ -6,20 +6,17 @@
 
 use std::ops::ControlFlow;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Instant;
 
 use rdkafka::consumer::{CommitMode, Consumer, ConsumerGroupMetadata};
-use rdkafka::message::OwnedMessage;
 use rdkafka::producer::Producer;
 use rdkafka::{Message, Offset, TopicPartitionList};
 
 use super::{
-    in_parallel, retrying, ActiveTask, DriverConsumer, Engine, FLUSH_TIMEOUT, TXN_REQUEST_TIMEOUT,
-    TXN_TIMEOUT,
+    in_parallel, retrying, ActiveTask, DriverConsumer, Engine, InFlightCommit, TaskOutcome,
+    FLUSH_TIMEOUT, TXN_REQUEST_TIMEOUT, TXN_TIMEOUT,
 };
 use crate::commit::{conduct, CommitPath, CommitPoint};
-use crate::context::CompletionMsg;
 use crate::record::OutputRecord;
 use crate::runtime::error::{is_fencing_code, RuntimeError};
 use crate::runtime::failpoint::{failpoint, failpoint_at, switched_on};
@@ -230,7 +227,7 @@ impl Engine {
                 let mut tasks = tasks;
                 let result = (|| {
                     for task in &mut tasks {
-                        flush_task(task, &metrics, true)?;
+                        task.flush(&metrics, true)?;
                     }
                     let refs: Vec<&mut ActiveTask> = tasks.iter_mut().collect();
                     commit_eos(refs, &meta, &app, &metrics, threads)
@@ -763,25 +760,6 @@ pub(super) fn send_changelog(
     Ok(())
 }
 
-pub(super) fn send_outputs(
-    task: &mut ActiveTask,
-    metrics: &EngineMetrics,
-    eos: bool,
-) -> Result<(), RuntimeError> {
-    flush_counters(task, metrics);
-    if eos {
-        // Held until the commit: a task's transaction is open only while it
-        // commits, and a crash between commits leaves no transaction behind
-        // for the next owner to abort.
-        if task.core.ctx.out.len() >= MAX_HELD_OUTPUTS {
-            task.core.ctx.commit_requested = true;
-        }
-        return Ok(());
-    }
-    let out = task.core.take_output();
-    produce_outputs(task, metrics, out)
-}
-
 pub(super) fn produce_outputs(
     task: &mut ActiveTask,
     metrics: &EngineMetrics,
@@ -818,36 +796,38 @@ pub(super) fn flush_counters(task: &mut ActiveTask, metrics: &EngineMetrics) {
     }
 }
 
-/// An exactly-once commit running on its own thread (see
-/// [`Engine::commit_periodically`]). Its tasks are the thread's until it
-/// ends: their split queues are not read meanwhile, and their completions and
-/// records that reached the consumer's queue wait here, in arrival order.
-pub(super) struct InFlightCommit {
-    pub(super) ids: Vec<TaskId>,
-    handle: JoinHandle<CommitThreadEnd>,
-    pub(super) completions: Vec<CompletionMsg>,
-    pub(super) records: Vec<OwnedMessage>,
-}
+impl ActiveTask {
+    /// Sends what the task produced, or under exactly-once holds it until
+    /// the commit (asking for an early one when much is held).
+    pub(super) fn send_outputs(
+        &mut self,
+        metrics: &EngineMetrics,
+        eos: bool,
+    ) -> Result<(), RuntimeError> {
+        flush_counters(self, metrics);
+        if eos {
+            // Held until the commit: a task's transaction is open only while it
+            // commits, and a crash between commits leaves no transaction behind
+            // for the next owner to abort.
+            if self.core.ctx.out.len() >= MAX_HELD_OUTPUTS {
+                self.core.ctx.commit_requested = true;
+            }
+            return Ok(());
+        }
+        let out = self.core.take_output();
+        produce_outputs(self, metrics, out)
+    }
 
-/// Forwards a task's cached results (before its commit).
-pub(super) fn flush_task(
-    task: &mut ActiveTask,
-    metrics: &EngineMetrics,
-    eos: bool,
-) -> Result<(), RuntimeError> {
-    task.core.flush().map_err(|error| RuntimeError::Process {
-        task: task.core.id,
-        error,
-    })?;
-    send_outputs(task, metrics, eos)
+    /// Forwards the task's cached results (before its commit).
+    pub(super) fn flush(&mut self, metrics: &EngineMetrics, eos: bool) -> Result<(), RuntimeError> {
+        self.core.flush().map_err(|error| RuntimeError::Process {
+            task: self.core.id,
+            error,
+        })?;
+        self.send_outputs(metrics, eos)
+    }
 }
 
 /// Outputs queued by a task beyond which it asks for an early commit
 /// (exactly-once holds outputs until the commit).
 pub(super) const MAX_HELD_OUTPUTS: usize = 50_000;
-
-/// A task and how its commit ended.
-type TaskOutcome = (TaskId, Result<(), RuntimeError>);
-
-/// What a commit thread hands back: its tasks, and how their commits ended.
-type CommitThreadEnd = (Vec<ActiveTask>, Result<Vec<TaskOutcome>, RuntimeError>);

@@ -8,7 +8,6 @@ use std::time::Instant;
 use rdkafka::consumer::Consumer;
 use rdkafka::{Message, TopicPartitionList};
 
-use super::commit::send_outputs;
 use super::{
     in_parallel, millis_of, timestamp_of, waker, ActiveTask, DetachOwned, DriverConsumer, Engine,
     SplitQueue, TaskQueues, Tp,
@@ -250,23 +249,27 @@ fn fetched_input(fetched: &Fetched) -> Input<'_> {
     }
 }
 
-pub(super) fn process_record(
-    task: &mut ActiveTask,
-    msg: &impl Message,
-    metrics: &EngineMetrics,
-    eos: bool,
-) -> Result<(), RuntimeError> {
-    let Some(slot) = task.core.slot_of(msg.topic()) else {
-        return Ok(());
-    };
-    let input = Input {
-        offset: msg.offset(),
-        key: msg.key(),
-        value: msg.payload(),
-        timestamp: timestamp_of(msg),
-        headers: crate::record::message_headers(msg),
-    };
-    process_input(task, slot, input, metrics, eos)
+impl ActiveTask {
+    /// Processes one record of the consumer's (or a backlog), then sends
+    /// (or, under exactly-once, holds) what it produced.
+    pub(super) fn process_record(
+        &mut self,
+        msg: &impl Message,
+        metrics: &EngineMetrics,
+        eos: bool,
+    ) -> Result<(), RuntimeError> {
+        let Some(slot) = self.core.slot_of(msg.topic()) else {
+            return Ok(());
+        };
+        let input = Input {
+            offset: msg.offset(),
+            key: msg.key(),
+            value: msg.payload(),
+            timestamp: timestamp_of(msg),
+            headers: crate::record::message_headers(msg),
+        };
+        process_input(self, slot, input, metrics, eos)
+    }
 }
 
 /// Processes one record of an input slot, then sends (or, under
@@ -293,7 +296,7 @@ fn process_input(
             .process_seconds
             .observe(started.elapsed().as_secs_f64());
     }
-    send_outputs(task, metrics, eos)
+    task.send_outputs(metrics, eos)
 }
 
 /// Records taken from a partition queue in one call: enough to spread

@@ -27,7 +27,7 @@ use sluice_state::{RocksEnv, TaskState};
 
 use super::admin::{self, DeadLetterPartitions};
 use super::clock::now_ms;
-use super::config::StreamsConfig;
+use super::config::{GroupProtocol, StreamsConfig};
 use super::error::RuntimeError;
 use super::failpoint;
 use super::fetched::{FetchQueue, Fetched};
@@ -47,10 +47,6 @@ mod commit;
 mod intake;
 mod rebalance;
 mod startup;
-
-use commit::{flush_task, send_outputs, InFlightCommit};
-use intake::process_record;
-use rebalance::{reset_offset, set_group_protocol, set_start_positions};
 
 /// How long a transaction's steps are retried when they fail in a way Kafka
 /// calls retriable.
@@ -163,7 +159,7 @@ impl ActiveTask {
                     error,
                 })?;
         }
-        send_outputs(self, metrics, eos)
+        self.send_outputs(metrics, eos)
     }
 
     /// Processes a record now if the in-flight bound allows, else queues it.
@@ -178,7 +174,7 @@ impl ActiveTask {
             return Ok(());
         };
         if self.has_room(slot, max) {
-            process_record(self, msg, metrics, eos)
+            self.process_record(msg, metrics, eos)
         } else {
             self.backlog[slot].push_back(msg.detach_owned());
             Ok(())
@@ -198,7 +194,7 @@ impl ActiveTask {
                 let Some(msg) = self.backlog[slot].pop_front() else {
                     break;
                 };
-                process_record(self, &msg, metrics, eos)?;
+                self.process_record(&msg, metrics, eos)?;
                 self.core.drain_done();
             }
         }
@@ -430,6 +426,23 @@ impl CommitRound {
     }
 }
 
+/// An exactly-once commit running on its own thread (see
+/// [`Engine::commit_periodically`]). Its tasks are the thread's until it
+/// ends: their split queues are not read meanwhile, and their completions and
+/// records that reached the consumer's queue wait here, in arrival order.
+struct InFlightCommit {
+    ids: Vec<TaskId>,
+    handle: JoinHandle<CommitThreadEnd>,
+    completions: Vec<CompletionMsg>,
+    records: Vec<OwnedMessage>,
+}
+
+/// A task and how its commit ended.
+type TaskOutcome = (TaskId, Result<(), RuntimeError>);
+
+/// What a commit thread hands back: its tasks, and how their commits ended.
+type CommitThreadEnd = (Vec<ActiveTask>, Result<Vec<TaskOutcome>, RuntimeError>);
+
 /// How records reach the tasks: the partitions' own fetch queues, and what
 /// holds records back (the application's holds, pauses).
 struct Intake {
@@ -494,7 +507,7 @@ impl ClientContext for DriverContext {
 
 impl ConsumerContext for DriverContext {
     /// As rdkafka's own, with start positions set on assignment
-    /// ([`set_start_positions`]).
+    /// ([`DriverContext::set_start_positions`]).
     fn rebalance(
         &self,
         consumer: &BaseConsumer<Self>,
@@ -509,7 +522,7 @@ impl ConsumerContext for DriverContext {
         match err {
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
                 let resume = self.engine.lock().resume_positions(tpl);
-                set_start_positions(consumer, tpl, self.reset, &resume);
+                Self::set_start_positions(consumer, tpl, self.reset, &resume);
                 let assigned = if cooperative {
                     consumer.incremental_assign(tpl)
                 } else {
@@ -583,6 +596,43 @@ fn waker(tx: &Sender<()>) -> impl Fn() + Send + Sync + 'static {
     let tx = tx.clone();
     move || {
         let _ = tx.try_send(());
+    }
+}
+
+/// The group settings of the main consumer for the configured protocol. The
+/// consumer protocol takes neither the session timeout nor the heartbeat
+/// interval (the broker's group config decides them) nor an assignment
+/// strategy (the broker assigns).
+fn set_group_protocol(c: &mut rdkafka::ClientConfig, cfg: &StreamsConfig) {
+    match cfg.group_protocol {
+        GroupProtocol::Consumer => {
+            c.set("group.protocol", "consumer")
+                .set("group.remote.assignor", "range");
+        }
+        GroupProtocol::Classic => {
+            let session_ms = cfg.session_timeout.as_millis();
+            c.set("group.protocol", "classic")
+                .set("partition.assignment.strategy", "range")
+                .set("session.timeout.ms", session_ms.to_string())
+                .set(
+                    "heartbeat.interval.ms",
+                    (session_ms / 3).max(100).to_string(),
+                );
+        }
+    }
+    if let Some(id) = &cfg.group_instance_id {
+        c.set("group.instance.id", id);
+    }
+}
+
+/// The start of a partition without a committed offset under the
+/// `auto.offset.reset` policy `policy`; `None` for a policy librdkafka must
+/// apply itself (`error`).
+fn reset_offset(policy: Option<&str>) -> Option<Offset> {
+    match policy? {
+        "earliest" | "smallest" | "beginning" => Some(Offset::Beginning),
+        "latest" | "largest" | "end" => Some(Offset::End),
+        _ => None,
     }
 }
 
@@ -863,7 +913,7 @@ impl Engine {
                         task: task.core.id,
                         error,
                     })?;
-                send_outputs(task, &metrics, eos)?;
+                task.send_outputs(&metrics, eos)?;
             }
         }
         let cache_max = self.cfg.cache_max_entries;
@@ -968,7 +1018,7 @@ impl Engine {
             .filter(|(id, _)| ids.contains(id))
             .map(|(_, t)| t)
             .collect();
-        in_parallel(tasks, threads, |task| flush_task(task, &metrics, eos))?;
+        in_parallel(tasks, threads, |task| task.flush(&metrics, eos))?;
         Ok(())
     }
 

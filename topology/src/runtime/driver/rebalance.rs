@@ -13,7 +13,6 @@ use rdkafka::{Message, Offset, TopicPartitionList};
 
 use super::{DriverConsumer, DriverContext, Engine, Tasks, Tp};
 use crate::offsets::StartAt;
-use crate::runtime::config::{GroupProtocol, StreamsConfig};
 use crate::runtime::error::RuntimeError;
 use crate::runtime::status::AppState;
 use crate::TaskId;
@@ -458,86 +457,51 @@ fn partitions_by_task(tasks: &Tasks, tpl: &TopicPartitionList) -> BTreeMap<TaskI
     by
 }
 
-/// The group settings of the main consumer for the configured protocol. The
-/// consumer protocol takes neither the session timeout nor the heartbeat
-/// interval (the broker's group config decides them) nor an assignment
-/// strategy (the broker assigns).
-pub(super) fn set_group_protocol(c: &mut rdkafka::ClientConfig, cfg: &StreamsConfig) {
-    match cfg.group_protocol {
-        GroupProtocol::Consumer => {
-            c.set("group.protocol", "consumer")
-                .set("group.remote.assignor", "range");
+impl DriverContext {
+    /// Sets where each newly assigned partition starts: where a resumed task
+    /// left off (`resume`), else at its committed offset, or at `reset` when it
+    /// has none. librdkafka looks the same up when positions are left unset, but
+    /// it starts a partition without a committed offset only after a 100 ms
+    /// back-off, which every new group and new partition would pay. If the lookup
+    /// fails, the positions stay unset (but the resumed ones) and librdkafka
+    /// decides.
+    pub(super) fn set_start_positions(
+        consumer: &BaseConsumer<DriverContext>,
+        tpl: &mut TopicPartitionList,
+        reset: Option<Offset>,
+        resume: &HashMap<Tp, i64>,
+    ) {
+        for ((topic, partition), at) in resume {
+            if tpl
+                .set_partition_offset(topic, *partition, Offset::Offset(*at))
+                .is_err()
+            {
+                tracing::debug!(topic, partition, "cannot set a resumed task's position");
+            }
         }
-        GroupProtocol::Classic => {
-            let session_ms = cfg.session_timeout.as_millis();
-            c.set("group.protocol", "classic")
-                .set("partition.assignment.strategy", "range")
-                .set("session.timeout.ms", session_ms.to_string())
-                .set(
-                    "heartbeat.interval.ms",
-                    (session_ms / 3).max(100).to_string(),
-                );
-        }
-    }
-    if let Some(id) = &cfg.group_instance_id {
-        c.set("group.instance.id", id);
-    }
-}
-
-/// The start of a partition without a committed offset under the
-/// `auto.offset.reset` policy `policy`; `None` for a policy librdkafka must
-/// apply itself (`error`).
-pub(super) fn reset_offset(policy: Option<&str>) -> Option<Offset> {
-    match policy? {
-        "earliest" | "smallest" | "beginning" => Some(Offset::Beginning),
-        "latest" | "largest" | "end" => Some(Offset::End),
-        _ => None,
-    }
-}
-
-/// Sets where each newly assigned partition starts: where a resumed task
-/// left off (`resume`), else at its committed offset, or at `reset` when it
-/// has none. librdkafka looks the same up when positions are left unset, but
-/// it starts a partition without a committed offset only after a 100 ms
-/// back-off, which every new group and new partition would pay. If the lookup
-/// fails, the positions stay unset (but the resumed ones) and librdkafka
-/// decides.
-pub(super) fn set_start_positions(
-    consumer: &BaseConsumer<DriverContext>,
-    tpl: &mut TopicPartitionList,
-    reset: Option<Offset>,
-    resume: &HashMap<Tp, i64>,
-) {
-    for ((topic, partition), at) in resume {
-        if tpl
-            .set_partition_offset(topic, *partition, Offset::Offset(*at))
-            .is_err()
-        {
-            tracing::debug!(topic, partition, "cannot set a resumed task's position");
-        }
-    }
-    let Some(reset) = reset else { return };
-    let committed = match consumer.committed_offsets(tpl.clone(), COMMITTED_LOOKUP_TIMEOUT) {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::debug!(error = %e, "committed offsets lookup failed; librdkafka looks them up");
-            return;
-        }
-    };
-    let mut starts = Vec::new();
-    for e in committed.elements() {
-        if resume.contains_key(&(e.topic().to_string(), e.partition())) {
-            continue;
-        }
-        // An error or an unexpected answer: leave every position to librdkafka.
-        let Some(start) = committed_start(&e, Some(reset)) else {
-            return;
+        let Some(reset) = reset else { return };
+        let committed = match consumer.committed_offsets(tpl.clone(), COMMITTED_LOOKUP_TIMEOUT) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::debug!(error = %e, "committed offsets lookup failed; librdkafka looks them up");
+                return;
+            }
         };
-        starts.push((e.topic().to_string(), e.partition(), start));
-    }
-    for (topic, partition, start) in starts {
-        if tpl.set_partition_offset(&topic, partition, start).is_err() {
-            tracing::debug!(topic, partition, "cannot set a start position");
+        let mut starts = Vec::new();
+        for e in committed.elements() {
+            if resume.contains_key(&(e.topic().to_string(), e.partition())) {
+                continue;
+            }
+            // An error or an unexpected answer: leave every position to librdkafka.
+            let Some(start) = committed_start(&e, Some(reset)) else {
+                return;
+            };
+            starts.push((e.topic().to_string(), e.partition(), start));
+        }
+        for (topic, partition, start) in starts {
+            if tpl.set_partition_offset(&topic, partition, start).is_err() {
+                tracing::debug!(topic, partition, "cannot set a start position");
+            }
         }
     }
 }
