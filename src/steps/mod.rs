@@ -17,8 +17,11 @@
 //! let topology = b.build()?;
 //! ```
 //!
-//! Each step is a plain operator on the processor API and takes only its own
-//! settings. Records stay in flight (uncommitted) while a window or a call
+//! One room per step, in the order a task takes them: [`source`], [`route`],
+//! [`delay`], [`batch`], [`invoke_llm`], [`account`], [`results`]; beside
+//! them [`health`], the faults the steps report to `/readyz`. Each step is a
+//! plain operator on the processor API and takes only its own settings (its
+//! configuration section lives in its room). Records stay in flight (uncommitted) while a window or a call
 //! holds them, so a crash loses nothing and, under exactly-once, counts
 //! nothing twice.
 
