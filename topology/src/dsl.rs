@@ -294,6 +294,9 @@ impl StreamBuilder {
             };
             subtopologies[id].stores.push(spec);
         }
+        for sub in &subtopologies {
+            sub.check_source_ids(None)?;
+        }
         // A sub-topology whose records can finish out of order (a processor)
         // or that keeps state gets a progress store: its commits record which
         // records above the committed offset they already cover.

@@ -18,7 +18,7 @@ use crate::offsets::{
     Admission, Done, Finished, OffsetTracker, Origin, RecordToken, StartAt, TaskProgress,
 };
 use crate::record::{Headers, OutputRecord, RawRecord};
-use crate::topology::{RawView, SourceNode, SubTopology};
+use crate::topology::{source_id, RawView, SourceNode, SubTopology};
 use crate::{ProcessError, TopologyError};
 
 /// Dead-letter header names.
@@ -103,16 +103,6 @@ fn without_origin(headers: &Headers) -> Headers {
         .filter(|(k, _)| !origin_headers::ALL.contains(&k.as_str()))
         .cloned()
         .collect()
-}
-
-/// Stable id of a source topic, stamped into state positions (FNV-1a).
-pub fn source_id(topic: &str) -> u32 {
-    let mut h: u32 = 0x811c_9dc5;
-    for b in topic.as_bytes() {
-        h ^= u32::from(*b);
-        h = h.wrapping_mul(0x0100_0193);
-    }
-    h & 0x7fff_ffff
 }
 
 /// One input partition of a task.
@@ -201,6 +191,7 @@ impl TaskCore {
         };
         let (done_tx, done_rx) = crossbeam_channel::unbounded();
         let mut ctx = TaskCtx::new(id, state, Spawner::new(runtime, completions, id), done_tx);
+        sub.check_source_ids(Some(app_id))?;
         let instance = sub.instantiate(app_id, &ctx.stores)?;
         let mut slots = Vec::new();
         for (i, src) in sub.sources.iter().enumerate() {

@@ -27,6 +27,18 @@ pub(crate) enum SourceTopic {
     },
 }
 
+/// Stable id of a source topic, stamped into state positions and named
+/// by the progress record (FNV-1a, 31 bits): a sub-topology's source topics
+/// must have distinct ids ([`SubTopology::check_source_ids`]).
+pub fn source_id(topic: &str) -> u32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in topic.as_bytes() {
+        h ^= u32::from(*b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h & 0x7fff_ffff
+}
+
 impl SourceTopic {
     pub(crate) fn resolve(&self, app_id: &str) -> String {
         match self {
@@ -86,6 +98,35 @@ impl SubTopology {
             .iter()
             .flat_map(|s| s.topics.iter().map(|t| t.resolve(app_id)))
             .collect()
+    }
+
+    /// Checks that no two source topics of this sub-topology share a source
+    /// id (a 31-bit hash of the topic's name, which state positions and the
+    /// progress record carry to tell a task's partitions apart): with
+    /// `app_id`, every topic as resolved; without, the user's topics only
+    /// (internal topics are named after the application id).
+    pub(crate) fn check_source_ids(&self, app_id: Option<&str>) -> Result<(), TopologyError> {
+        let mut seen: std::collections::HashMap<u32, String> = Default::default();
+        let topics = self.sources.iter().flat_map(|s| &s.topics);
+        for topic in topics.filter_map(|t| match (t, app_id) {
+            (SourceTopic::External(name), _) => Some(name.clone()),
+            (SourceTopic::Internal { .. }, Some(app)) => Some(t.resolve(app)),
+            (SourceTopic::Internal { .. }, None) => None,
+        }) {
+            let id = source_id(&topic);
+            match seen.get(&id) {
+                Some(other) if *other != topic => {
+                    return Err(TopologyError::Invalid(format!(
+                        "source topics {other} and {topic} have the same source id ({id}), \
+                         which tells a task's input partitions apart: rename one"
+                    )))
+                }
+                _ => {
+                    seen.insert(id, topic);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The stores of this sub-topology.

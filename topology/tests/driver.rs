@@ -380,6 +380,42 @@ fn bad_topologies_fail_to_build() {
     assert!(b.build().is_err());
 }
 
+/// Two topics whose source ids (a 31-bit hash of the name) collide, found
+/// by trying names until two meet (about 2^16 names).
+fn colliding_topics() -> (String, String) {
+    let mut seen = std::collections::HashMap::new();
+    for i in 0u64.. {
+        let name = format!("topic-{i}");
+        if let Some(other) = seen.insert(sluice_topology::source_id(&name), name.clone()) {
+            return (other, name);
+        }
+    }
+    unreachable!("the ids are 31 bits")
+}
+
+#[test]
+fn source_topics_of_one_sub_topology_with_the_same_source_id_fail_to_build() {
+    // A task tells its input partitions apart by source id (in state
+    // positions and the progress record): two of its topics sharing one
+    // would have each other's progress.
+    let (a, b) = colliding_topics();
+    let builder = StreamBuilder::new();
+    builder
+        .stream(&[a.as_str(), b.as_str()], StringCodec, StringCodec)
+        .to("out", StringCodec, StringCodec);
+    let err = builder.build().err().expect("a collision fails the build");
+    let text = err.to_string();
+    assert!(text.contains(&a) && text.contains(&b), "{text}");
+    // In sub-topologies of their own they never meet in one task.
+    let builder = StreamBuilder::new();
+    for t in [&a, &b] {
+        builder
+            .stream(&[t.as_str()], StringCodec, StringCodec)
+            .to("out", StringCodec, StringCodec);
+    }
+    assert!(builder.build().is_ok());
+}
+
 /// Counts per key and minute in a window store, and forwards the key's
 /// windows so far as `start:count` pairs.
 struct MinuteTally;

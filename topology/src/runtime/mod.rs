@@ -115,6 +115,9 @@ impl StreamsApp {
     /// is returned here.
     pub fn start(self) -> Result<RunningApp, TopologyError> {
         self.cfg.validate()?;
+        for sub in self.topology.subtopologies() {
+            sub.check_source_ids(Some(&self.cfg.application_id))?;
+        }
         let prepared = admin::prepare_topics(&self.cfg, &self.topology)?;
         let local = Arc::new(LocalTasks::default());
         let directory = self
