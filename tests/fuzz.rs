@@ -1117,6 +1117,19 @@ struct SlotWire {
     previous: i64,
     span: u64,
     runs: Vec<(u64, u64)>,
+    /// Arrival stream times: the first from the record's stream time, each
+    /// next from the one before.
+    arrived: Vec<i64>,
+}
+
+/// The second format (`0xF2`): no arrival times.
+#[derive(Serialize, Deserialize, Debug, Clone)]
+struct SlotWireV2 {
+    source: u32,
+    committed: i64,
+    previous: i64,
+    span: u64,
+    runs: Vec<(u64, u64)>,
 }
 
 /// The first format (`SlotProgressV1`).
@@ -1128,7 +1141,7 @@ struct SlotV1 {
     unfinished: Vec<i64>,
 }
 
-const PROGRESS_FORMAT: u8 = 0xF2;
+const PROGRESS_FORMAT: u8 = 0xF3;
 
 fn progress_bytes(p: &ProgressWire) -> Vec<u8> {
     [vec![PROGRESS_FORMAT], sluice_topology::to_bincode(p)].concat()
@@ -1141,6 +1154,11 @@ fn progress_seeds() -> Vec<Vec<u8>> {
         previous: committed - 3,
         span,
         runs: runs.to_vec(),
+        arrived: runs
+            .iter()
+            .flat_map(|(_, len)| 0..*len as i64)
+            .map(|i| i % 7)
+            .collect(),
     };
     vec![
         progress_bytes(&ProgressWire {
@@ -1151,6 +1169,20 @@ fn progress_seeds() -> Vec<Vec<u8>> {
             stream_time: i64::MIN,
             slots: vec![slot(1, 1_000_000, 10_000, &[(0, 1_000), (8_000, 999)])],
         }),
+        [
+            vec![0xF2],
+            sluice_topology::to_bincode(&(
+                1_714_557_600_000i64,
+                vec![SlotWireV2 {
+                    source: 7,
+                    committed: 40,
+                    previous: 37,
+                    span: 20,
+                    runs: vec![(5, 1), (3, 2)],
+                }],
+            )),
+        ]
+        .concat(),
         sluice_topology::to_bincode(&vec![SlotV1 {
             source: 3,
             committed: 10,
@@ -1194,12 +1226,22 @@ fn progress_inputs() -> BoxedStrategy<Input> {
             0..4,
         ),
     )
-        .prop_map(|(source, committed, previous, span, runs)| SlotWire {
-            source,
-            committed,
-            previous,
-            span,
-            runs,
+        .prop_map(|(source, committed, previous, span, runs)| {
+            // As many arrival times as offsets when that is few (a record
+            // that reads), else a handful (a corrupt one).
+            let n: u64 = runs
+                .iter()
+                .map(|(_, len)| *len)
+                .fold(0, u64::saturating_add);
+            let arrived = (0..n.min(1_000) as i64).map(|i| i * 31 - 500).collect();
+            SlotWire {
+                source,
+                committed,
+                previous,
+                span,
+                runs,
+                arrived,
+            }
         });
     let fields =
         (any::<i64>(), proptest::collection::vec(slot, 0..3)).prop_map(|(stream_time, slots)| {

@@ -12,6 +12,8 @@ use crossbeam_channel::Sender;
 use serde::{Deserialize, Serialize};
 use sluice_state::Position;
 
+use crate::codec::from_bincode;
+
 /// What a record token stands for.
 pub(crate) enum Origin {
     /// An input record: its slot (source partition within the task), its
@@ -312,9 +314,23 @@ impl OffsetTracker {
     }
 
     /// The stream time before the oldest unfinished record arrived: no record
-    /// still in flight was judged against an earlier one.
+    /// still in flight was judged against an earlier one. Records of the
+    /// restored progress not read again yet count as in flight: a window
+    /// they may still update stays open until they are read again.
     pub(crate) fn oldest_in_flight_stream_time(&self) -> Option<i64> {
-        self.in_flight.first_key_value().map(|(_, st)| *st)
+        let own = self.in_flight.first_key_value().map(|(_, st)| *st);
+        let restored = self.restored_unfinished().map(|(_, arrived)| arrived).min();
+        own.into_iter().chain(restored).min()
+    }
+
+    /// The stream time before the record at `offset` arrived the first time,
+    /// when the restored progress names it unfinished: read again, it is
+    /// judged as it was then, not by the stream time the task restarted
+    /// with (so a crash never changes which records are late).
+    pub(crate) fn restored_arrival(&self, offset: i64) -> Option<i64> {
+        let p = self.resume.as_ref()?;
+        let i = p.unfinished.binary_search(&offset).ok()?;
+        p.arrived.get(i).copied()
     }
 
     /// Records received and not finished.
@@ -327,7 +343,7 @@ impl OffsetTracker {
     /// highest received. `None` when nothing was received or restored.
     pub fn committable(&self) -> Option<i64> {
         let own = self.in_flight.first_key_value().map(|(o, _)| *o);
-        let restored = self.restored_unfinished().next();
+        let restored = self.restored_unfinished().next().map(|(o, _)| o);
         match (own, restored) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (Some(a), None) | (None, Some(a)) => Some(a),
@@ -336,12 +352,16 @@ impl OffsetTracker {
     }
 
     /// Unfinished offsets of the restored progress this task has not read
-    /// again yet, ascending.
-    fn restored_unfinished(&self) -> impl Iterator<Item = i64> + '_ {
+    /// again yet, ascending, each with the stream time before it arrived.
+    fn restored_unfinished(&self) -> impl Iterator<Item = (i64, i64)> + '_ {
         let from = self.next_received.unwrap_or(i64::MIN);
-        self.resume
-            .iter()
-            .flat_map(move |p| p.unfinished.iter().copied().filter(move |o| *o >= from))
+        self.resume.iter().flat_map(move |p| {
+            p.unfinished
+                .iter()
+                .copied()
+                .zip(p.arrived.iter().copied())
+                .filter(move |(o, _)| *o >= from)
+        })
     }
 
     /// Past the highest offset received, or named by the restored progress.
@@ -384,16 +404,21 @@ impl OffsetTracker {
     /// record and without restored progress).
     pub(crate) fn progress(&self, source: u32) -> Option<SlotProgress> {
         let end = self.end()?;
-        let mut unfinished: Vec<i64> = self.in_flight.keys().copied().collect();
-        unfinished.extend(self.restored_unfinished());
-        unfinished.sort_unstable();
-        unfinished.dedup();
+        // Offsets this task read (in flight here) lie below those of the
+        // restored progress it has not read again: the two never overlap.
+        let (unfinished, arrived): (Vec<i64>, Vec<i64>) = self
+            .in_flight
+            .iter()
+            .map(|(o, st)| (*o, *st))
+            .chain(self.restored_unfinished())
+            .unzip();
         Some(SlotProgress {
             source,
             committed: unfinished.first().copied().unwrap_or(end),
             previous: self.committed.unwrap_or(-1),
             end,
             unfinished,
+            arrived,
         })
     }
 }
@@ -416,6 +441,9 @@ pub(crate) struct SlotProgress {
     pub(crate) end: i64,
     /// Offsets in `[committed, end)` still in flight at the commit, ascending.
     pub(crate) unfinished: Vec<i64>,
+    /// For each of `unfinished`, the task's stream time before it arrived
+    /// (what its lateness is judged by when it is read again).
+    pub(crate) arrived: Vec<i64>,
 }
 
 impl SlotProgress {
@@ -436,8 +464,13 @@ pub(crate) struct TaskProgress {
     pub(crate) slots: Vec<SlotProgress>,
 }
 
-/// The first byte of an encoded progress record (format version).
-const PROGRESS_FORMAT: u8 = 0xF2;
+/// The first byte of an encoded progress record (format version): since
+/// 2026-12-07 with each unfinished record's arrival stream time.
+const PROGRESS_FORMAT: u8 = 0xF3;
+
+/// The format before: no arrival stream times (records read again arrive at
+/// the stream time the task restarted with, as they did then).
+const PROGRESS_FORMAT_V2: u8 = 0xF2;
 
 /// The largest `max_in_flight_per_partition`: a commit's progress record
 /// names a partition's unfinished records (and those its restored record
@@ -469,6 +502,27 @@ struct SlotProgressWire {
     /// Runs of unfinished offsets: (gap after the previous run's end, or
     /// after `committed` for the first; length).
     runs: Vec<(u64, u64)>,
+    /// The unfinished records' arrival stream times, one per offset in
+    /// order: the first as `stream_time - arrived`, each next as its
+    /// difference from the one before (nearly always small: they arrived in
+    /// offset order), wrapping, so every value reads back exactly.
+    arrived: Vec<i64>,
+}
+
+/// A slot of the second format (no arrival times).
+#[derive(Serialize, Deserialize)]
+struct SlotProgressWireV2 {
+    source: u32,
+    committed: i64,
+    previous: i64,
+    span: u64,
+    runs: Vec<(u64, u64)>,
+}
+
+#[derive(Deserialize)]
+struct TaskProgressWireV2 {
+    stream_time: i64,
+    slots: Vec<SlotProgressWireV2>,
 }
 
 /// The first progress record format: a list of slots with every unfinished
@@ -506,12 +560,27 @@ impl TaskProgress {
                 if let Some((start, len)) = run {
                     runs.push(((start - cursor) as u64, len));
                 }
+                let mut before = self.stream_time;
+                let arrived = s
+                    .arrived
+                    .iter()
+                    .enumerate()
+                    .map(|(i, a)| {
+                        let delta = match i {
+                            0 => self.stream_time.wrapping_sub(*a),
+                            _ => a.wrapping_sub(before),
+                        };
+                        before = *a;
+                        delta
+                    })
+                    .collect();
                 SlotProgressWire {
                     source: s.source,
                     committed: s.committed,
                     previous: s.previous,
                     span: (s.end - s.committed) as u64,
                     runs,
+                    arrived,
                 }
             })
             .collect();
@@ -523,38 +592,62 @@ impl TaskProgress {
         out
     }
 
-    /// Decodes a record written by [`TaskProgress::encode`] (or by the first
-    /// format).
+    /// Decodes a record written by [`TaskProgress::encode`] (or by an
+    /// earlier format).
     pub(crate) fn decode(bytes: &[u8]) -> Result<TaskProgress, String> {
-        let corrupt = |e: &dyn std::fmt::Display| format!("corrupt progress record: {e}");
-        let Some((&PROGRESS_FORMAT, rest)) = bytes.split_first() else {
-            let old: Vec<SlotProgressV1> =
-                crate::codec::from_bincode(bytes).map_err(|e| corrupt(&e))?;
-            return Ok(TaskProgress {
-                stream_time: i64::MIN,
-                slots: old
+        match bytes.split_first() {
+            Some((&PROGRESS_FORMAT, rest)) => {
+                let wire: TaskProgressWire = from_bincode(rest).map_err(|e| corrupt(&e))?;
+                let slots = wire.slots.into_iter().map(|s| {
+                    let arrived = Some(s.arrived);
+                    (s.source, s.committed, s.previous, s.span, s.runs, arrived)
+                });
+                Self::from_wire(wire.stream_time, slots)
+            }
+            Some((&PROGRESS_FORMAT_V2, rest)) => {
+                let wire: TaskProgressWireV2 = from_bincode(rest).map_err(|e| corrupt(&e))?;
+                let slots = wire
+                    .slots
                     .into_iter()
-                    .map(|s| SlotProgress {
-                        source: s.source,
-                        committed: s.committed,
-                        previous: s.committed,
-                        end: s.end,
-                        unfinished: s.unfinished,
-                    })
-                    .collect(),
-            });
-        };
-        let wire: TaskProgressWire = crate::codec::from_bincode(rest).map_err(|e| corrupt(&e))?;
-        let mut slots = Vec::with_capacity(wire.slots.len());
+                    .map(|s| (s.source, s.committed, s.previous, s.span, s.runs, None));
+                Self::from_wire(wire.stream_time, slots)
+            }
+            _ => {
+                let old: Vec<SlotProgressV1> = from_bincode(bytes).map_err(|e| corrupt(&e))?;
+                Ok(TaskProgress {
+                    stream_time: i64::MIN,
+                    slots: old
+                        .into_iter()
+                        .map(|s| SlotProgress {
+                            source: s.source,
+                            committed: s.committed,
+                            previous: s.committed,
+                            end: s.end,
+                            arrived: vec![i64::MIN; s.unfinished.len()],
+                            unfinished: s.unfinished,
+                        })
+                        .collect(),
+                })
+            }
+        }
+    }
+
+    /// The record from its wire slots (source, committed, previous, span,
+    /// runs, and the arrival times when the format has them: without, every
+    /// unfinished record arrives at the record's stream time).
+    fn from_wire(
+        stream_time: i64,
+        wire: impl ExactSizeIterator<Item = WireSlot>,
+    ) -> Result<TaskProgress, String> {
+        let mut slots = Vec::with_capacity(wire.len());
         let mut total = 0;
-        for s in wire.slots {
-            let end = s
-                .committed
-                .checked_add(i64::try_from(s.span).map_err(|e| corrupt(&e))?)
+        for (source, committed, previous, span, runs, arrived) in wire {
+            let end = committed
+                .checked_add(i64::try_from(span).map_err(|e| corrupt(&e))?)
                 .ok_or_else(|| corrupt(&"span out of range"))?;
             let mut unfinished = Vec::new();
-            let mut cursor = s.committed;
-            for (gap, len) in s.runs {
+            let mut cursor = committed;
+            for (gap, len) in runs {
                 let outside = || corrupt(&"unfinished offsets outside the record");
                 let start = i64::try_from(gap)
                     .ok()
@@ -578,19 +671,48 @@ impl TaskProgress {
                 unfinished.extend(start..stop);
                 cursor = stop;
             }
+            let arrived = match arrived {
+                None => vec![stream_time; unfinished.len()],
+                Some(deltas) if deltas.len() != unfinished.len() => {
+                    return Err(corrupt(
+                        &"arrival times do not match the unfinished offsets",
+                    ))
+                }
+                Some(deltas) => {
+                    let mut before = stream_time;
+                    deltas
+                        .iter()
+                        .enumerate()
+                        .map(|(i, d)| {
+                            before = match i {
+                                0 => stream_time.wrapping_sub(*d),
+                                _ => before.wrapping_add(*d),
+                            };
+                            before
+                        })
+                        .collect()
+                }
+            };
             slots.push(SlotProgress {
-                source: s.source,
-                committed: s.committed,
-                previous: s.previous,
+                source,
+                committed,
+                previous,
                 end,
                 unfinished,
+                arrived,
             });
         }
-        Ok(TaskProgress {
-            stream_time: wire.stream_time,
-            slots,
-        })
+        Ok(TaskProgress { stream_time, slots })
     }
+}
+
+/// A slot as read from the wire, whatever the format: source, committed,
+/// previous, span, runs, arrival-time deltas (when the format has them).
+type WireSlot = (u32, i64, i64, u64, Vec<(u64, u64)>, Option<Vec<i64>>);
+
+/// What a progress record that cannot be read says.
+fn corrupt(e: &dyn std::fmt::Display) -> String {
+    format!("corrupt progress record: {e}")
 }
 
 #[cfg(test)]
@@ -666,6 +788,8 @@ mod tests {
             previous: committed - 7,
             end,
             unfinished: unfinished.to_vec(),
+            // Each arrived at a stream time of its own (its offset, in s).
+            arrived: unfinished.iter().map(|o| o * 1000).collect(),
         }
     }
 
@@ -813,6 +937,9 @@ mod tests {
                     previous: 999_000,
                     end: 1_500_000,
                     unfinished: vec![1_000_000, 1_000_001, 1_000_002, 1_200_000, 1_499_999],
+                    arrived: [-9_000, -9_000, -8_990, -120, 0]
+                        .map(|d| 1_700_000_000_000 + d)
+                        .to_vec(),
                 },
                 SlotProgress {
                     source: 9,
@@ -820,12 +947,15 @@ mod tests {
                     previous: -1,
                     end: 5,
                     unfinished: vec![],
+                    arrived: vec![],
                 },
             ],
         };
         let bytes = p.encode();
         assert_eq!(TaskProgress::decode(&bytes).unwrap(), p);
-        assert!(bytes.len() < 60, "{} bytes", bytes.len());
+        // A few bytes per run of unfinished offsets, and one to three per
+        // arrival time (a difference from the one before).
+        assert!(bytes.len() < 70, "{} bytes", bytes.len());
         assert!(TaskProgress::decode(&bytes[..bytes.len() - 2]).is_err());
         assert!(TaskProgress::decode(&[PROGRESS_FORMAT, 0xff, 0xff]).is_err());
     }
@@ -842,14 +972,85 @@ mod tests {
             previous: 1 << 39,
             end: (1 << 40) + 2 * n,
             unfinished: (0..n).map(|i| (1 << 40) + 2 * i).collect(),
+            // A millisecond apart: what arrives at full speed looks like.
+            arrived: (0..n).map(|i| (1 << 41) + i).collect(),
         };
         let p = TaskProgress {
-            stream_time: i64::MAX,
+            stream_time: (1 << 41) + n,
             slots: vec![slot],
         };
         let bytes = p.encode();
         assert_eq!(TaskProgress::decode(&bytes).unwrap(), p);
-        assert!(bytes.len() <= 3 * n as usize, "{} bytes", bytes.len());
+        // Two bytes a run of one offset, one an arrival time: 60 KB at
+        // most, where a broker takes a megabyte.
+        assert!(bytes.len() <= 3 * n as usize + 64, "{} bytes", bytes.len());
+    }
+
+    #[test]
+    fn arrival_times_read_back_exactly_whatever_their_values() {
+        let p = TaskProgress {
+            stream_time: 5,
+            slots: vec![SlotProgress {
+                source: 1,
+                committed: 0,
+                previous: -1,
+                end: 5,
+                unfinished: vec![0, 1, 2, 3, 4],
+                // Out of order and at the extremes (the stream time before
+                // the first record of a task is i64::MIN).
+                arrived: vec![i64::MIN, i64::MAX, -3, 7, i64::MIN],
+            }],
+        };
+        assert_eq!(TaskProgress::decode(&p.encode()).unwrap(), p);
+        // A count of arrival times other than the unfinished offsets' is
+        // corruption, not a shorter list.
+        let mut wire = p.encode();
+        let last = wire.len() - 1;
+        wire.truncate(last);
+        assert!(TaskProgress::decode(&wire).is_err());
+    }
+
+    #[test]
+    fn the_second_format_reads_every_arrival_as_the_records_stream_time() {
+        let wire = TaskProgressWireV2Out {
+            stream_time: 90_000,
+            slots: vec![SlotProgressWireV2 {
+                source: 3,
+                committed: 10,
+                previous: 4,
+                span: 10,
+                runs: vec![(2, 2)],
+            }],
+        };
+        let mut bytes = vec![PROGRESS_FORMAT_V2];
+        bytes.extend(crate::codec::to_bincode(&wire));
+        let p = TaskProgress::decode(&bytes).unwrap();
+        assert_eq!(p.slots[0].unfinished, vec![12, 13]);
+        assert_eq!(p.slots[0].arrived, vec![90_000, 90_000]);
+    }
+
+    /// The second format as it was written.
+    #[derive(Serialize)]
+    struct TaskProgressWireV2Out {
+        stream_time: i64,
+        slots: Vec<SlotProgressWireV2>,
+    }
+
+    #[test]
+    fn records_of_the_restored_progress_arrive_again_at_their_first_arrival() {
+        let (mut t, _) =
+            OffsetTracker::restarting(StartAt::Committed(10), Some(restored(10, 20, &[12, 15])));
+        // Not read again yet, they hold windows open as records in flight do.
+        assert_eq!(t.oldest_in_flight_stream_time(), Some(12_000));
+        assert_eq!(t.restored_arrival(12), Some(12_000));
+        assert_eq!(t.restored_arrival(13), None, "finished before the crash");
+        assert_eq!(feed(&mut t, 10..14), vec![12]);
+        // 12 is in flight again (arrived at 0 in this test's feed), 15 not
+        // read again yet.
+        assert_eq!(t.oldest_in_flight_stream_time(), Some(0));
+        t.finished(12);
+        assert_eq!(t.oldest_in_flight_stream_time(), Some(15_000));
+        assert_eq!(t.progress(1).unwrap().arrived, vec![15_000]);
     }
 
     #[test]

@@ -338,6 +338,11 @@ impl TaskCore {
                 );
             }
         }
+        // A record read again after a restart arrives at the stream time it
+        // arrived at the first time (so a crash changes no lateness).
+        let arrival = self.trackers[slot]
+            .restored_arrival(input.offset)
+            .unwrap_or(stream_time_before);
         let info = &self.slots[slot];
         let position = Position {
             source: info.source_id,
@@ -361,7 +366,7 @@ impl TaskCore {
                 position,
                 raw,
             },
-            self.ctx.stream_time,
+            arrival.max(input.timestamp),
             self.ctx.done.clone(),
             self.ctx.abandoned.clone(),
         );
@@ -383,10 +388,10 @@ impl TaskCore {
                 self.trackers[slot].received_finished(input.offset);
             }
             Some(Err(shared)) => {
-                self.trackers[slot].received(input.offset, stream_time_before);
+                self.trackers[slot].received(input.offset, arrival);
                 drop(shared);
             }
-            None => self.trackers[slot].received(input.offset, stream_time_before),
+            None => self.trackers[slot].received(input.offset, arrival),
         }
         result
     }

@@ -586,3 +586,72 @@ fn stream_time_is_restored_with_the_state() {
         "the record for the closed window was late"
     );
 }
+
+/// A record in an async call when its task crashed is judged, when read
+/// again, by the stream time it arrived at, not by the later one the task
+/// restarted with: which records count does not depend on a crash (and a
+/// window it may still update does not close before it is read again).
+#[test]
+fn a_record_in_flight_at_a_crash_keeps_its_arrival_stream_time() {
+    let gates: Gates = Arc::default();
+    let g = gates.clone();
+    let b = StreamBuilder::new();
+    b.stream(&["in"], StringCodec, StringCodec)
+        .process("gated", &[], move || Gated { gates: g.clone() })
+        .group_by_key()
+        .windowed_by(TimeWindows::tumbling(Duration::from_secs(60)))
+        .emit_final()
+        .count("counts")
+        .to_stream()
+        .to(
+            "out",
+            JsonCodec::<Windowed<String>>::default(),
+            JsonCodec::<u64>::default(),
+        );
+    let mut d = TopologyTestDriver::new(b.build().unwrap()).unwrap();
+    let pipe = |d: &mut TopologyTestDriver, v: &str, ts: i64| {
+        d.pipe(
+            "in",
+            &"k".to_string(),
+            &v.to_string(),
+            &StringCodec,
+            &StringCodec,
+            ts,
+        )
+        .unwrap()
+    };
+    let open = |d: &mut TopologyTestDriver, v: &str| {
+        let gate = gates.lock().remove(&format!("k/{v}")).expect("gated");
+        gate.send(()).unwrap();
+        assert_eq!(d.handle_completions(1, WAIT).unwrap(), 1);
+    };
+    pipe(&mut d, "v0", 10_000); // arrives at stream time 10 s
+    pipe(&mut d, "v1", 200_000); // arrives at 200 s: both in their calls
+    d.commit().unwrap();
+    d.crash().unwrap(); // both read again, called again
+    d.commit().unwrap(); // the window v0 belongs to must not close yet
+    open(&mut d, "v1");
+    open(&mut d, "v0");
+    // Windows close as later records reach the count: v2 closes [0, 60 s),
+    // v3 [180 s, 240 s).
+    pipe(&mut d, "v2", 400_000);
+    open(&mut d, "v2");
+    pipe(&mut d, "v3", 600_000);
+    open(&mut d, "v3");
+    d.commit().unwrap();
+    let windows: Vec<(i64, u64)> = d
+        .committed_output("out")
+        .iter()
+        .map(|r| {
+            let w: Windowed<String> = serde_json::from_slice(r.key.as_deref().unwrap()).unwrap();
+            let n: u64 = serde_json::from_slice(r.value.as_deref().unwrap()).unwrap();
+            (w.window.start, n)
+        })
+        .collect();
+    assert_eq!(
+        windows,
+        vec![(0, 1), (180_000, 1)],
+        "each window counted its record, as without the crash"
+    );
+    assert_eq!(d.counters().late_dropped, 0, "no record was late");
+}
