@@ -322,6 +322,19 @@ fn undecodable_records_are_dead_lettered_and_processing_continues() {
         });
     }
     produce(&bootstrap(), &ex.input, recs).unwrap();
+    // And one the broker takes (under its message.max.bytes) that the
+    // instance's producers could not send back whole (over theirs): its
+    // dead letter is cut to fit, and the instance goes on.
+    let mut big = sluice::kafka::Cluster::from(bootstrap().as_str());
+    big.client
+        .insert("message.max.bytes".into(), "1100000".into());
+    let oversized = OutRecord {
+        key: Some(vec![0xff, b'b', b'i', b'g']),
+        value: Some(vec![b'x'; 1_000_100]),
+        timestamp: Some(base),
+        ..Default::default()
+    };
+    produce(big, &ex.input, [oversized]).unwrap();
     let dir = temp_dir();
     let mut p = ex.spawn("poison", dir.path());
     assert_counts_equal(
@@ -329,11 +342,12 @@ fn undecodable_records_are_dead_lettered_and_processing_continues() {
         &expected,
     );
     let dead = read_topics(&bootstrap(), &[&dlq], false, Duration::from_secs(30), |m| {
-        m.len() >= 12
+        m.len() >= 13
     })
     .unwrap();
-    p.stop();
-    assert_eq!(dead.len(), 12);
+    let stats = p.stop();
+    assert_eq!(stats["ok"], true, "{stats}");
+    assert_eq!(dead.len(), 13);
     for m in &dead {
         let header = |name: &str| {
             m.headers()
@@ -351,10 +365,21 @@ fn undecodable_records_are_dead_lettered_and_processing_continues() {
             Some(ex.input.as_str())
         );
         assert!(header("dlq.original.offset").is_some());
+        let payload = m.payload().unwrap();
+        if m.key() == Some(&[0xff, b'b', b'i', b'g'][..]) {
+            assert_eq!(header("dlq.truncated").as_deref(), Some("value=1000100"));
+            assert!(
+                payload.len() < 1_000_000 && payload.iter().all(|b| *b == b'x'),
+                "the original bytes, cut to fit: {}",
+                payload.len()
+            );
+            continue;
+        }
         assert!(
-            String::from_utf8_lossy(m.payload().unwrap()).starts_with("payload-"),
+            String::from_utf8_lossy(payload).starts_with("payload-"),
             "original bytes kept"
         );
+        assert_eq!(header("dlq.truncated"), None);
     }
 }
 

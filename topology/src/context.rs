@@ -206,7 +206,7 @@ pub(crate) const DEFAULT_MAX_RECORD_BYTES: usize = 1_000_000;
 
 /// A record's size as the producer counts it against `message.max.bytes`:
 /// key, value and headers (with a few bytes of framing per header).
-fn record_size(rec: &OutputRecord) -> usize {
+pub(crate) fn record_size(rec: &OutputRecord) -> usize {
     rec.key.as_ref().map_or(0, Vec::len)
         + rec.value.as_ref().map_or(0, Vec::len)
         + rec

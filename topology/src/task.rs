@@ -40,6 +40,10 @@ pub mod dlq_headers {
     /// Set on the dead letter of a record an operator derived (it has no
     /// original bytes): which task and record.
     pub const DERIVED: &str = "dlq.derived";
+    /// Set when the original bytes were cut for the dead letter to fit the
+    /// producers' `message.max.bytes`: the original sizes, `value=<bytes>`
+    /// (and `,key=<bytes>` when the key was cut too).
+    pub const TRUNCATED: &str = "dlq.truncated";
 }
 
 /// Headers a record written to a repartition topic carries about the source
@@ -656,6 +660,46 @@ impl TaskCore {
     }
 }
 
+/// Cuts a dead letter's original bytes (the value's end first, then the
+/// key's) so that it fits `max` bytes, the producers' `message.max.bytes`:
+/// a record the broker took can be over what the producers may send, and a
+/// dead letter that can never be sent would stop its task at every
+/// restart. The cut is said in [`dlq_headers::TRUNCATED`].
+fn cut_to_fit(letter: &mut OutputRecord, max: usize) {
+    let size = crate::context::record_size(letter);
+    if size <= max {
+        return;
+    }
+    let len = |b: &Option<Vec<u8>>| b.as_ref().map_or(0, Vec::len);
+    let (value_len, key_len) = (len(&letter.value), len(&letter.key));
+    // The header's own size, at its longest.
+    let header =
+        dlq_headers::TRUNCATED.len() + 8 + format!("value={value_len},key={key_len}").len();
+    let mut over = size + header - max;
+    let mut said = format!("value={value_len}");
+    if let Some(v) = letter.value.as_mut() {
+        let cut = over.min(v.len());
+        v.truncate(v.len() - cut);
+        over -= cut;
+    }
+    if over > 0 {
+        if let Some(k) = letter.key.as_mut() {
+            let cut = over.min(k.len());
+            k.truncate(k.len() - cut);
+            over -= cut;
+            said.push_str(&format!(",key={key_len}"));
+        }
+    }
+    if over > 0 {
+        // What is left are the original record's headers: only the dead
+        // letter's own stay.
+        letter.headers.retain(|(k, _)| k.starts_with("dlq."));
+    }
+    letter
+        .headers
+        .push((dlq_headers::TRUNCATED.to_string(), said.into_bytes()));
+}
+
 impl TaskCtx {
     /// Queues the current record's original key, bytes and headers for its
     /// source's dead-letter topic, with the reason headers, stamped with the
@@ -735,7 +779,7 @@ impl TaskCtx {
         // The same partition number as the original (modulo the dead-letter
         // topic's partitions): a task's writes stay in its own partitions.
         let partition = partitions.filter(|n| *n > 0).map(|n| origin.partition % n);
-        self.out.push(OutputRecord {
+        let mut letter = OutputRecord {
             topic,
             partition,
             key,
@@ -745,7 +789,9 @@ impl TaskCtx {
             // that, not the age of the original record.
             timestamp: now.timestamp_millis(),
             headers,
-        });
+        };
+        cut_to_fit(&mut letter, self.max_record_bytes);
+        self.out.push(letter);
         Ok(())
     }
 

@@ -635,6 +635,56 @@ fn an_output_over_the_producers_message_size_dead_letters_its_record() {
     assert!(reason.contains("message.max.bytes"), "{reason}");
 }
 
+/// A record too large to be written back (over the producers'
+/// `message.max.bytes`, under the broker's) that must be dead-lettered: its
+/// dead letter is cut to fit, says so, and the task goes on. Written whole,
+/// it could never be sent, and would stop the task at every restart.
+#[test]
+fn a_dead_letter_over_the_producers_message_size_is_cut_to_fit_and_says_so() {
+    let b = StreamBuilder::new();
+    b.stream_with(
+        &["in"],
+        StringCodec,
+        JsonCodec::<u64>::default(),
+        SourceOptions {
+            dead_letter_topic: Some("in.dlq".into()),
+        },
+    )
+    .to("out", StringCodec, JsonCodec::<u64>::default());
+    let mut d = TopologyTestDriver::new(b.build().unwrap()).unwrap();
+    let big = vec![b'x'; 1_000_100]; // not JSON: undecodable, so dead-lettered
+    d.pipe_raw("in", Some(b"k0"), Some(&big), 1).unwrap();
+    d.pipe_raw("in", Some(b"k1"), Some(b"7"), 1).unwrap();
+    d.commit().unwrap();
+    assert_eq!(d.read_output("out").len(), 1, "the next record goes on");
+    let dlq = d.read_output("in.dlq");
+    assert_eq!(dlq.len(), 1, "{} dead letters", dlq.len());
+    let size = dlq[0].key.as_ref().map_or(0, Vec::len)
+        + dlq[0].value.as_ref().map_or(0, Vec::len)
+        + dlq[0]
+            .headers
+            .iter()
+            .map(|(k, v)| k.len() + v.len() + 8)
+            .sum::<usize>();
+    assert!(size <= 1_000_000, "the dead letter fits: {size} bytes");
+    let value = dlq[0].value.as_deref().unwrap();
+    assert!(
+        value.len() > 990_000 && big.starts_with(value),
+        "the original bytes, cut at the end ({} bytes)",
+        value.len()
+    );
+    assert_eq!(dlq[0].key.as_deref(), Some(&b"k0"[..]));
+    assert_eq!(
+        header(&dlq[0].headers, dlq_headers::TRUNCATED),
+        Some(&b"value=1000100"[..]),
+        "the original size"
+    );
+    assert_eq!(
+        header(&dlq[0].headers, dlq_headers::CATEGORY),
+        Some(&b"poison"[..])
+    );
+}
+
 /// Emits one record per punctuation (no input record is current then).
 struct Ticker;
 
