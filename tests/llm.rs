@@ -157,6 +157,35 @@ fn at_least_once_gives_every_task_a_result() {
     app.proc.stop();
 }
 
+/// Tasks from producers of every codec a Kafka producer may use (Java
+/// clients commonly set `compression.type=zstd`), on the same partitions,
+/// zstd first: each gets exactly one result. A consumer built without a
+/// codec stops at that codec's first batch, and every later task of the
+/// partition, whatever its codec, waits behind it.
+#[test]
+fn tasks_of_every_producer_codec_are_each_answered_once() {
+    let p = Pipeline::new(SimConfig::default(), "");
+    let mut app = p.start("codecs");
+    let mut all = Vec::new();
+    for (i, codec) in ["zstd", "gzip", "snappy", "lz4", "none"].iter().enumerate() {
+        let tasks: Vec<Task> = (0..60)
+            .map(|n| Task::new(i * 100 + n, "classify", &format!("t{}", n % 6), "normal"))
+            .collect();
+        let mut cluster = p.cluster.clone();
+        cluster
+            .client
+            .insert("compression.type".into(), codec.to_string());
+        // Several tasks a batch, so the codec compresses real batches.
+        cluster.client.insert("linger.ms".into(), "20".into());
+        let records: Vec<OutRecord> = tasks.iter().map(Task::record).collect();
+        produce(cluster, &p.topic("classify"), records).unwrap();
+        all.extend(tasks);
+    }
+    let results = p.results(all.len(), Duration::from_secs(120));
+    assert_each_answered_once(&all, &results);
+    app.proc.stop();
+}
+
 #[test]
 fn poison_records_go_to_their_dead_letter_topics() {
     let p = Pipeline::new(SimConfig::default(), "");
