@@ -1,7 +1,7 @@
 # The two commands a newcomer needs: `make demo` and `make test`.
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/sluice/target
 
-.PHONY: demo test setup lint fmt bench-engine bench-llm bench-batching bench-usage bench-peer bench-gateway bench-overload test-helm
+.PHONY: demo test setup lint fmt bench-engine bench-llm bench-batching bench-usage bench-peer bench-gateway bench-overload test-helm fuzz-topology
 
 demo:
 	scripts/demo.sh
@@ -15,6 +15,11 @@ setup:
 # The Helm chart: lint, render, Kubernetes schemas, sluice.toml (no cluster needed).
 test-helm:
 	scripts/check-helm.sh
+
+# The topology-shape property test at length: CASES random shapes (default
+# 20000) from SEED (default: the time), exactly-once and at-least-once.
+fuzz-topology:
+	scripts/fuzz-topology.sh
 
 lint:
 	cargo fmt --all -- --check

@@ -15,7 +15,7 @@ use futures::FutureExt;
 use rustc_hash::FxHashMap;
 use sluice_state::{Position, StoreId, TaskState};
 
-use crate::derived::{DerivedTracker, Resumable};
+use crate::derived::{DerivedTracker, Encoder, Resumable};
 use crate::node::{Data, Forward};
 use crate::offsets::{Done, Origin, RecordToken};
 use crate::record::{OutputRecord, Record};
@@ -351,8 +351,48 @@ impl TaskCtx {
                 "too_large",
             ));
         }
+        self.mark_effect();
         self.out.push(rec);
         Ok(())
+    }
+
+    /// Notes an effect of the current record (see `crate::derived`).
+    pub(crate) fn mark_effect(&self) {
+        if let Some(t) = &self.current {
+            t.mark_effect();
+        }
+    }
+
+    /// A hold of the current record by `processor` (see `crate::derived`):
+    /// a token linked to the current record's root, which stays in flight
+    /// while the hold lasts (or until a commit converts the hold, when
+    /// `encode` says how to take it up again). `kept`: the processor keeps
+    /// it (an [`crate::InFlight`]) rather than a call carrying it. `None`
+    /// without a current record.
+    pub(crate) fn hold(
+        &mut self,
+        processor: &str,
+        encode: Option<Encoder>,
+        kept: bool,
+    ) -> Option<Arc<RecordToken>> {
+        let current = self.current.as_ref()?;
+        let stream_time = current.stream_time;
+        let id = self.derived.next_id();
+        let token = RecordToken::new(
+            Origin::Held {
+                id,
+                root: parking_lot::Mutex::new(Some(current.root())),
+                position: current.position(),
+                raw: current.raw().cloned(),
+                end_is_effect: kept,
+            },
+            stream_time,
+            self.done.clone(),
+            self.abandoned.clone(),
+        );
+        self.derived
+            .hold(id, processor, encode, Arc::downgrade(&token), stream_time);
+        Some(token)
     }
 
     /// The input position of the record being processed (`None` for a
@@ -414,7 +454,8 @@ impl TaskCtx {
         rec: Record<K, V>,
         id: u64,
     ) -> Result<(), ProcessError> {
-        let token = self.token(id, self.stream_time);
+        let stream_time = self.derived.stream_time_of(id).unwrap_or(self.stream_time);
+        let token = self.token(id, stream_time);
         self.forward_as(token, kids, rec)
     }
 
@@ -430,7 +471,9 @@ impl TaskCtx {
         self.stores.get(name).copied()
     }
 
+    /// The task's stores, to write (an effect of the current record).
     pub(crate) fn state_mut(&mut self) -> &mut TaskState {
+        self.mark_effect();
         self.state
             .as_mut()
             .expect("operators with stores run in tasks that have state")

@@ -1,6 +1,6 @@
 //! Records operators derive — an aggregation's results, what a processor
-//! forwards from a flush, a punctuation or a batch's completion — tracked like
-//! input records.
+//! forwards from a flush, a punctuation or a batch's completion — and records
+//! processors hold, tracked like input records.
 //!
 //! An input record's work may end inside an aggregation while what the
 //! aggregation forwarded goes on into an async call that outlives the commit.
@@ -17,12 +17,33 @@
 //! Records a processor forwards outside of an input record (from `flush`,
 //! `punctuate`, or a call that carried several records) get a derived token
 //! too, so they can be held, dead-lettered and counted in flight; the engine
-//! cannot encode them, so a processor whose such records feed an async step
-//! must derive them again from its own state after a restart.
+//! cannot encode them.
+//!
+//! **Holds.** Every time a processor keeps a record past the call that handed
+//! it over (an async call, a micro-batch), the hold gets a token of its own
+//! linked to the record it holds, its *root* (an input record, a derived
+//! record, or an earlier hold that became a root): the link keeps the root in
+//! flight. A replay of the root after a crash runs everything it did again,
+//! which is right as long as none of it has left the task yet. Once the root
+//! had an effect (an output, a dead letter, a store write: beside the hold,
+//! before it, or in an earlier stage's completion) a commit that would leave
+//! it unfinished *converts* its holds instead: each hold's content — what
+//! its processor said it needs to take the record up again
+//! (`ProcessorContext::spawn_resumable`, `hold_resumable`) — is written
+//! to the progress store in that commit, the link is cut, and the root
+//! finishes in the same commit. A restart hands each stored hold back to its
+//! processor (`Processor::resume`) and replays nothing else of the root. A
+//! root whose holds are not all resumable is left as before (replayed whole)
+//! and logged, as is a derived record without content held past a commit.
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Weak};
 
+use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
+
+use crate::offsets::{Origin, RecordToken};
+use crate::record::RawRecord;
 
 /// How a derived record is kept in the progress store: the operator that
 /// forwards it again (by its store's name) and its encoding.
@@ -34,65 +55,179 @@ pub(crate) struct Resumable {
     pub(crate) bytes: Vec<u8>,
 }
 
+/// How a converted hold is kept in the progress store.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct HeldRecord {
+    /// The name of the processor that holds it.
+    pub(crate) processor: String,
+    /// What the processor needs to take it up again (its own encoding).
+    pub(crate) content: Vec<u8>,
+    /// The task's stream time when its root arrived.
+    pub(crate) stream_time: i64,
+    /// Its root's input position: (source id, offset).
+    pub(crate) position: Option<(u32, i64)>,
+    /// Its root's original record, for dead letters.
+    pub(crate) raw: Option<RawRecord>,
+}
+
+/// Encodes what a processor needs to take a held record up again; called
+/// only when a commit converts the hold.
+pub(crate) type Encoder = Box<dyn FnOnce() -> Vec<u8> + Send>;
+
 /// The key prefix of derived records in the progress store (below it, the
 /// big-endian id, so a scan returns them in the order they were derived).
 pub(crate) const KEY_PREFIX: &[u8] = b"derived/";
 
+/// The key prefix of converted holds in the progress store.
+pub(crate) const HELD_PREFIX: &[u8] = b"held/";
+
 /// The progress-store key of derived record `id`.
 pub(crate) fn key(id: u64) -> Vec<u8> {
-    let mut k = KEY_PREFIX.to_vec();
+    prefixed(KEY_PREFIX, id)
+}
+
+/// The progress-store key of converted hold `id`.
+pub(crate) fn held_key(id: u64) -> Vec<u8> {
+    prefixed(HELD_PREFIX, id)
+}
+
+fn prefixed(prefix: &[u8], id: u64) -> Vec<u8> {
+    let mut k = prefix.to_vec();
     k.extend_from_slice(&id.to_be_bytes());
     k
 }
 
-/// The id in a progress-store key, if it is a derived record's.
-pub(crate) fn id_of(key: &[u8]) -> Option<u64> {
-    let rest = key.strip_prefix(KEY_PREFIX)?;
+/// The id in a progress-store key below `prefix`.
+pub(crate) fn id_below(prefix: &[u8], key: &[u8]) -> Option<u64> {
+    let rest = key.strip_prefix(prefix)?;
     Some(u64::from_be_bytes(rest.try_into().ok()?))
 }
 
+/// The id in a progress-store key, if it is a derived record's.
+pub(crate) fn id_of(key: &[u8]) -> Option<u64> {
+    id_below(KEY_PREFIX, key)
+}
+
+/// A hold's side of the tracker.
+struct Hold {
+    /// Its content's encoder; `None` when its processor cannot resume it
+    /// (or once encoded).
+    encode: Option<Encoder>,
+    /// The processor that holds it.
+    processor: String,
+    /// Its token (the processor owns it).
+    token: Weak<RecordToken>,
+    /// Its content, once a commit converted it: it is a root of its own.
+    converted: Option<HeldRecord>,
+}
+
+enum Kind {
+    /// An aggregation's or a processor's result: stored by any commit while
+    /// in flight when it has content.
+    Derived(Option<Resumable>),
+    /// A processor's hold: stored once converted.
+    Held(Hold),
+}
+
 struct Entry {
-    content: Option<Resumable>,
-    /// The task's stream time when it was derived (its lateness is judged
-    /// by it).
+    kind: Kind,
+    /// The task's stream time when it (or its root) arrived: its lateness
+    /// is judged by it.
     stream_time: i64,
     /// Written to the progress store by a commit (so its removal must be
     /// too, once it finishes).
     persisted: bool,
 }
 
-/// What a commit writes for derived records.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub(crate) struct DerivedChanges {
-    /// Records in flight, not yet in the store: (id, what to store).
-    pub(crate) put: Vec<(u64, Resumable)>,
-    /// Records stored by an earlier commit that finished since.
-    pub(crate) delete: Vec<u64>,
+impl Entry {
+    /// Whether it counts in flight of its own (a hold not converted counts
+    /// through its root).
+    fn counts(&self) -> bool {
+        !matches!(&self.kind, Kind::Held(h) if h.converted.is_none())
+    }
 }
 
-/// The derived records of a task.
+/// What a commit writes for derived records and holds.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct DerivedChanges {
+    /// Derived records in flight, not yet in the store: (id, what to
+    /// store, the stream time it was derived at).
+    pub(crate) put: Vec<(u64, Resumable, i64)>,
+    /// Holds converted since the last commit.
+    pub(crate) put_held: Vec<(u64, HeldRecord)>,
+    /// Progress-store keys of records stored by an earlier commit that
+    /// finished since.
+    pub(crate) delete: Vec<Vec<u8>>,
+}
+
+/// What converting holds found (see [`DerivedTracker::convert_holds`]).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Conversion {
+    /// Holds converted into resume points.
+    pub(crate) converted: usize,
+    /// Records with effects left unfinished because a processor holds them
+    /// without content to resume from: a crash replays them whole.
+    pub(crate) unresumable: usize,
+}
+
+/// The derived records and holds of a task.
 #[derive(Default)]
 pub(crate) struct DerivedTracker {
     next_id: u64,
     live: BTreeMap<u64, Entry>,
-    /// Stored records that finished since the last commit.
-    finished_stored: Vec<u64>,
+    /// Keys of stored records that finished since the last commit.
+    finished_stored: Vec<Vec<u8>>,
 }
 
 impl DerivedTracker {
-    /// Registers a new derived record; returns its id.
-    pub(crate) fn derive(&mut self, content: Option<Resumable>, stream_time: i64) -> u64 {
+    fn insert(&mut self, kind: Kind, stream_time: i64, persisted: bool) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
         self.live.insert(
             id,
             Entry {
-                content,
+                kind,
                 stream_time,
-                persisted: false,
+                persisted,
             },
         );
         id
+    }
+
+    /// Registers a new derived record; returns its id.
+    pub(crate) fn derive(&mut self, content: Option<Resumable>, stream_time: i64) -> u64 {
+        self.insert(Kind::Derived(content), stream_time, false)
+    }
+
+    /// Numbers the records derived or held from now on above `id` (the
+    /// highest a restored one has).
+    pub(crate) fn ids_above(&mut self, id: u64) {
+        self.next_id = self.next_id.max(id + 1);
+    }
+
+    /// The id the next derived record or hold gets.
+    pub(crate) fn next_id(&self) -> u64 {
+        self.next_id
+    }
+
+    /// Registers a new hold by `processor` under `id` (from
+    /// [`DerivedTracker::next_id`]), its token `token`.
+    pub(crate) fn hold(
+        &mut self,
+        id: u64,
+        processor: &str,
+        encode: Option<Encoder>,
+        token: Weak<RecordToken>,
+        stream_time: i64,
+    ) {
+        debug_assert_eq!(id, self.next_id);
+        let hold = Hold {
+            encode,
+            processor: processor.to_string(),
+            token,
+            converted: None,
+        };
+        self.insert(Kind::Held(hold), stream_time, false);
     }
 
     /// Registers a record restored from the progress store, under its id.
@@ -101,30 +236,158 @@ impl DerivedTracker {
         self.live.insert(
             id,
             Entry {
-                content: Some(content),
+                kind: Kind::Derived(Some(content)),
                 stream_time,
                 persisted: true,
             },
         );
     }
 
-    /// The stream time the oldest derived record in flight was derived at.
-    pub(crate) fn oldest_stream_time(&self) -> Option<i64> {
-        self.live.values().map(|e| e.stream_time).min()
+    /// Registers a hold restored from the progress store, under its id.
+    pub(crate) fn restore_held(&mut self, id: u64, held: HeldRecord, token: Weak<RecordToken>) {
+        self.next_id = self.next_id.max(id + 1);
+        let stream_time = held.stream_time;
+        let hold = Hold {
+            encode: None,
+            processor: held.processor.clone(),
+            token,
+            converted: Some(held),
+        };
+        self.live.insert(
+            id,
+            Entry {
+                kind: Kind::Held(hold),
+                stream_time,
+                persisted: true,
+            },
+        );
     }
 
-    /// A derived record finished.
+    /// The stream time a record in flight was derived (or its root arrived) at.
+    pub(crate) fn stream_time_of(&self, id: u64) -> Option<i64> {
+        self.live.get(&id).map(|e| e.stream_time)
+    }
+
+    /// The stream time the oldest record in flight arrived at.
+    pub(crate) fn oldest_stream_time(&self) -> Option<i64> {
+        self.live
+            .values()
+            .filter(|e| e.counts())
+            .map(|e| e.stream_time)
+            .min()
+    }
+
+    /// A derived record or hold finished.
     pub(crate) fn finished(&mut self, id: u64) {
         if let Some(e) = self.live.remove(&id) {
             if e.persisted {
-                self.finished_stored.push(id);
+                self.finished_stored.push(match e.kind {
+                    Kind::Derived(_) => key(id),
+                    Kind::Held(_) => held_key(id),
+                });
             }
         }
     }
 
-    /// Derived records in flight.
+    /// Derived records and converted holds in flight.
     pub(crate) fn in_flight(&self) -> usize {
-        self.live.len()
+        self.live.values().filter(|e| e.counts()).count()
+    }
+
+    /// Whether the root of a hold needs a resume point at this commit: it
+    /// had an effect (a replay would make it again), or it is a derived
+    /// record nothing could forward again.
+    fn needs_resume_point(&self, root: &RecordToken) -> bool {
+        root.had_effects()
+            || matches!(&root.origin, Origin::Derived { id }
+                if matches!(self.live.get(id), Some(Entry { kind: Kind::Derived(None), .. })))
+    }
+
+    /// Converts the holds of every root that needs a resume point (see the
+    /// module's documentation) when all of the root's holders can resume it:
+    /// their content is encoded for the commit to store, and their links
+    /// cut (the root finishes once the caller drains the reports).
+    pub(crate) fn convert_holds(&mut self) -> Conversion {
+        // The holds of each root that needs it: (root's strong count, ids).
+        let mut roots: FxHashMap<*const RecordToken, (usize, Vec<u64>)> = FxHashMap::default();
+        for (id, e) in &self.live {
+            let Kind::Held(h) = &e.kind else { continue };
+            if h.converted.is_some() {
+                continue;
+            }
+            let Some(token) = h.token.upgrade() else {
+                continue;
+            };
+            let Origin::Held { root, .. } = &token.origin else {
+                continue;
+            };
+            let root = root.lock();
+            let Some(r) = root.as_ref() else { continue };
+            if !self.needs_resume_point(r) {
+                continue;
+            }
+            roots
+                .entry(Arc::as_ptr(r))
+                .or_insert_with(|| (Arc::strong_count(r), Vec::new()))
+                .1
+                .push(*id);
+        }
+        let mut result = Conversion::default();
+        let mut cut = Vec::new();
+        for (strong, ids) in roots.into_values() {
+            let resumable = ids.iter().all(|id| {
+                matches!(self.live.get(id), Some(Entry { kind: Kind::Held(h), .. }) if h.encode.is_some())
+            });
+            // Every reference to the root is a hold's link: nothing else
+            // (a hold without content, a call carrying it) keeps it.
+            if !resumable || strong != ids.len() {
+                result.unresumable += 1;
+                continue;
+            }
+            for id in ids {
+                let Some(Entry {
+                    kind: Kind::Held(h),
+                    stream_time,
+                    ..
+                }) = self.live.get_mut(&id)
+                else {
+                    continue;
+                };
+                let Some(token) = h.token.upgrade() else {
+                    continue;
+                };
+                let Origin::Held {
+                    root,
+                    position,
+                    raw,
+                    ..
+                } = &token.origin
+                else {
+                    continue;
+                };
+                let encode = h.encode.take().expect("checked above");
+                h.converted = Some(HeldRecord {
+                    processor: h.processor.clone(),
+                    content: encode(),
+                    stream_time: *stream_time,
+                    position: position.map(|p| (p.source, p.offset)),
+                    raw: raw.as_deref().cloned(),
+                });
+                cut.extend(root.lock().take());
+                result.converted += 1;
+            }
+        }
+        drop(cut);
+        result
+    }
+
+    /// Derived records without content still in flight (held by a
+    /// processor that cannot resume them: a crash loses them).
+    pub(crate) fn unresumable_derived(&self) -> usize {
+        self.live
+            .values()
+            .filter(|e| matches!(e.kind, Kind::Derived(None)))
+            .count()
     }
 
     /// What the next commit writes: records in flight that can be resumed and
@@ -139,10 +402,14 @@ impl DerivedTracker {
             if e.persisted {
                 continue;
             }
-            if let Some(c) = &e.content {
-                changes.put.push((*id, c.clone()));
-                e.persisted = true;
+            match &e.kind {
+                Kind::Derived(Some(c)) => changes.put.push((*id, c.clone(), e.stream_time)),
+                Kind::Held(Hold {
+                    converted: Some(c), ..
+                }) => changes.put_held.push((*id, c.clone())),
+                _ => continue,
             }
+            e.persisted = true;
         }
         changes
     }
@@ -178,7 +445,7 @@ mod tests {
         t.finished(a);
         // a finished before any commit: nothing to store or remove.
         let ch = t.take_changes();
-        assert_eq!(ch.put, vec![(b, r(2).unwrap())]);
+        assert_eq!(ch.put, vec![(b, r(2).unwrap(), 0)]);
         assert!(ch.delete.is_empty());
         assert_eq!(t.stored(), vec![b]);
         assert_eq!(t.in_flight(), 2, "b, and c that cannot be stored");
@@ -186,7 +453,7 @@ mod tests {
         assert_eq!(t.take_changes(), DerivedChanges::default());
         t.finished(b);
         t.finished(c);
-        assert_eq!(t.take_changes().delete, vec![b]);
+        assert_eq!(t.take_changes().delete, vec![key(b)]);
         assert_eq!(t.in_flight(), 0);
     }
 
@@ -197,7 +464,7 @@ mod tests {
         assert_eq!(t.derive(r(8), 0), 8);
         assert_eq!(t.take_changes().put.len(), 1, "7 is stored already");
         t.finished(7);
-        assert_eq!(t.take_changes().delete, vec![7]);
+        assert_eq!(t.take_changes().delete, vec![key(7)]);
     }
 
     #[test]

@@ -598,14 +598,17 @@ impl<K: Data, V: Data> KStream<K, V> {
             }
         }
         let supplier = Arc::new(supplier);
+        let name = name.to_string();
         self.child(move |kids: Slot<P::OutKey, P::OutValue>| {
             let supplier = supplier.clone();
+            let name = name.clone();
             Arc::new(move |inst: &mut Instantiator<'_>| {
                 let kids = Forward::instantiate(&kids, inst)?;
                 let state = Arc::new(Mutex::new(ProcState {
                     processor: supplier(),
                     kids,
                     node: 0,
+                    name: name.clone(),
                     _in: PhantomData,
                 }));
                 let node = inst.register(state.clone());

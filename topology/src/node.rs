@@ -50,7 +50,12 @@ pub(crate) trait Node<K, V>: Send {
 
 /// An async-capable operator's completion entry point.
 pub(crate) trait CompletionTarget: Send {
+    /// The processor's name (unique in the topology).
+    fn name(&self) -> &str;
     fn init(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError>;
+    /// Takes up a hold a commit converted before a restart (see
+    /// `crate::derived`), the hold's record current.
+    fn resume(&mut self, content: &[u8], ctx: &mut TaskCtx) -> Result<(), ProcessError>;
     fn complete(
         &mut self,
         output: Box<dyn std::any::Any + Send>,

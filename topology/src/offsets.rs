@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crossbeam_channel::Sender;
+use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use sluice_state::Position;
 
@@ -27,6 +28,22 @@ pub(crate) enum Origin {
     /// A record an operator derived (an aggregation's result, what a flush
     /// or a punctuation forwarded): its id among the task's derived records.
     Derived { id: u64 },
+    /// A record a processor holds resumably (see `crate::derived`): its id
+    /// among the task's derived records, the record it holds (its root,
+    /// kept in flight through this link until a commit converts the hold
+    /// into a resume point of its own), and the root's position and
+    /// original bytes, for dead letters.
+    Held {
+        id: u64,
+        root: Mutex<Option<Arc<RecordToken>>>,
+        position: Option<Position>,
+        raw: Option<Arc<crate::RawRecord>>,
+        /// Its end counts as an effect of its root: a hold a processor
+        /// keeps ([`InFlight`]) may have been forwarded without being
+        /// current (from a flush or a batch's completion). A call's hold is
+        /// current in `complete`, so its effects are seen as they happen.
+        end_is_effect: bool,
+    },
 }
 
 /// What the task learns when the last clone of a token is dropped.
@@ -58,6 +75,11 @@ pub struct RecordToken {
     pub(crate) stream_time: i64,
     done: Sender<Done>,
     silent: bool,
+    /// Set once the record had an effect (an output, a dead letter, a store
+    /// write), here or in a record held for it: from then on a replay of it
+    /// would make that effect again, so a commit that leaves it unfinished
+    /// converts its holds into resume points (see `crate::derived`).
+    effects: AtomicBool,
     /// Set when the task abandoned its in-flight work: such records must
     /// stay unfinished so their offsets are never committed.
     abandoned: Arc<AtomicBool>,
@@ -81,14 +103,42 @@ impl RecordToken {
             stream_time,
             done,
             silent: false,
+            effects: AtomicBool::new(false),
             abandoned,
         })
+    }
+
+    /// The record a replay of this one starts from: the record it holds
+    /// while linked, else itself.
+    pub(crate) fn root(self: &Arc<Self>) -> Arc<RecordToken> {
+        match &self.origin {
+            Origin::Held { root, .. } => root.lock().clone().unwrap_or_else(|| self.clone()),
+            _ => self.clone(),
+        }
+    }
+
+    /// Notes an effect of this record (on its root, which a replay would
+    /// run again).
+    pub(crate) fn mark_effect(&self) {
+        if let Origin::Held { root, .. } = &self.origin {
+            if let Some(r) = root.lock().as_ref() {
+                r.effects.store(true, Ordering::Relaxed);
+                return;
+            }
+        }
+        self.effects.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the record had an effect (see [`RecordToken::mark_effect`]).
+    pub(crate) fn had_effects(&self) -> bool {
+        self.effects.load(Ordering::Relaxed)
     }
 
     /// The input position, for an input record.
     pub(crate) fn position(&self) -> Option<Position> {
         match &self.origin {
             Origin::Input { position, .. } => Some(*position),
+            Origin::Held { position, .. } => *position,
             Origin::Derived { .. } => None,
         }
     }
@@ -96,7 +146,7 @@ impl RecordToken {
     /// The original record, for an input record whose source keeps it.
     pub(crate) fn raw(&self) -> Option<&Arc<crate::RawRecord>> {
         match &self.origin {
-            Origin::Input { raw, .. } => raw.as_ref(),
+            Origin::Input { raw, .. } | Origin::Held { raw, .. } => raw.as_ref(),
             Origin::Derived { .. } => None,
         }
     }
@@ -104,13 +154,27 @@ impl RecordToken {
     fn finished(&self) -> Finished {
         match &self.origin {
             Origin::Input { slot, position, .. } => Finished::Input(*slot, position.offset),
-            Origin::Derived { id, .. } => Finished::Derived(*id),
+            Origin::Derived { id } | Origin::Held { id, .. } => Finished::Derived(*id),
         }
     }
 }
 
 impl Drop for RecordToken {
     fn drop(&mut self) {
+        // A kept hold that ends counts as an effect of its root: what its
+        // processor did with the record may have left the task without the
+        // record being current (forwarded from a flush or a batch's
+        // completion), and a replay of the root would do it again.
+        if let Origin::Held {
+            root,
+            end_is_effect: true,
+            ..
+        } = &mut self.origin
+        {
+            if let Some(r) = root.get_mut().as_ref() {
+                r.effects.store(true, Ordering::Relaxed);
+            }
+        }
         if self.silent || self.abandoned.load(Ordering::Acquire) {
             return;
         }
@@ -123,6 +187,7 @@ impl Drop for RecordToken {
                 stream_time: self.stream_time,
                 done: self.done.clone(),
                 silent: false,
+                effects: AtomicBool::new(self.had_effects()),
                 abandoned: self.abandoned.clone(),
             };
             if let Err(crossbeam_channel::SendError(Done::Panicked(token))) =
@@ -156,7 +221,9 @@ impl std::fmt::Debug for InFlight {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match &self.0.origin {
             Origin::Input { position, .. } => write!(f, "InFlight({position:?})"),
-            Origin::Derived { id, .. } => write!(f, "InFlight(derived {id})"),
+            Origin::Derived { id } | Origin::Held { id, .. } => {
+                write!(f, "InFlight(derived {id})")
+            }
         }
     }
 }

@@ -10,6 +10,14 @@
 //! records go to their dead-letter topic (category `panic`). The runtime
 //! bounds in-flight records per partition by pausing the partition, and keeps
 //! polling meanwhile, so a slow call never costs a rebalance.
+//!
+//! A processor that spawns with [`ProcessorContext::spawn_resumable`] (or
+//! holds with [`ProcessorContext::hold_resumable`]) gives the engine what it
+//! needs to take the record up again; with it, what the record did before
+//! or beside the call commits exactly once in any topology shape: a commit
+//! taken once the record had an effect stores the content and finishes the
+//! record, and a restart hands the content to [`Processor::resume`] (see
+//! `crate::derived`).
 
 use std::future::Future;
 use std::marker::PhantomData;
@@ -23,7 +31,7 @@ use sluice_state::{Position, StoreId, TaskState};
 use crate::codec::{from_bincode, to_bincode, with_bincode};
 use crate::context::TaskCtx;
 use crate::node::{CompletionTarget, Data, Forward, Node, Punctuation};
-use crate::offsets::InFlight;
+use crate::offsets::{InFlight, RecordToken};
 use crate::record::{OutputRecord, Record};
 use crate::{ProcessError, TaskId};
 
@@ -61,6 +69,25 @@ pub trait Processor<K, V>: Send + 'static {
         Ok(())
     }
 
+    /// Takes up again, after a restart, a record this processor held with
+    /// [`ProcessorContext::spawn_resumable`] or
+    /// [`ProcessorContext::hold_resumable`] when a commit made the hold its
+    /// record's resume point: `content` is the content given then,
+    /// bincode-encoded ([`crate::from_bincode`] reads it). The record is
+    /// current (its position and original bytes, for dead letters); what the
+    /// record did before the hold is committed and is not done again, so
+    /// this starts the call (or holds the record) again, nothing else. A
+    /// processor that holds records resumably must implement it.
+    fn resume(
+        &mut self,
+        _content: &[u8],
+        _ctx: &mut ProcessorContext<'_, Self::OutKey, Self::OutValue, Self::Output>,
+    ) -> Result<(), ProcessError> {
+        Err(ProcessError::Fatal(
+            "a record this processor held resumably was stored by a commit, and the processor does not implement Processor::resume".into(),
+        ))
+    }
+
     /// Called on every punctuation tick with wall-clock and stream time.
     fn punctuate(
         &mut self,
@@ -88,6 +115,7 @@ pub struct ProcessorContext<'a, K, V, O> {
     ctx: &'a mut TaskCtx,
     kids: &'a mut Forward<K, V>,
     node: usize,
+    name: &'a str,
     _out: PhantomData<fn(O)>,
 }
 
@@ -106,8 +134,41 @@ impl<K: Data, V: Data, O: Send + 'static> ProcessorContext<'_, K, V, O> {
 
     /// Starts an async call for the current record; its output comes back to
     /// [`Processor::complete`] and the record stays in flight until then.
+    ///
+    /// A crash while the call runs replays the record from its source. When
+    /// the record had an effect by then (an output or a store write beside
+    /// or before this call), that replay would make it again: use
+    /// [`ProcessorContext::spawn_resumable`] in topologies where that can
+    /// happen.
     pub fn spawn(&mut self, fut: impl Future<Output = O> + Send + 'static) {
-        let tokens = self.ctx.current.iter().cloned().collect();
+        self.spawn_holding(None, fut);
+    }
+
+    /// [`ProcessorContext::spawn`] for a call that can be started again
+    /// from `content` after a restart: a commit taken while it runs, once
+    /// the record had an effect, stores `content` (bincode-encoded, only
+    /// then) instead of keeping the record unfinished, and a restart hands
+    /// it to [`Processor::resume`] — so everything the record did before
+    /// and beside this call commits exactly once, whatever the topology's
+    /// shape.
+    pub fn spawn_resumable<C: Serialize + Send + 'static>(
+        &mut self,
+        content: C,
+        fut: impl Future<Output = O> + Send + 'static,
+    ) {
+        self.spawn_holding(Some(encoder(content)), fut);
+    }
+
+    fn spawn_holding(
+        &mut self,
+        encode: Option<crate::derived::Encoder>,
+        fut: impl Future<Output = O> + Send + 'static,
+    ) {
+        let tokens = self
+            .ctx
+            .hold(self.name, encode, false)
+            .into_iter()
+            .collect();
         self.ctx.spawner.spawn(self.node, tokens, fut);
     }
 
@@ -118,9 +179,22 @@ impl<K: Data, V: Data, O: Send + 'static> ProcessorContext<'_, K, V, O> {
         self.ctx.spawner.spawn(self.node, Vec::new(), fut);
     }
 
-    /// Keeps the current record in flight until the returned handle is dropped.
-    pub fn hold(&self) -> Option<InFlight> {
-        self.ctx.current.clone().map(InFlight)
+    /// Keeps the current record in flight until the returned handle is
+    /// dropped (see [`ProcessorContext::spawn`] on a crash meanwhile).
+    pub fn hold(&mut self) -> Option<InFlight> {
+        self.ctx.hold(self.name, None, true).map(InFlight)
+    }
+
+    /// [`ProcessorContext::hold`] for a record the processor can take up
+    /// again from `content` after a restart (see
+    /// [`ProcessorContext::spawn_resumable`]).
+    pub fn hold_resumable<C: Serialize + Send + 'static>(
+        &mut self,
+        content: C,
+    ) -> Option<InFlight> {
+        self.ctx
+            .hold(self.name, Some(encoder(content)), true)
+            .map(InFlight)
     }
 
     /// Runs `f` with a held record as the current record (its position stamps
@@ -204,8 +278,12 @@ impl<K: Data, V: Data, O: Send + 'static> ProcessorContext<'_, K, V, O> {
         let id = self.ctx.store(name).ok_or_else(|| {
             ProcessError::Fatal(format!("store {name} is not attached to this processor"))
         })?;
+        let TaskCtx { state, current, .. } = &mut *self.ctx;
         Ok(KvStore {
-            state: self.ctx.state_mut(),
+            state: state
+                .as_mut()
+                .expect("operators with stores run in tasks that have state"),
+            record: current.as_deref(),
             id,
             _types: PhantomData,
         })
@@ -220,7 +298,10 @@ impl<K: Data, V: Data, O: Send + 'static> ProcessorContext<'_, K, V, O> {
         let id = self.ctx.store(name).ok_or_else(|| {
             ProcessError::Fatal(format!("store {name} is not attached to this processor"))
         })?;
-        let state = self.ctx.state_mut();
+        let TaskCtx { state, current, .. } = &mut *self.ctx;
+        let state = state
+            .as_mut()
+            .expect("operators with stores run in tasks that have state");
         if !state
             .specs()
             .nth(id.0)
@@ -232,10 +313,16 @@ impl<K: Data, V: Data, O: Send + 'static> ProcessorContext<'_, K, V, O> {
         }
         Ok(WindowStore {
             state,
+            record: current.as_deref(),
             id,
             _types: PhantomData,
         })
     }
+}
+
+/// Encodes `content` when a commit converts its hold.
+fn encoder<C: Serialize + Send + 'static>(content: C) -> crate::derived::Encoder {
+    Box::new(move || to_bincode(&content))
 }
 
 /// A typed view of a window store: values per (key, window start); keys and
@@ -244,6 +331,8 @@ impl<K: Data, V: Data, O: Send + 'static> ProcessorContext<'_, K, V, O> {
 /// or by [`WindowStore::expire_before`].
 pub struct WindowStore<'a, K, V> {
     state: &'a mut TaskState,
+    /// The current record: a write is its effect.
+    record: Option<&'a RecordToken>,
     id: StoreId,
     _types: PhantomData<fn(K, V)>,
 }
@@ -262,6 +351,7 @@ impl<K: Serialize + DeserializeOwned, V: Serialize + DeserializeOwned> WindowSto
 
     /// Writes one window of a key.
     pub fn put(&mut self, key: &K, window_start: i64, value: &V) {
+        self.record.inspect(|r| r.mark_effect());
         self.state
             .window_put(self.id, &to_bincode(key), window_start, &to_bincode(value));
     }
@@ -280,6 +370,7 @@ impl<K: Serialize + DeserializeOwned, V: Serialize + DeserializeOwned> WindowSto
         V: Default + Send + 'static,
     {
         let id = self.id;
+        self.record.inspect(|r| r.mark_effect());
         let value = with_bincode(key, |key| {
             self.state.window_update(id, key, window_start, |stored| {
                 let v = match stored {
@@ -348,6 +439,7 @@ impl<K: Serialize + DeserializeOwned, V: Serialize + DeserializeOwned> WindowSto
     /// Expires the windows that start before `before` (they leave reads at
     /// once, and RocksDB at the next commit).
     pub fn expire_before(&mut self, before: i64) -> Result<(), ProcessError> {
+        self.record.inspect(|r| r.mark_effect());
         Ok(self.state.expire_windows(self.id, before)?)
     }
 }
@@ -373,6 +465,8 @@ impl<V: Serialize + Send + 'static> sluice_state::CachedValue for Bincoded<V> {
 /// A typed view of a key-value store; keys and values are bincode-encoded.
 pub struct KvStore<'a, K, V> {
     state: &'a mut TaskState,
+    /// The current record: a write is its effect.
+    record: Option<&'a RecordToken>,
     id: StoreId,
     _types: PhantomData<fn(K, V)>,
 }
@@ -391,11 +485,13 @@ impl<K: Serialize + DeserializeOwned, V: Serialize + DeserializeOwned> KvStore<'
 
     /// Writes a value.
     pub fn put(&mut self, key: &K, value: &V) {
+        self.record.inspect(|r| r.mark_effect());
         self.state.put(self.id, to_bincode(key), &to_bincode(value));
     }
 
     /// Deletes a key.
     pub fn delete(&mut self, key: &K) {
+        self.record.inspect(|r| r.mark_effect());
         self.state.delete(self.id, to_bincode(key));
     }
 
@@ -446,6 +542,8 @@ where
     pub(crate) processor: P,
     pub(crate) kids: Forward<P::OutKey, P::OutValue>,
     pub(crate) node: usize,
+    /// The processor's name in the topology.
+    pub(crate) name: String,
     pub(crate) _in: PhantomData<fn(K, V)>,
 }
 
@@ -468,6 +566,7 @@ where
                 ctx,
                 kids: &mut self.kids,
                 node: self.node,
+                name: &self.name,
                 _out: PhantomData,
             },
         )
@@ -480,9 +579,18 @@ where
     K: Send + 'static,
     V: Send + 'static,
 {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
     fn init(&mut self, ctx: &mut TaskCtx) -> Result<(), ProcessError> {
         let (p, mut pc) = self.pctx(ctx);
         p.init(&mut pc)
+    }
+
+    fn resume(&mut self, content: &[u8], ctx: &mut TaskCtx) -> Result<(), ProcessError> {
+        let (p, mut pc) = self.pctx(ctx);
+        p.resume(content, &mut pc)
     }
 
     fn complete(

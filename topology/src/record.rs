@@ -69,7 +69,7 @@ pub fn message_headers(msg: &impl rdkafka::Message) -> Headers {
 }
 
 /// A record as read from Kafka, before decoding.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RawRecord {
     /// Source topic.
     pub topic: String,

@@ -11,7 +11,7 @@ use sluice_state::{ChangelogRecord, Position, StoreId, StoredValue, TaskState};
 
 use crate::codec::{from_bincode, to_bincode};
 use crate::context::{handle, CallPanicked, CompletionMsg, Spawner, TaskCtx, TaskId};
-use crate::derived::Resumable;
+use crate::derived::{HeldRecord, Resumable};
 use crate::guarantee::Guarantee;
 use crate::node::{CompletionTarget, Punctuation};
 use crate::offsets::{
@@ -147,6 +147,9 @@ pub(crate) struct TaskCore {
     /// The progress record last written (an unchanged one is not written
     /// again: a long call holding the offset back costs no transaction).
     last_progress: Option<TaskProgress>,
+    /// When records held by a processor that cannot resume them were last
+    /// logged.
+    unresumable_logged: Option<std::time::Instant>,
 }
 
 /// What one commit of a task covers, taken at one instant, in the order its
@@ -165,9 +168,19 @@ pub(crate) struct CommitParts {
     pub(crate) offsets: Vec<(usize, i64)>,
 }
 
+/// A record a task's last commit stored to take up again after a restart.
+enum Stored {
+    /// A derived record, forwarded again by the operator that derived it,
+    /// and the stream time it was derived at (unknown for those earlier
+    /// versions stored).
+    Derived(Resumable, Option<i64>),
+    /// A converted hold, handed back to its processor.
+    Held(HeldRecord),
+}
+
 /// What a task restarts from: its last commit's progress record, and the
-/// derived records it had in flight (by id).
-type Restored = (Option<TaskProgress>, Vec<(u64, Resumable)>);
+/// derived records and holds it had in flight (by id).
+type Restored = (Option<TaskProgress>, Vec<(u64, Stored)>);
 
 /// The key of a task's progress record in its progress store.
 const PROGRESS_KEY: &[u8] = b"progress";
@@ -249,6 +262,7 @@ impl TaskCore {
             panicked: Vec::new(),
             progress_store,
             last_progress: restored,
+            unresumable_logged: None,
         };
         let invalid = |e: ProcessError| {
             TopologyError::Invalid(format!("operator init failed in task {id}: {e}"))
@@ -281,18 +295,45 @@ impl TaskCore {
             let Some(d) = crate::derived::id_of(&key) else {
                 continue;
             };
-            let content: Resumable = from_bincode(&stored.value)
+            // With the stream time it was derived at; earlier versions
+            // stored the record alone.
+            let (content, stream_time) = from_bincode::<(Resumable, i64)>(&stored.value)
+                .map(|(c, t)| (c, Some(t)))
+                .or_else(|_| from_bincode::<Resumable>(&stored.value).map(|c| (c, None)))
                 .map_err(|e| corrupt(&format!("corrupt derived record {d}: {e}")))?;
-            derived.push((d, content));
+            derived.push((d, Stored::Derived(content, stream_time)));
         }
+        for (key, stored) in state.prefix_scan(store, crate::derived::HELD_PREFIX)? {
+            let Some(d) = crate::derived::id_below(crate::derived::HELD_PREFIX, &key) else {
+                continue;
+            };
+            let held: HeldRecord = from_bincode(&stored.value)
+                .map_err(|e| corrupt(&format!("corrupt held record {d}: {e}")))?;
+            derived.push((d, Stored::Held(held)));
+        }
+        // In the order they were made.
+        derived.sort_by_key(|(d, _)| *d);
         Ok((progress, derived))
     }
 
     /// Forwards again, in the order they were derived, the records the
     /// restored commit had in flight (see `crate::derived`).
-    fn resume_derived(&mut self, derived: Vec<(u64, Resumable)>) -> Result<(), ProcessError> {
-        for (d, content) in derived {
-            let stream_time = self.ctx.stream_time;
+    fn resume_derived(&mut self, derived: Vec<(u64, Stored)>) -> Result<(), ProcessError> {
+        // What the resumed records derive or hold gets ids above them all.
+        if let Some((last, _)) = derived.last() {
+            self.ctx.derived.ids_above(*last);
+        }
+        for (d, stored) in derived {
+            let (content, stream_time) = match stored {
+                Stored::Derived(content, stream_time) => (content, stream_time),
+                Stored::Held(held) => {
+                    self.resume_held(d, held)?;
+                    continue;
+                }
+            };
+            // Judged late or not by the stream time it was derived at, as
+            // without the crash.
+            let stream_time = stream_time.unwrap_or(self.ctx.stream_time);
             self.ctx.derived.restore(d, content.clone(), stream_time);
             let mut owned = false;
             for s in &mut self.sources {
@@ -309,6 +350,46 @@ impl TaskCore {
             }
         }
         Ok(())
+    }
+
+    /// Hands a hold the restored commit converted back to its processor,
+    /// as the current record (its root's position and original bytes, the
+    /// stream time its root arrived at).
+    fn resume_held(&mut self, id: u64, held: HeldRecord) -> Result<(), ProcessError> {
+        let Some(target) = self
+            .targets
+            .iter()
+            .find(|t| t.lock().name() == held.processor)
+            .cloned()
+        else {
+            return Err(ProcessError::Fatal(format!(
+                "a record held by processor {} was stored, and this topology has no processor of that name",
+                held.processor
+            )));
+        };
+        let token = RecordToken::new(
+            Origin::Held {
+                id,
+                root: Mutex::new(None),
+                position: held
+                    .position
+                    .map(|(source, offset)| Position { source, offset }),
+                raw: held.raw.clone().map(Arc::new),
+                end_is_effect: false,
+            },
+            held.stream_time,
+            self.ctx.done.clone(),
+            self.ctx.abandoned.clone(),
+        );
+        let content = held.content.clone();
+        self.ctx
+            .derived
+            .restore_held(id, held, Arc::downgrade(&token));
+        self.ctx.current = Some(token);
+        let result = target.lock().resume(&content, &mut self.ctx);
+        let result = self.handle(result);
+        self.ctx.current = None;
+        result
     }
 
     /// The slot of an input topic.
@@ -574,11 +655,53 @@ impl TaskCore {
         let (Some(store), Some(state)) = (self.progress_store, self.ctx.state.as_mut()) else {
             return;
         };
-        for (d, content) in changes.put {
-            state.put(store, crate::derived::key(d), &to_bincode(&content));
+        for (d, content, stream_time) in changes.put {
+            state.put(
+                store,
+                crate::derived::key(d),
+                &to_bincode(&(content, stream_time)),
+            );
         }
-        for d in changes.delete {
-            state.delete(store, crate::derived::key(d));
+        for (d, held) in changes.put_held {
+            state.put(store, crate::derived::held_key(d), &to_bincode(&held));
+        }
+        for key in changes.delete {
+            state.delete(store, key);
+        }
+    }
+
+    /// Converts the holds of records whose replay would repeat an effect
+    /// into resume points (see `crate::derived`), so that such records
+    /// finish in this commit; logs what cannot be converted (at most once
+    /// a minute per task).
+    fn convert_holds(&mut self) {
+        let conversion = self.ctx.derived.convert_holds();
+        if conversion.converted > 0 {
+            // The roots whose links were cut finish now.
+            self.drain_done();
+        }
+        let lost = self.ctx.derived.unresumable_derived();
+        let due = self
+            .unresumable_logged
+            .is_none_or(|at| at.elapsed() >= std::time::Duration::from_secs(60));
+        if (conversion.unresumable > 0 || lost > 0) && due {
+            self.unresumable_logged = Some(std::time::Instant::now());
+        } else {
+            return;
+        }
+        if conversion.unresumable > 0 {
+            tracing::error!(
+                task = %self.id,
+                records = conversion.unresumable,
+                "records with committed effects are held by a processor that cannot resume them (spawn or hold without content): a crash now would make those effects again"
+            );
+        }
+        if lost > 0 {
+            tracing::error!(
+                task = %self.id,
+                records = lost,
+                "records a processor derived (from a flush, a punctuation or a batch's completion) are held past a commit by a processor that cannot resume them: a crash now would lose them"
+            );
         }
     }
 
@@ -590,6 +713,7 @@ impl TaskCore {
     pub(crate) fn prepare_commit(&mut self, guarantee: Guarantee) -> CommitParts {
         self.drain_done();
         self.ctx.commit_requested = false;
+        self.convert_holds();
         self.write_derived();
         let atomic = guarantee == Guarantee::ExactlyOnce;
         if atomic {
@@ -730,7 +854,7 @@ impl TaskCtx {
             // A record an operator derived has no original bytes: its dead
             // letter names the task's input it came from (offset -1) and says
             // what it was.
-            (Origin::Derived { id, .. }, None) => {
+            (Origin::Derived { id } | Origin::Held { id, .. }, None) => {
                 let Some((topic, dead_letter_topic)) = self.derived_dead_letter.clone() else {
                     return Err(ProcessError::Fatal(
                         "no source of its task has a dead-letter topic".into(),
@@ -791,6 +915,7 @@ impl TaskCtx {
             headers,
         };
         cut_to_fit(&mut letter, self.max_record_bytes);
+        self.mark_effect();
         self.out.push(letter);
         Ok(())
     }
@@ -798,13 +923,13 @@ impl TaskCtx {
     /// What the current record is, for an error message.
     pub(crate) fn describe_current(&self) -> String {
         match self.current.as_ref().map(|t| &t.origin) {
-            Some(Origin::Input { raw: Some(raw), .. }) => {
+            Some(Origin::Input { raw: Some(raw), .. } | Origin::Held { raw: Some(raw), .. }) => {
                 format!("record {}/{}/{}", raw.topic, raw.partition, raw.offset)
             }
             Some(Origin::Input { position, .. }) => {
                 format!("record at offset {} of task {}", position.offset, self.task)
             }
-            Some(Origin::Derived { id, .. }) => {
+            Some(Origin::Derived { id } | Origin::Held { id, .. }) => {
                 format!("derived record {id} of task {}", self.task)
             }
             None => format!("a record of task {}", self.task),

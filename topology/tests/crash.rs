@@ -655,3 +655,142 @@ fn a_record_in_flight_at_a_crash_keeps_its_arrival_stream_time() {
     );
     assert_eq!(d.counters().late_dropped, 0, "no record was late");
 }
+
+/// [`Gated`] for string values, resumable: a commit may make its call the
+/// record's resume point (see `Processor::resume`).
+struct ResumableGate {
+    gates: Gates,
+}
+
+impl ResumableGate {
+    fn call(
+        &mut self,
+        r: Record<String, String>,
+        ctx: &mut ProcessorContext<'_, String, String, Record<String, String>>,
+    ) {
+        let (tx, rx) = oneshot::channel();
+        self.gates
+            .lock()
+            .insert(format!("{}/{}", r.key, r.value), tx);
+        let content = (r.key.clone(), r.value.clone(), r.timestamp);
+        ctx.spawn_resumable(content, async move {
+            let _ = rx.await;
+            r
+        });
+    }
+}
+
+impl Processor<String, String> for ResumableGate {
+    type OutKey = String;
+    type OutValue = String;
+    type Output = Record<String, String>;
+
+    fn process(
+        &mut self,
+        r: Record<String, String>,
+        ctx: &mut ProcessorContext<'_, String, String, Self::Output>,
+    ) -> Result<(), ProcessError> {
+        self.call(r, ctx);
+        Ok(())
+    }
+
+    fn resume(
+        &mut self,
+        content: &[u8],
+        ctx: &mut ProcessorContext<'_, String, String, Self::Output>,
+    ) -> Result<(), ProcessError> {
+        let (key, value, timestamp): (String, String, i64) =
+            sluice_topology::from_bincode(content).map_err(|e| ProcessError::Fatal(e.0))?;
+        self.call(Record::new(key, value, timestamp), ctx);
+        Ok(())
+    }
+
+    fn complete(
+        &mut self,
+        r: Record<String, String>,
+        ctx: &mut ProcessorContext<'_, String, String, Self::Output>,
+    ) -> Result<(), ProcessError> {
+        ctx.forward(r)
+    }
+}
+
+/// Opens every gate, handling the completions.
+fn open_all(d: &mut TopologyTestDriver, gates: &Gates) {
+    let open: Vec<_> = std::mem::take(&mut *gates.lock()).into_values().collect();
+    let n = open.len();
+    for gate in open {
+        gate.send(()).unwrap();
+    }
+    assert_eq!(d.handle_completions(n, WAIT).unwrap(), n);
+}
+
+/// Committed values of a topic, in order.
+fn values(d: &TopologyTestDriver, topic: &str) -> Vec<String> {
+    d.committed_output(topic)
+        .iter()
+        .map(|r| String::from_utf8(r.value.clone().unwrap()).unwrap())
+        .collect()
+}
+
+#[test]
+fn a_source_fanning_out_to_a_sink_and_an_async_step_commits_each_once_across_a_crash() {
+    for guarantee in [Guarantee::ExactlyOnce, Guarantee::AtLeastOnce] {
+        let gates: Gates = Arc::default();
+        let g = gates.clone();
+        let b = StreamBuilder::new();
+        let s = b.stream(&["in"], StringCodec, StringCodec);
+        s.to("copy", StringCodec, StringCodec);
+        s.process("call", &[], move || ResumableGate { gates: g.clone() })
+            .to("out", StringCodec, StringCodec);
+        let mut d = TopologyTestDriver::with_guarantee(b.build().unwrap(), guarantee).unwrap();
+        for i in 0..3 {
+            let v = format!("v{i}");
+            d.pipe("in", &"k".to_string(), &v, &StringCodec, &StringCodec, i)
+                .unwrap();
+        }
+        // The copies commit while the calls run; the crash kills the calls.
+        d.commit().unwrap();
+        gates.lock().clear();
+        d.crash().unwrap();
+        open_all(&mut d, &gates);
+        d.commit().unwrap();
+        let want = vec!["v0", "v1", "v2"];
+        assert_eq!(values(&d, "copy"), want, "{guarantee:?}: each copy once");
+        let mut out = values(&d, "out");
+        out.sort();
+        assert_eq!(out, want, "{guarantee:?}: each call's output once");
+    }
+}
+
+#[test]
+fn an_aggregation_fanning_out_to_a_sink_and_an_async_step_counts_each_update_once() {
+    let gates: Gates = Arc::default();
+    let g = gates.clone();
+    let b = StreamBuilder::new();
+    let counts = b
+        .stream(&["in"], StringCodec, StringCodec)
+        .group_by_key()
+        .emit_on_update()
+        .count("counts")
+        .to_stream()
+        .map_values(|_, n: u64| n.to_string());
+    counts.to("sync", StringCodec, StringCodec);
+    counts
+        .process("call", &[], move || ResumableGate { gates: g.clone() })
+        .to("out", StringCodec, StringCodec);
+    let mut d = TopologyTestDriver::new(b.build().unwrap()).unwrap();
+    for i in 0..3 {
+        let v = format!("v{i}");
+        d.pipe("in", &"k".to_string(), &v, &StringCodec, &StringCodec, i)
+            .unwrap();
+    }
+    d.commit().unwrap();
+    gates.lock().clear();
+    d.crash().unwrap();
+    open_all(&mut d, &gates);
+    d.commit().unwrap();
+    assert_eq!(values(&d, "sync"), vec!["1", "2", "3"], "each update once");
+    let mut out = values(&d, "out");
+    out.sort();
+    assert_eq!(out, vec!["1", "2", "3"], "each update called once");
+}
