@@ -363,16 +363,30 @@ impl TaskCtx {
         }
     }
 
-    /// A hold of the current record by `processor` (see `crate::derived`):
-    /// a token linked to the current record's root, which stays in flight
-    /// while the hold lasts (or until a commit converts the hold, when
-    /// `encode` says how to take it up again). `kept`: the processor keeps
+    /// The current record, for a plain `spawn` or `hold` to carry (no hold
+    /// token of its own: the record is replayed whole after a crash, see
+    /// `crate::derived`). A resumable hold carried on this way can no
+    /// longer be converted: its record is taken up by a processor that
+    /// cannot resume it.
+    pub(crate) fn carry_current(&mut self) -> Option<Arc<RecordToken>> {
+        let current = self.current.clone()?;
+        if let Origin::Held { id, .. } = &current.origin {
+            self.derived.carried_on(*id);
+        }
+        Some(current)
+    }
+
+    /// A resumable hold of the current record by `processor` (see
+    /// `crate::derived`): a token linked to the current record's root,
+    /// which stays in flight while the hold lasts, or until a commit
+    /// converts the hold (`encode` says how to take it up again). `kept`:
+    /// the processor keeps
     /// it (an [`crate::InFlight`]) rather than a call carrying it. `None`
     /// without a current record.
     pub(crate) fn hold(
         &mut self,
         processor: &str,
-        encode: Option<Encoder>,
+        encode: Encoder,
         kept: bool,
     ) -> Option<Arc<RecordToken>> {
         let current = self.current.as_ref()?;
@@ -390,8 +404,13 @@ impl TaskCtx {
             self.done.clone(),
             self.abandoned.clone(),
         );
-        self.derived
-            .hold(id, processor, encode, Arc::downgrade(&token), stream_time);
+        self.derived.hold(
+            id,
+            processor,
+            Some(encode),
+            Arc::downgrade(&token),
+            stream_time,
+        );
         Some(token)
     }
 

@@ -19,22 +19,24 @@
 //! too, so they can be held, dead-lettered and counted in flight; the engine
 //! cannot encode them.
 //!
-//! **Holds.** Every time a processor keeps a record past the call that handed
-//! it over (an async call, a micro-batch), the hold gets a token of its own
-//! linked to the record it holds, its *root* (an input record, a derived
-//! record, or an earlier hold that became a root): the link keeps the root in
-//! flight. A replay of the root after a crash runs everything it did again,
-//! which is right as long as none of it has left the task yet. Once the root
-//! had an effect (an output, a dead letter, a store write: beside the hold,
-//! before it, or in an earlier stage's completion) a commit that would leave
-//! it unfinished *converts* its holds instead: each hold's content — what
-//! its processor said it needs to take the record up again
-//! (`ProcessorContext::spawn_resumable`, `hold_resumable`) — is written
-//! to the progress store in that commit, the link is cut, and the root
-//! finishes in the same commit. A restart hands each stored hold back to its
-//! processor (`Processor::resume`) and replays nothing else of the root. A
-//! root whose holds are not all resumable is left as before (replayed whole)
-//! and logged, as is a derived record without content held past a commit.
+//! **Holds.** When a processor keeps a record past the call that handed it
+//! over resumably (`ProcessorContext::spawn_resumable`, `hold_resumable`),
+//! the hold gets a token of its own linked to the record it holds, its
+//! *root* (an input record, a derived record, or an earlier hold that
+//! became a root): the link keeps the root in flight. A replay of the root
+//! after a crash runs everything it did again, which is right as long as
+//! none of it has left the task yet. Once the root had an effect (an
+//! output, a dead letter, a store write: beside the hold, before it, or in
+//! an earlier stage's completion) a commit that would leave it unfinished
+//! *converts* its holds instead: each hold's content (what its processor
+//! said it needs to take the record up again) is written to the progress
+//! store in that commit, the link is cut, and the root finishes in the same
+//! commit. A restart hands each stored hold back to its processor
+//! (`Processor::resume`) and replays nothing else of the root. A plain
+//! `spawn` or `hold` carries the root itself (no token: the linear shapes
+//! pay nothing), so a root it holds is replayed whole; a root with
+//! resumable holds and a plain one is left so and logged, as is a derived
+//! record without content held past a commit.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Weak};
@@ -139,14 +141,6 @@ struct Entry {
     persisted: bool,
 }
 
-impl Entry {
-    /// Whether it counts in flight of its own (a hold not converted counts
-    /// through its root).
-    fn counts(&self) -> bool {
-        !matches!(&self.kind, Kind::Held(h) if h.converted.is_none())
-    }
-}
-
 /// What a commit writes for derived records and holds.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub(crate) struct DerivedChanges {
@@ -174,7 +168,13 @@ pub(crate) struct Conversion {
 #[derive(Default)]
 pub(crate) struct DerivedTracker {
     next_id: u64,
+    /// Derived records and converted holds in flight: they count in flight
+    /// of their own.
     live: BTreeMap<u64, Entry>,
+    /// Holds not converted (they count through their roots), by id: kept
+    /// apart so that counting and the oldest stream time, asked at every
+    /// record, do not walk them.
+    holds: FxHashMap<u64, Entry>,
     /// Keys of stored records that finished since the last commit.
     finished_stored: Vec<Vec<u8>>,
 }
@@ -221,13 +221,21 @@ impl DerivedTracker {
         stream_time: i64,
     ) {
         debug_assert_eq!(id, self.next_id);
+        self.next_id += 1;
         let hold = Hold {
             encode,
             processor: processor.to_string(),
             token,
             converted: None,
         };
-        self.insert(Kind::Held(hold), stream_time, false);
+        self.holds.insert(
+            id,
+            Entry {
+                kind: Kind::Held(hold),
+                stream_time,
+                persisted: false,
+            },
+        );
     }
 
     /// Registers a record restored from the progress store, under its id.
@@ -241,6 +249,18 @@ impl DerivedTracker {
                 persisted: true,
             },
         );
+    }
+
+    /// A hold was carried on by a plain `spawn` or `hold`: it can no longer
+    /// be converted (the processor that carries it cannot resume it).
+    pub(crate) fn carried_on(&mut self, id: u64) {
+        if let Some(Entry {
+            kind: Kind::Held(h),
+            ..
+        }) = self.holds.get_mut(&id)
+        {
+            h.encode = None;
+        }
     }
 
     /// Registers a hold restored from the progress store, under its id.
@@ -263,22 +283,21 @@ impl DerivedTracker {
         );
     }
 
-    /// The stream time a record in flight was derived (or its root arrived) at.
+    /// The stream time a derived record in flight was derived at.
     pub(crate) fn stream_time_of(&self, id: u64) -> Option<i64> {
         self.live.get(&id).map(|e| e.stream_time)
     }
 
     /// The stream time the oldest record in flight arrived at.
     pub(crate) fn oldest_stream_time(&self) -> Option<i64> {
-        self.live
-            .values()
-            .filter(|e| e.counts())
-            .map(|e| e.stream_time)
-            .min()
+        self.live.values().map(|e| e.stream_time).min()
     }
 
     /// A derived record or hold finished.
     pub(crate) fn finished(&mut self, id: u64) {
+        if self.holds.remove(&id).is_some() {
+            return;
+        }
         if let Some(e) = self.live.remove(&id) {
             if e.persisted {
                 self.finished_stored.push(match e.kind {
@@ -291,7 +310,7 @@ impl DerivedTracker {
 
     /// Derived records and converted holds in flight.
     pub(crate) fn in_flight(&self) -> usize {
-        self.live.values().filter(|e| e.counts()).count()
+        self.live.len()
     }
 
     /// Whether the root of a hold needs a resume point at this commit: it
@@ -310,11 +329,8 @@ impl DerivedTracker {
     pub(crate) fn convert_holds(&mut self) -> Conversion {
         // The holds of each root that needs it: (root's strong count, ids).
         let mut roots: FxHashMap<*const RecordToken, (usize, Vec<u64>)> = FxHashMap::default();
-        for (id, e) in &self.live {
+        for (id, e) in &self.holds {
             let Kind::Held(h) = &e.kind else { continue };
-            if h.converted.is_some() {
-                continue;
-            }
             let Some(token) = h.token.upgrade() else {
                 continue;
             };
@@ -336,7 +352,7 @@ impl DerivedTracker {
         let mut cut = Vec::new();
         for (strong, ids) in roots.into_values() {
             let resumable = ids.iter().all(|id| {
-                matches!(self.live.get(id), Some(Entry { kind: Kind::Held(h), .. }) if h.encode.is_some())
+                matches!(self.holds.get(id), Some(Entry { kind: Kind::Held(h), .. }) if h.encode.is_some())
             });
             // Every reference to the root is a hold's link: nothing else
             // (a hold without content, a call carrying it) keeps it.
@@ -345,11 +361,14 @@ impl DerivedTracker {
                 continue;
             }
             for id in ids {
-                let Some(Entry {
+                let Some(mut entry) = self.holds.remove(&id) else {
+                    continue;
+                };
+                let Entry {
                     kind: Kind::Held(h),
                     stream_time,
                     ..
-                }) = self.live.get_mut(&id)
+                } = &mut entry
                 else {
                     continue;
                 };
@@ -374,6 +393,8 @@ impl DerivedTracker {
                     raw: raw.as_deref().cloned(),
                 });
                 cut.extend(root.lock().take());
+                drop(token);
+                self.live.insert(id, entry);
                 result.converted += 1;
             }
         }

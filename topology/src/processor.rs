@@ -141,7 +141,8 @@ impl<K: Data, V: Data, O: Send + 'static> ProcessorContext<'_, K, V, O> {
     /// [`ProcessorContext::spawn_resumable`] in topologies where that can
     /// happen.
     pub fn spawn(&mut self, fut: impl Future<Output = O> + Send + 'static) {
-        self.spawn_holding(None, fut);
+        let tokens = self.ctx.carry_current().into_iter().collect();
+        self.ctx.spawner.spawn(self.node, tokens, fut);
     }
 
     /// [`ProcessorContext::spawn`] for a call that can be started again
@@ -156,17 +157,9 @@ impl<K: Data, V: Data, O: Send + 'static> ProcessorContext<'_, K, V, O> {
         content: C,
         fut: impl Future<Output = O> + Send + 'static,
     ) {
-        self.spawn_holding(Some(encoder(content)), fut);
-    }
-
-    fn spawn_holding(
-        &mut self,
-        encode: Option<crate::derived::Encoder>,
-        fut: impl Future<Output = O> + Send + 'static,
-    ) {
         let tokens = self
             .ctx
-            .hold(self.name, encode, false)
+            .hold(self.name, encoder(content), false)
             .into_iter()
             .collect();
         self.ctx.spawner.spawn(self.node, tokens, fut);
@@ -182,7 +175,7 @@ impl<K: Data, V: Data, O: Send + 'static> ProcessorContext<'_, K, V, O> {
     /// Keeps the current record in flight until the returned handle is
     /// dropped (see [`ProcessorContext::spawn`] on a crash meanwhile).
     pub fn hold(&mut self) -> Option<InFlight> {
-        self.ctx.hold(self.name, None, true).map(InFlight)
+        self.ctx.carry_current().map(InFlight)
     }
 
     /// [`ProcessorContext::hold`] for a record the processor can take up
@@ -193,7 +186,7 @@ impl<K: Data, V: Data, O: Send + 'static> ProcessorContext<'_, K, V, O> {
         content: C,
     ) -> Option<InFlight> {
         self.ctx
-            .hold(self.name, Some(encoder(content)), true)
+            .hold(self.name, encoder(content), true)
             .map(InFlight)
     }
 
