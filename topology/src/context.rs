@@ -380,9 +380,8 @@ impl TaskCtx {
     /// `crate::derived`): a token linked to the current record's root,
     /// which stays in flight while the hold lasts, or until a commit
     /// converts the hold (`encode` says how to take it up again). `kept`:
-    /// the processor keeps
-    /// it (an [`crate::InFlight`]) rather than a call carrying it. `None`
-    /// without a current record.
+    /// the processor keeps it (an [`crate::InFlight`]) rather than a call
+    /// carrying it. `None` without a current record.
     pub(crate) fn hold(
         &mut self,
         processor: &str,
@@ -404,13 +403,8 @@ impl TaskCtx {
             self.done.clone(),
             self.abandoned.clone(),
         );
-        self.derived.hold(
-            id,
-            processor,
-            Some(encode),
-            Arc::downgrade(&token),
-            stream_time,
-        );
+        self.derived
+            .hold(id, processor, encode, Arc::downgrade(&token), stream_time);
         Some(token)
     }
 

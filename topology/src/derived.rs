@@ -112,8 +112,8 @@ pub(crate) fn id_of(key: &[u8]) -> Option<u64> {
 
 /// A hold's side of the tracker.
 struct Hold {
-    /// Its content's encoder; `None` when its processor cannot resume it
-    /// (or once encoded).
+    /// Its content's encoder; `None` once a plain `spawn` or `hold`
+    /// carried it on (see [`DerivedTracker::carried_on`]), or once encoded.
     encode: Option<Encoder>,
     /// The processor that holds it.
     processor: String,
@@ -180,23 +180,19 @@ pub(crate) struct DerivedTracker {
 }
 
 impl DerivedTracker {
-    fn insert(&mut self, kind: Kind, stream_time: i64, persisted: bool) -> u64 {
+    /// Registers a new derived record; returns its id.
+    pub(crate) fn derive(&mut self, content: Option<Resumable>, stream_time: i64) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
         self.live.insert(
             id,
             Entry {
-                kind,
+                kind: Kind::Derived(content),
                 stream_time,
-                persisted,
+                persisted: false,
             },
         );
         id
-    }
-
-    /// Registers a new derived record; returns its id.
-    pub(crate) fn derive(&mut self, content: Option<Resumable>, stream_time: i64) -> u64 {
-        self.insert(Kind::Derived(content), stream_time, false)
     }
 
     /// Numbers the records derived or held from now on above `id` (the
@@ -216,14 +212,14 @@ impl DerivedTracker {
         &mut self,
         id: u64,
         processor: &str,
-        encode: Option<Encoder>,
+        encode: Encoder,
         token: Weak<RecordToken>,
         stream_time: i64,
     ) {
         debug_assert_eq!(id, self.next_id);
         self.next_id += 1;
         let hold = Hold {
-            encode,
+            encode: Some(encode),
             processor: processor.to_string(),
             token,
             converted: None,
@@ -240,15 +236,19 @@ impl DerivedTracker {
 
     /// Registers a record restored from the progress store, under its id.
     pub(crate) fn restore(&mut self, id: u64, content: Resumable, stream_time: i64) {
-        self.next_id = self.next_id.max(id + 1);
-        self.live.insert(
-            id,
-            Entry {
-                kind: Kind::Derived(Some(content)),
-                stream_time,
-                persisted: true,
-            },
-        );
+        self.restore_entry(id, Kind::Derived(Some(content)), stream_time);
+    }
+
+    /// Registers what the progress store held under `id` as in flight and
+    /// stored.
+    fn restore_entry(&mut self, id: u64, kind: Kind, stream_time: i64) {
+        self.ids_above(id);
+        let entry = Entry {
+            kind,
+            stream_time,
+            persisted: true,
+        };
+        self.live.insert(id, entry);
     }
 
     /// A hold was carried on by a plain `spawn` or `hold`: it can no longer
@@ -265,7 +265,6 @@ impl DerivedTracker {
 
     /// Registers a hold restored from the progress store, under its id.
     pub(crate) fn restore_held(&mut self, id: u64, held: HeldRecord, token: Weak<RecordToken>) {
-        self.next_id = self.next_id.max(id + 1);
         let stream_time = held.stream_time;
         let hold = Hold {
             encode: None,
@@ -273,14 +272,7 @@ impl DerivedTracker {
             token,
             converted: Some(held),
         };
-        self.live.insert(
-            id,
-            Entry {
-                kind: Kind::Held(hold),
-                stream_time,
-                persisted: true,
-            },
-        );
+        self.restore_entry(id, Kind::Held(hold), stream_time);
     }
 
     /// The stream time a derived record in flight was derived at.

@@ -15,10 +15,12 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sluice_topology::runtime::Guarantee;
 use sluice_topology::{
-    CommitStep, Data, JsonCodec, OutputRecord, ProcessError, Processor, ProcessorContext, Record,
-    StreamBuilder, StringCodec, TimeWindows, TopologyTestDriver, Windowed,
+    CommitStep, Data, JsonCodec, KStream, OutputRecord, ProcessError, Processor, ProcessorContext,
+    Record, StreamBuilder, StringCodec, TimeWindows, TopologyTestDriver, Windowed,
 };
 use tokio::sync::oneshot;
+
+mod common;
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -451,6 +453,34 @@ fn at_least_once_crash_after_the_changelog_loses_nothing() {
     }
 }
 
+/// Counts `s` per key in one-minute windows, each window's count out to
+/// `out` once it closes (no grace).
+fn count_final_minutes(s: &KStream<String, String>) {
+    s.group_by_key()
+        .windowed_by(TimeWindows::tumbling(Duration::from_secs(60)))
+        .emit_final()
+        .count("counts")
+        .to_stream()
+        .to(
+            "out",
+            JsonCodec::<Windowed<String>>::default(),
+            JsonCodec::<u64>::default(),
+        );
+}
+
+/// Pipes value `v` with key `k` into `in` at `ts`.
+fn pipe(d: &mut TopologyTestDriver, v: &str, ts: i64) {
+    d.pipe(
+        "in",
+        &"k".to_string(),
+        &v.to_string(),
+        &StringCodec,
+        &StringCodec,
+        ts,
+    )
+    .unwrap();
+}
+
 /// Behind an async operator, whether a record is late for its window depends
 /// on the stream time when it arrived (input order), never on when its call
 /// ended: both completion orders give the same windows.
@@ -460,30 +490,15 @@ fn late_record_decisions_do_not_depend_on_completion_order() {
         let gates: Gates = Arc::default();
         let b = StreamBuilder::new();
         let g = gates.clone();
-        b.stream(&["in"], StringCodec, StringCodec)
-            .process("gated", &[], move || Gated { gates: g.clone() })
-            .group_by_key()
-            .windowed_by(TimeWindows::tumbling(Duration::from_secs(60)))
-            .emit_final()
-            .count("counts")
-            .to_stream()
-            .to(
-                "out",
-                JsonCodec::<Windowed<String>>::default(),
-                JsonCodec::<u64>::default(),
-            );
+        count_final_minutes(&b.stream(&["in"], StringCodec, StringCodec).process(
+            "gated",
+            &[],
+            move || Gated { gates: g.clone() },
+        ));
         let mut d = TopologyTestDriver::new(b.build().unwrap()).unwrap();
         // v0 at 10 s arrives first; v1 at 200 s closes its window (grace 0).
         for (v, ts) in [("v0", 10_000), ("v1", 200_000), ("v2", 400_000)] {
-            d.pipe(
-                "in",
-                &"k".to_string(),
-                &v.to_string(),
-                &StringCodec,
-                &StringCodec,
-                ts,
-            )
-            .unwrap();
+            pipe(&mut d, v, ts);
         }
         let order = if release_old_first {
             ["v0", "v1", "v2"]
@@ -496,15 +511,7 @@ fn late_record_decisions_do_not_depend_on_completion_order() {
             assert_eq!(d.handle_completions(1, WAIT).unwrap(), 1);
         }
         // A later record moves stream time on and closes what is done.
-        d.pipe(
-            "in",
-            &"k".to_string(),
-            &"v3".to_string(),
-            &StringCodec,
-            &StringCodec,
-            600_000,
-        )
-        .unwrap();
+        pipe(&mut d, "v3", 600_000);
         let gate = gates.lock().remove("k/v3").unwrap();
         gate.send(()).unwrap();
         assert_eq!(d.handle_completions(1, WAIT).unwrap(), 1);
@@ -537,29 +544,8 @@ fn late_record_decisions_do_not_depend_on_completion_order() {
 #[test]
 fn stream_time_is_restored_with_the_state() {
     let b = StreamBuilder::new();
-    b.stream(&["in"], StringCodec, StringCodec)
-        .group_by_key()
-        .windowed_by(TimeWindows::tumbling(Duration::from_secs(60)))
-        .emit_final()
-        .count("counts")
-        .to_stream()
-        .to(
-            "out",
-            JsonCodec::<Windowed<String>>::default(),
-            JsonCodec::<u64>::default(),
-        );
+    count_final_minutes(&b.stream(&["in"], StringCodec, StringCodec));
     let mut d = TopologyTestDriver::new(b.build().unwrap()).unwrap();
-    let pipe = |d: &mut TopologyTestDriver, v: &str, ts: i64| {
-        d.pipe(
-            "in",
-            &"k".to_string(),
-            &v.to_string(),
-            &StringCodec,
-            &StringCodec,
-            ts,
-        )
-        .unwrap()
-    };
     pipe(&mut d, "v0", 10_000);
     pipe(&mut d, "v1", 200_000); // closes [0, 60 s)
     d.commit().unwrap();
@@ -596,30 +582,12 @@ fn a_record_in_flight_at_a_crash_keeps_its_arrival_stream_time() {
     let gates: Gates = Arc::default();
     let g = gates.clone();
     let b = StreamBuilder::new();
-    b.stream(&["in"], StringCodec, StringCodec)
-        .process("gated", &[], move || Gated { gates: g.clone() })
-        .group_by_key()
-        .windowed_by(TimeWindows::tumbling(Duration::from_secs(60)))
-        .emit_final()
-        .count("counts")
-        .to_stream()
-        .to(
-            "out",
-            JsonCodec::<Windowed<String>>::default(),
-            JsonCodec::<u64>::default(),
-        );
+    count_final_minutes(&b.stream(&["in"], StringCodec, StringCodec).process(
+        "gated",
+        &[],
+        move || Gated { gates: g.clone() },
+    ));
     let mut d = TopologyTestDriver::new(b.build().unwrap()).unwrap();
-    let pipe = |d: &mut TopologyTestDriver, v: &str, ts: i64| {
-        d.pipe(
-            "in",
-            &"k".to_string(),
-            &v.to_string(),
-            &StringCodec,
-            &StringCodec,
-            ts,
-        )
-        .unwrap()
-    };
     let open = |d: &mut TopologyTestDriver, v: &str| {
         let gate = gates.lock().remove(&format!("k/{v}")).expect("gated");
         gate.send(()).unwrap();
@@ -672,7 +640,7 @@ impl ResumableGate {
         self.gates
             .lock()
             .insert(format!("{}/{}", r.key, r.value), tx);
-        let content = (r.key.clone(), r.value.clone(), r.timestamp);
+        let content = common::content_of(&r);
         ctx.spawn_resumable(content, async move {
             let _ = rx.await;
             r
@@ -699,9 +667,7 @@ impl Processor<String, String> for ResumableGate {
         content: &[u8],
         ctx: &mut ProcessorContext<'_, String, String, Self::Output>,
     ) -> Result<(), ProcessError> {
-        let (key, value, timestamp): (String, String, i64) =
-            sluice_topology::from_bincode(content).map_err(|e| ProcessError::Fatal(e.0))?;
-        self.call(Record::new(key, value, timestamp), ctx);
+        self.call(common::record_from(content)?, ctx);
         Ok(())
     }
 
@@ -744,9 +710,7 @@ fn a_source_fanning_out_to_a_sink_and_an_async_step_commits_each_once_across_a_c
             .to("out", StringCodec, StringCodec);
         let mut d = TopologyTestDriver::with_guarantee(b.build().unwrap(), guarantee).unwrap();
         for i in 0..3 {
-            let v = format!("v{i}");
-            d.pipe("in", &"k".to_string(), &v, &StringCodec, &StringCodec, i)
-                .unwrap();
+            pipe(&mut d, &format!("v{i}"), i);
         }
         // The copies commit while the calls run; the crash kills the calls.
         d.commit().unwrap();
@@ -780,9 +744,7 @@ fn an_aggregation_fanning_out_to_a_sink_and_an_async_step_counts_each_update_onc
         .to("out", StringCodec, StringCodec);
     let mut d = TopologyTestDriver::new(b.build().unwrap()).unwrap();
     for i in 0..3 {
-        let v = format!("v{i}");
-        d.pipe("in", &"k".to_string(), &v, &StringCodec, &StringCodec, i)
-            .unwrap();
+        pipe(&mut d, &format!("v{i}"), i);
     }
     d.commit().unwrap();
     gates.lock().clear();

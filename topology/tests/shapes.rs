@@ -22,11 +22,12 @@ use parking_lot::Mutex;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sluice_topology::{
-    from_bincode, Guarantee, InFlight, KStream, OutputRecord, ProcessError, Processor,
-    ProcessorContext, Record, StreamBuilder, StringCodec, TimeWindows, TopologyTestDriver,
-    Windowed,
+    Guarantee, InFlight, KStream, OutputRecord, ProcessError, Processor, ProcessorContext, Record,
+    StreamBuilder, StringCodec, TimeWindows, TopologyTestDriver, Windowed,
 };
 use tokio::sync::oneshot;
+
+mod common;
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -61,7 +62,7 @@ impl Gated {
         self.gates
             .lock()
             .insert(NEXT_GATE.fetch_add(1, Ordering::Relaxed), tx);
-        let content = (r.key.clone(), r.value.clone(), r.timestamp);
+        let content = common::content_of(&r);
         ctx.spawn_resumable(content, async move {
             let _ = rx.await;
             r
@@ -101,9 +102,7 @@ impl Processor<String, String> for Gated {
         content: &[u8],
         ctx: &mut ProcessorContext<'_, String, String, Self::Output>,
     ) -> Result<(), ProcessError> {
-        let (key, value, timestamp): (String, String, i64) =
-            from_bincode(content).map_err(|e| ProcessError::Fatal(e.to_string()))?;
-        self.call(Record::new(key, value, timestamp), ctx);
+        self.call(common::record_from(content)?, ctx);
         Ok(())
     }
 
@@ -141,7 +140,7 @@ impl Batcher {
         r: Record<String, String>,
         ctx: &mut ProcessorContext<'_, String, String, ()>,
     ) {
-        let content = (r.key.clone(), r.value.clone(), r.timestamp);
+        let content = common::content_of(&r);
         if let Some(held) = ctx.hold_resumable(content) {
             self.held.push((held, r));
         }
@@ -167,9 +166,7 @@ impl Processor<String, String> for Batcher {
         content: &[u8],
         ctx: &mut ProcessorContext<'_, String, String, ()>,
     ) -> Result<(), ProcessError> {
-        let (key, value, timestamp): (String, String, i64) =
-            from_bincode(content).map_err(|e| ProcessError::Fatal(e.to_string()))?;
-        self.keep(Record::new(key, value, timestamp), ctx);
+        self.keep(common::record_from(content)?, ctx);
         Ok(())
     }
 
